@@ -1,0 +1,14 @@
+"""The project's own error types. Everything the runtime refuses is a :class:`SpecRTError`."""
+from __future__ import annotations
+
+
+class SpecRTError(ValueError):
+    """Base class: bad input or a bad engine folder, with a message saying what is allowed."""
+
+
+class EngineError(SpecRTError):
+    """The engine folder is missing, half-written, of an unknown version, or inconsistent."""
+
+
+class InputError(SpecRTError):
+    """A generation parameter or prompt is outside what the engines allow."""

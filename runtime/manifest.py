@@ -1,0 +1,182 @@
+"""``manifest.json``: the versioned contract between ``specrt export`` and the runtime.
+
+An engine folder holds ``manifest.json``, ``draft.onnx``, ``target.onnx`` and
+``tokenizer.json``. The manifest records, per model, the dims the runtime needs to
+allocate KV buffers, the I/O names, the parity figures measured at export, and the
+SHA-256 of every file; plus the shared tokenizer hash, vocab size, special tokens,
+maximum context, the allowed k range and the default decoding settings.
+
+The runtime refuses a manifest whose ``format_version`` it does not know, and a pair
+whose vocab sizes or tokenizer hashes differ, with a message saying what to re-run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import EngineError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+KV_LAYOUT = "BLHD"  # [batch=1, position, kv_head, head_dim], sequence-major
+REEXPORT_HINT = "re-run `specrt export --draft DRAFT_DIR --target TARGET_DIR --out {folder}` (or `make export`)"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes (read in 1 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One exported model of the pair.
+
+    Attributes:
+        file: ONNX file name inside the engine folder.
+        sha256: hex digest of that file.
+        family: architecture family (``llama`` ...).
+        n_layers: decoder layers (= number of past_key_i/past_value_i pairs).
+        n_heads: query heads.
+        n_kv_heads: key/value heads of one KV row.
+        head_dim: per-head width; one KV row holds n_kv_heads * head_dim float32.
+        hidden: model width.
+        vocab_size: logits width (may exceed the tokenizer's real vocab by padding rows).
+        params: parameter count.
+        parity: max |exported - PyTorch| figures measured at export, by check name.
+        inputs: ONNX input names in order.
+        outputs: ONNX output names in order.
+        source: the checkpoint folder it came from.
+    """
+
+    file: str
+    sha256: str
+    family: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab_size: int
+    params: int
+    parity: dict[str, float] = field(default_factory=dict)
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    source: str = ""
+
+    @staticmethod
+    def io_names(n_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The ONNX input and output names for ``n_layers`` layers (one declaration)."""
+        ins = ["input_ids", "position_ids"]
+        outs = ["logits"]
+        for i in range(n_layers):
+            ins += [f"past_key_{i}", f"past_value_{i}"]
+            outs += [f"new_key_{i}", f"new_value_{i}"]
+        return tuple(ins), tuple(outs)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed ``manifest.json`` of an engine folder (see module docstring)."""
+
+    format_version: int
+    name: str
+    draft: ModelEntry
+    target: ModelEntry
+    tokenizer_file: str
+    tokenizer_sha256: str
+    vocab_size: int  # real vocab of the tokenizer; ids >= this are padding rows, never proposed
+    eos_token_id: int
+    bos_token_id: int | None
+    add_bos: bool  # whether prompts get BOS prepended (the same for draft, target, baseline)
+    max_ctx: int  # positions 0..max_ctx-1 exist; KV buffers hold max_ctx rows
+    k_min: int
+    k_max: int  # largest number of draft candidates per verification pass
+    kv_layout: str = KV_LAYOUT
+    kv_dtype: str = "float32"
+    defaults: dict[str, Any] = field(default_factory=dict)  # decoding defaults, e.g. k_max, threshold
+    tools: dict[str, str] = field(default_factory=dict)  # tool versions used at export
+    extra: dict[str, Any] = field(default_factory=dict)  # backend files etc. (forward compatible)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=False)
+
+    def write(self, folder: Path) -> Path:
+        """Write ``folder/manifest.json`` atomically (temp file + rename); returns its path."""
+        folder = Path(folder)
+        tmp = folder / (MANIFEST + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(folder / MANIFEST)
+        return folder / MANIFEST
+
+
+def _entry(d: dict, role: str, folder: Path) -> ModelEntry:
+    try:
+        d = dict(d)
+        d["inputs"] = tuple(d.get("inputs", ()))
+        d["outputs"] = tuple(d.get("outputs", ()))
+        return ModelEntry(**d)
+    except TypeError as e:
+        raise EngineError(f"{folder / MANIFEST}: the {role} entry is malformed ({e}); {REEXPORT_HINT.format(folder=folder)}") from None
+
+
+def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
+    """Read and validate ``folder/manifest.json``.
+
+    Args:
+        folder: the engine folder.
+        verify_hashes: also recompute the SHA-256 of the ONNX and tokenizer files and
+            compare them with the manifest (catches truncated or altered files).
+
+    Returns:
+        The :class:`Manifest`.
+
+    Raises:
+        EngineError: folder or file missing, JSON unreadable, unknown ``format_version``,
+            draft/target vocab sizes that differ, or a file whose hash does not match.
+    """
+    folder = Path(folder)
+    hint = REEXPORT_HINT.format(folder=folder)
+    if not folder.is_dir():
+        raise EngineError(f"engine folder {folder} does not exist; {hint}")
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise EngineError(f"{path} is missing (the export did not finish or this is not an engine folder); {hint}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EngineError(f"{path} is not readable JSON ({e}); {hint}") from None
+    if not isinstance(raw, dict):
+        raise EngineError(f"{path} is not a JSON object; {hint}")
+    ver = raw.get("format_version")
+    if ver != FORMAT_VERSION:
+        raise EngineError(
+            f"{path}: format_version={ver!r}, this runtime understands only {FORMAT_VERSION}; {hint} with this version of specrt"
+        )
+    try:
+        raw["draft"] = _entry(raw["draft"], "draft", folder)
+        raw["target"] = _entry(raw["target"], "target", folder)
+        m = Manifest(**raw)
+    except (KeyError, TypeError) as e:
+        raise EngineError(f"{path} is malformed ({e}); {hint}") from None
+    if m.draft.vocab_size < m.vocab_size or m.target.vocab_size < m.vocab_size:
+        raise EngineError(
+            f"{path}: vocab sizes differ (draft {m.draft.vocab_size}, target {m.target.vocab_size}, tokenizer {m.vocab_size}); "
+            "the draft and the target must share one tokenizer; export a matching pair"
+        )
+    if m.kv_layout != KV_LAYOUT or m.kv_dtype != "float32":
+        raise EngineError(f"{path}: KV layout {m.kv_layout}/{m.kv_dtype} is not supported (need {KV_LAYOUT}/float32); {hint}")
+    files = {m.draft.file: m.draft.sha256, m.target.file: m.target.sha256, m.tokenizer_file: m.tokenizer_sha256}
+    for name, digest in files.items():
+        p = folder / name
+        if not p.is_file():
+            raise EngineError(f"{p} is missing; {hint}")
+        if verify_hashes and sha256_file(p) != digest:
+            raise EngineError(f"{p} does not match the SHA-256 recorded in the manifest (truncated or altered); {hint}")
+    return m

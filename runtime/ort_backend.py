@@ -1,0 +1,145 @@
+"""onnxruntime backend: one exported model, its KV buffers preallocated once and bound in place.
+
+For a call with q new tokens after L committed rows, the binding is::
+
+    past_key_i / past_value_i  -> buffer_i[0:L]      (read, no copy)
+    new_key_i  / new_value_i   -> buffer_i[L:L+q]    (written by onnxruntime in place)
+    position_ids               -> positions[L:L+q]   (a slice of a preallocated arange)
+    logits                     -> logits_buf[0:q]    (preallocated)
+
+so no KV data is copied on any step, and rolling back is only a smaller L on the next
+call: rows at and beyond L are never read. Binding a pointer costs a few microseconds;
+shapes change every step (L grows), so the binding is refreshed per call, nothing else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .errors import EngineError, InputError
+from .manifest import ModelEntry
+
+
+@dataclass(frozen=True)
+class ThreadConfig:
+    """onnxruntime thread settings for one session.
+
+    Attributes:
+        intra_op: intra-op threads (per session). Two sessions share the cores, so the
+            draft and target run one after the other, never at once.
+        spinning: let idle pool threads spin. Off by default: with two sessions on few
+            cores, spinning threads of the idle session steal the busy one's cores.
+    """
+
+    intra_op: int = 2
+    spinning: bool = False
+
+
+def available_providers() -> list[str]:
+    """onnxruntime execution providers present in this installation."""
+    import onnxruntime as ort
+
+    return list(ort.get_available_providers())
+
+
+class OrtModel:
+    """One exported model on onnxruntime with in-place KV (see module docstring).
+
+    Args:
+        path: the ONNX file.
+        entry: its manifest entry (dims and I/O names).
+        max_ctx: KV buffer rows; positions 0..max_ctx-1.
+        max_q: widest call (tokens per run); sizes the ``input_ids`` and logits buffers.
+        threads: :class:`ThreadConfig`.
+
+    Buffers (all allocated here, once): per layer key and value float32
+    ``[1, max_ctx, n_kv_heads, head_dim]``; ``logits`` float32 ``[1, max_q, vocab]``.
+
+    Raises:
+        EngineError: the ONNX file cannot be loaded or its I/O names differ from the manifest.
+    """
+
+    def __init__(self, path: Path, entry: ModelEntry, max_ctx: int, max_q: int, threads: ThreadConfig = ThreadConfig()):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads.intra_op
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if threads.spinning else "0")
+        so.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own exception types
+            raise EngineError(f"{path}: onnxruntime cannot load this model ({type(e).__name__}: {str(e)[:300]})") from None
+        got_in = tuple(i.name for i in self.session.get_inputs())
+        got_out = tuple(o.name for o in self.session.get_outputs())
+        if set(got_in) != set(entry.inputs) or set(got_out) != set(entry.outputs):
+            raise EngineError(f"{path}: I/O names {got_in} -> {got_out} differ from the manifest's {entry.inputs} -> {entry.outputs}")
+        self.entry = entry
+        self.max_ctx = max_ctx
+        self.max_q = max_q
+        self.vocab = entry.vocab_size
+        shape = (1, max_ctx, entry.n_kv_heads, entry.head_dim)
+        self.keys = [np.zeros(shape, np.float32) for _ in range(entry.n_layers)]
+        self.values = [np.zeros(shape, np.float32) for _ in range(entry.n_layers)]
+        self.row_bytes = entry.n_kv_heads * entry.head_dim * 4
+        self.ids = np.zeros((1, max_q), np.int64)
+        self.positions = np.arange(max_ctx, dtype=np.int64)[None, :]
+        self.logits = np.zeros((1, max_q, self.vocab), np.float32)
+        self._binding = self.session.io_binding()
+        # (input name, output name, buffer base pointer) per KV tensor, computed once
+        self._kv = []
+        for i in range(entry.n_layers):
+            self._kv.append((f"past_key_{i}", f"new_key_{i}", self.keys[i].ctypes.data))
+            self._kv.append((f"past_value_{i}", f"new_value_{i}", self.values[i].ctypes.data))
+        self._kv_dims = (entry.n_kv_heads, entry.head_dim)
+        self._ids_ptr = self.ids.ctypes.data
+        self._pos_ptr = self.positions.ctypes.data
+        self._logits_ptr = self.logits.ctypes.data
+
+    def run(self, tokens: Sequence[int] | np.ndarray, start: int) -> np.ndarray:
+        """Run ``q = len(tokens)`` new tokens at positions ``start .. start+q-1``.
+
+        Reads KV rows [0, start) and writes rows [start, start+q) of every layer in place.
+
+        Args:
+            tokens: q token ids (list or int array), 1 <= q <= max_q.
+            start: committed KV length L; 0 <= start and start + q <= max_ctx.
+
+        Returns:
+            float32 view ``[q, vocab]`` of the preallocated logits buffer (valid until the
+            next call; copy it to keep it).
+
+        Raises:
+            InputError: q or start outside the buffers.
+        """
+        q = len(tokens)
+        if q < 1 or q > self.max_q or start < 0 or start + q > self.max_ctx:
+            raise InputError(
+                f"model call with q={q} new tokens at past length {start}: allowed 1 <= q <= {self.max_q} "
+                f"and past + q <= max_ctx={self.max_ctx}"
+            )
+        self.ids[0, :q] = tokens
+        b = self._binding
+        h, d = self._kv_dims
+        b.bind_input("input_ids", "cpu", 0, np.int64, [1, q], self._ids_ptr)
+        b.bind_input("position_ids", "cpu", 0, np.int64, [1, q], self._pos_ptr + 8 * start)
+        past_shape = [1, start, h, d]
+        new_shape = [1, q, h, d]
+        off = start * self.row_bytes
+        for past_name, new_name, base in self._kv:
+            b.bind_input(past_name, "cpu", 0, np.float32, past_shape, base)
+            b.bind_output(new_name, "cpu", 0, np.float32, new_shape, base + off)
+        b.bind_output("logits", "cpu", 0, np.float32, [1, q, self.vocab], self._logits_ptr)
+        self.session.run_with_iobinding(b)
+        return self.logits[0, :q]
+
+    def output_pointers(self) -> dict[str, int]:
+        """Data pointers of the outputs of the last call (tests check they are the buffers')."""
+        names = [new for _, new, _ in self._kv] + ["logits"]  # the order run() binds them in
+        return {n: v.data_ptr() for n, v in zip(names, self._binding.get_outputs())}

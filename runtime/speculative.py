@@ -1,0 +1,136 @@
+"""The speculative-decoding algorithm as small pure functions (no model calls, no I/O).
+
+Names follow Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding" (ICML), Algorithm 1: ``q`` is the draft (approximation) model's distribution,
+``p`` the target's; ``gamma`` (here ``k``) the number of candidates per round. For greedy
+decoding the acceptance rule degenerates to "candidate == argmax p", which makes the
+output identical to the target's own greedy output (Leviathan et al. 2023, section 3.3).
+
+Sequence bookkeeping used by the generator (``S`` = prompt + committed tokens; the last
+token of ``S`` is *pending*: committed, but not yet in the target's KV cache)::
+
+    target KV holds S[:-1]          (length len(S) - 1)
+    draft  KV holds S[:draft_len]   (draft_len <= len(S) - 1 between rounds)
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .errors import SpecRTError
+
+
+class NumericsError(SpecRTError):
+    """A model produced NaN or infinite logits."""
+
+
+def top1(logits_row: np.ndarray, vocab: int, scratch: np.ndarray | None = None) -> tuple[int, float]:
+    """Greedy token and its softmax probability from one logits row.
+
+    Args:
+        logits_row: float32/float64 ``[V_padded]`` logits of one position.
+        vocab: real vocab size; ids >= vocab (padding rows) are never returned.
+        scratch: optional float32 ``[>= vocab]`` work buffer (avoids an allocation).
+
+    Returns:
+        ``(token_id, probability)`` where probability = softmax(logits[:vocab])[token_id],
+        computed in the logits' dtype (float32 at least), max-subtracted so it cannot overflow.
+
+    Raises:
+        NumericsError: NaN or inf in the row.
+    """
+    row = logits_row[:vocab]
+    idx = int(row.argmax())
+    m = row[idx]
+    if not np.isfinite(m):  # argmax returns the first NaN if there is one
+        _raise_nonfinite(row)
+    if scratch is None:
+        z = np.exp(row - m)
+    else:
+        z = scratch[:vocab]
+        np.subtract(row, m, out=z)
+        np.exp(z, out=z)
+    s = float(z.sum())
+    if not np.isfinite(s):
+        _raise_nonfinite(row)
+    return idx, 1.0 / s
+
+
+def argmax_token(logits_row: np.ndarray, vocab: int) -> int:
+    """Greedy token of one logits row (ids >= ``vocab`` excluded).
+
+    Raises:
+        NumericsError: NaN or inf where the maximum is.
+    """
+    row = logits_row[:vocab]
+    idx = int(row.argmax())
+    if not np.isfinite(row[idx]):
+        _raise_nonfinite(row)
+    return idx
+
+
+def _raise_nonfinite(row: np.ndarray) -> None:
+    n_nan = int(np.isnan(row).sum())
+    n_inf = int(np.isinf(row).sum())
+    raise NumericsError(f"model produced non-finite logits ({n_nan} NaN, {n_inf} inf of {row.size}); refusing to emit a token")
+
+
+def greedy_verify(candidates: Sequence[int], target_logits: np.ndarray, vocab: int) -> tuple[int, int]:
+    """Verify draft candidates against the target's logits, left to right, greedy.
+
+    Args:
+        candidates: the n draft tokens c_1..c_n.
+        target_logits: ``[n+1, V]`` target logits for the positions of
+            [pending, c_1, ..., c_n]; row i predicts the token after position i.
+        vocab: real vocab size.
+
+    Returns:
+        ``(n_accepted, next_token)``: the length m of the longest prefix with
+        c_{i+1} == argmax p_i, and the target's token at row m: the correction at the
+        first mismatch, or the bonus token when all n were accepted. Rows after the first
+        mismatch are never read (early stop).
+    """
+    for i, c in enumerate(candidates):
+        t = argmax_token(target_logits[i], vocab)
+        if t != c:
+            return i, t
+    n = len(candidates)
+    return n, argmax_token(target_logits[n], vocab)
+
+
+def draft_limit(k_max: int, remaining: int, seq_len: int, max_ctx: int) -> int:
+    """Most candidates a round may draft so that nothing overshoots.
+
+    A round commits at most n+1 tokens (n candidates + correction/bonus), so
+    ``n <= remaining - 1`` keeps the output within ``max_new_tokens``; and the sequence
+    after the round must fit the context, ``seq_len + n + 1 <= max_ctx``.
+
+    Args:
+        k_max: configured maximum candidates per round (>= 1).
+        remaining: tokens still allowed by ``max_new_tokens`` (>= 1).
+        seq_len: len(S), prompt + committed, pending token included.
+        max_ctx: context size of the engines.
+
+    Returns:
+        n_max >= 0 (0 means: run the target alone for this round).
+    """
+    return max(0, min(k_max, remaining - 1, max_ctx - seq_len - 1))
+
+
+def rollback_lengths(seq_len_before: int, draft_len: int, n_accepted: int) -> tuple[int, int]:
+    """KV lengths after a round (the only state that rolls back).
+
+    Args:
+        seq_len_before: len(S) at the start of the round (pending token included).
+        draft_len: draft KV rows after drafting (it fed S and c_1..c_{n-1}).
+        n_accepted: accepted candidates m.
+
+    Returns:
+        ``(target_len, draft_len)``: the target verified [pending, c_1..c_n] and keeps
+        the rows up to c_m, ``seq_len_before + m``; the draft keeps its rows that are
+        still on the committed path, ``min(draft_len, seq_len_before + m)``. Rows beyond
+        are stale and get overwritten later; they are never read.
+    """
+    target_len = seq_len_before + n_accepted
+    return target_len, min(draft_len, target_len)
