@@ -26,6 +26,26 @@ def tiny_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def noisy_pair(tmp_path_factory):
+    """(target_dir, engine_dir): draft = target with perturbed weights, so it agrees often but not always."""
+    pytest.importorskip("torch")
+    import torch
+    from specrt.export.pipeline import export_pair
+
+    root = tmp_path_factory.mktemp("noisy")
+    tok = make_tokenizer()
+    save_llama(root / "target", tok, seed=5, hidden=64, layers=2)
+    draft = save_llama(root / "draft", tok, seed=5, hidden=64, layers=2)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.35 * p.std())
+    draft.save_pretrained(root / "draft")
+    export_pair(root / "draft", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None)
+    return root / "target", root / "engine"
+
+
+@pytest.fixture(scope="session")
 def self_pair(tmp_path_factory):
     """Engine folder whose draft IS the target (every proposal must be accepted)."""
     pytest.importorskip("torch")

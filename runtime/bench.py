@@ -1,0 +1,188 @@
+"""``specrt bench``: target-only vs speculative decoding on the same prompts, interleaved.
+
+For every prompt, each configuration runs once per repeat, in an order rotated from
+prompt to prompt (A B C, B C A, ...), so machine noise lands on all of them alike.
+Reported per configuration: tokens/s (total new tokens / total wall time), speedup over
+target-only (the same ratio, and the median and quartiles of per-prompt ratios),
+acceptance rate, mean accepted length, time to first token, the share of distinct
+4-grams in the outputs (a looping target inflates acceptance), and how many outputs
+equal the target-only output token for token.
+"""
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .errors import InputError
+from .generator import Engine, GenerationConfig
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One row of the benchmark: a label and the decoding settings."""
+
+    label: str
+    config: GenerationConfig
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Read a JSONL prompt file: one object per line with a string ``prompt`` field.
+
+    Returns:
+        list of dicts (``task_id`` kept when present), at most ``limit``.
+
+    Raises:
+        InputError: unreadable file, or a line that is not such an object (named by number).
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise InputError(f"cannot read prompts file {path}: {e.strerror}") from None
+    out = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{no}: not valid JSON ({e.msg}); each line must be an object with a \"prompt\" string") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            raise InputError(f"{path}:{no}: each line must be a JSON object with a non-empty \"prompt\" string")
+        out.append(obj)
+        if limit and len(out) >= limit:
+            break
+    if not out:
+        raise InputError(f"{path}: no prompts")
+    return out
+
+
+def distinct_4gram_share(tokens: Sequence[int]) -> float:
+    """Distinct 4-grams / all 4-grams of a token sequence (1.0 = no repetition; nan if < 4 tokens)."""
+    grams = [tuple(tokens[i : i + 4]) for i in range(len(tokens) - 3)]
+    return len(set(grams)) / len(grams) if grams else math.nan
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process, MiB (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_bench(
+    engine: Engine,
+    prompts: list[dict],
+    configs: Sequence[BenchConfig],
+    repeats: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Run every config on every prompt, interleaved; the first config is the baseline.
+
+    Returns:
+        ``{"rows": [...], "per_prompt": {...}, "prompts": n, ...}`` (JSON-ready).
+    """
+    n = len(configs)
+    runs: dict[str, list[dict]] = {c.label: [] for c in configs}
+    total = len(prompts) * repeats * n
+    done = 0
+    ids_all = [engine.prompt_ids(p["prompt"]) for p in prompts]
+    # warm-up (first-call allocations in onnxruntime), not measured
+    for c in configs:
+        engine.generate(ids_all[0], GenerationConfig(max_new_tokens=4, k_max=c.config.k_max, threshold=c.config.threshold, speculative=c.config.speculative))
+    for r in range(repeats):
+        for i, ids in enumerate(ids_all):
+            shift = (i + r) % n
+            for c in list(configs[shift:]) + list(configs[:shift]):
+                res = engine.generate(ids, c.config)
+                s = res.stats
+                runs[c.label].append(
+                    dict(
+                        prompt=i,
+                        repeat=r,
+                        tokens=res.tokens,
+                        new_tokens=s.new_tokens,
+                        seconds=s.total_seconds,
+                        ttft=s.ttft_seconds,
+                        proposed=s.proposed,
+                        accepted=s.accepted,
+                        passes=s.passes,
+                        hist=s.accepted_hist,
+                        draft_seconds=s.draft_seconds,
+                        target_seconds=s.target_seconds,
+                    )
+                )
+                done += 1
+                if progress:
+                    progress(done, total)
+    base = configs[0].label
+    base_tokens = {x["prompt"]: x["tokens"] for x in runs[base] if x["repeat"] == 0}
+    base_time = {}
+    for x in runs[base]:
+        base_time.setdefault((x["prompt"], x["repeat"]), x["seconds"])
+    rows = []
+    for c in configs:
+        xs = runs[c.label]
+        tok = sum(x["new_tokens"] for x in xs)
+        sec = sum(x["seconds"] for x in xs)
+        base_sec = sum(x["seconds"] for x in runs[base])
+        base_tok = sum(x["new_tokens"] for x in runs[base])
+        per_prompt = np.array([base_time[(x["prompt"], x["repeat"])] / x["seconds"] * x["new_tokens"] / max(1, len(base_tokens[x["prompt"]])) for x in xs])
+        proposed = sum(x["proposed"] for x in xs)
+        accepted = sum(x["accepted"] for x in xs)
+        passes = sum(x["passes"] for x in xs)
+        hist = np.sum([np.pad(x["hist"], (0, 65 - len(x["hist"]))) for x in xs], axis=0)
+        last = int(np.nonzero(hist)[0].max()) + 1 if hist.any() else 1
+        rows.append(
+            dict(
+                label=c.label,
+                k_max=c.config.k_max,
+                threshold=c.config.threshold,
+                speculative=c.config.speculative,
+                tokens=tok,
+                seconds=sec,
+                tokens_per_second=tok / sec,
+                speedup=(tok / sec) / (base_tok / base_sec),
+                speedup_per_prompt_median=float(np.median(per_prompt)),
+                speedup_per_prompt_q25=float(np.percentile(per_prompt, 25)),
+                speedup_per_prompt_q75=float(np.percentile(per_prompt, 75)),
+                acceptance_rate=accepted / proposed if proposed else None,
+                mean_accepted=accepted / passes if passes else None,
+                tokens_per_pass=(tok - len(xs)) / passes if passes else None,
+                ttft_ms_median=1000 * float(np.median([x["ttft"] for x in xs])),
+                draft_share=sum(x["draft_seconds"] for x in xs) / sec,
+                distinct_4gram=float(np.nanmean([distinct_4gram_share(x["tokens"]) for x in xs if x["repeat"] == 0])),
+                equal_to_target=sum(x["tokens"] == base_tokens[x["prompt"]] for x in xs if x["repeat"] == 0),
+                accepted_hist=hist[:last].tolist(),
+            )
+        )
+    return dict(
+        engines=str(engine.folder),
+        prompts=len(prompts),
+        repeats=repeats,
+        max_new_tokens=configs[0].config.max_new_tokens,
+        peak_rss_mb=peak_rss_mb(),
+        python=sys.version.split()[0],
+        rows=rows,
+    )
+
+
+def format_table(result: dict) -> str:
+    """A fixed-width text table of ``run_bench``'s rows."""
+    head = f"{'config':<22}{'tok/s':>9}{'speedup':>9}{'med [q25,q75]':>20}{'accept':>8}{'acc/pass':>9}{'ttft ms':>9}{'4gram':>7}{'=target':>9}"
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
+        mal = f"{r['mean_accepted']:.2f}" if r["speculative"] else "-"
+        spread = f"{r['speedup_per_prompt_median']:.2f} [{r['speedup_per_prompt_q25']:.2f},{r['speedup_per_prompt_q75']:.2f}]"
+        lines.append(
+            f"{r['label']:<22}{r['tokens_per_second']:>9.1f}{r['speedup']:>8.2f}x{spread:>20}{acc:>8}{mal:>9}"
+            f"{r['ttft_ms_median']:>9.1f}{r['distinct_4gram']:>7.2f}{r['equal_to_target']:>5}/{result['prompts']:<3}"
+        )
+    lines.append(f"prompts {result['prompts']} x {result['repeats']} repeats, {result['max_new_tokens']} new tokens, peak RSS {result['peak_rss_mb']:.0f} MiB")
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""``specrt`` command line (click): export | generate | bench.
+
+Errors the project raises (:class:`~specrt.runtime.errors.SpecRTError`) are printed as one
+line with a non-zero exit, never as a stack trace.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .errors import SpecRTError
+
+DEFAULT_ENGINES = "engines/default"
+
+
+def _clean_errors(fn):
+    """Turn SpecRTError / ValueError from our code into a click error (exit 1, one line)."""
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except SpecRTError as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+def _threads_option(f):
+    f = click.option("--threads", type=click.IntRange(1, 256), default=None, help="onnxruntime intra-op threads per session (default: 2)")(f)
+    f = click.option("--spinning/--no-spinning", default=False, show_default=True, help="let onnxruntime pool threads spin while idle")(f)
+    return f
+
+
+def _engine(path: str, threads: int | None, spinning: bool):
+    from .generator import Engine
+    from .ort_backend import ThreadConfig
+
+    tc = ThreadConfig(intra_op=threads or ThreadConfig().intra_op, spinning=spinning)
+    return Engine(path, threads=tc)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="specrt")
+def cli():
+    """specrt: speculative decoding on exported ONNX engines, without PyTorch."""
+
+
+@cli.command()
+@click.option("--draft", "draft", required=True, type=click.Path(exists=True, file_okay=False), help="draft model: local HF checkpoint folder")
+@click.option("--target", "target", required=True, type=click.Path(exists=True, file_okay=False), help="target model: local HF checkpoint folder")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="engine folder to write")
+@click.option("--k-max", type=click.IntRange(1, 64), default=8, show_default=True, help="largest number of candidates per verification")
+@click.option("--max-ctx", type=click.IntRange(2, 1 << 20), default=1024, show_default=True, help="context size (KV rows)")
+def export(draft, target, out, k_max, max_ctx):
+    """Export a draft/target pair to ONNX (IO-bound KV) with parity checks and a manifest."""
+    try:
+        from specrt.export.pipeline import export_pair
+    except ImportError as e:
+        raise click.ClickException(f"export needs the [export] extra (torch, transformers, onnx): pip install 'specrt[export]' ({e})") from None
+    from specrt.export.arch import UnsupportedModelError
+    from specrt.export.onnx_export import ParityError
+    from specrt.export.pipeline import PairError
+
+    try:
+        export_pair(draft, target, out, k_max=k_max, max_ctx=max_ctx, log=lambda m: click.echo(m, err=True))
+    except (PairError, UnsupportedModelError, ParityError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+@cli.command()
+@click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(), help="engine folder")
+@click.option("--prompt", required=True, help="prompt text")
+@click.option("--k-max", type=int, default=None, help="most draft candidates per verification (default: manifest)")
+@click.option("--threshold", type=float, default=None, help="draft confidence threshold in [0, 1] (default: manifest)")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--no-speculation", is_flag=True, help="run the target alone (baseline)")
+@click.option("--stream", is_flag=True, help="print text as it is committed")
+@click.option("--stats/--no-stats", default=True, show_default=True, help="print statistics (JSON) to stderr")
+@_threads_option
+@_clean_errors
+def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, stream, stats, threads, spinning):
+    """Generate a continuation of PROMPT (greedy; output equals the target's own)."""
+    from .generator import GenerationConfig
+
+    t0 = time.perf_counter()
+    engine = _engine(engines, threads, spinning)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, k_max=k_max, threshold=threshold, speculative=not no_speculation)
+    if stream:
+        first = None
+        for piece in engine.stream(prompt, cfg):
+            if first is None:
+                first = time.perf_counter() - t0
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+        click.echo()
+        if stats:
+            click.echo(json.dumps({"time_to_first_text_s": first}), err=True)
+        return
+    t_loaded = time.perf_counter()
+    res = engine.generate(prompt, cfg)
+    click.echo(res.text)
+    if stats:
+        d = res.stats.as_dict()
+        d["finish_reason"] = res.finish_reason
+        d["load_s"] = t_loaded - t0
+        d["load_plus_ttft_s"] = d["load_s"] + res.stats.ttft_seconds  # command start to first token
+        click.echo(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in d.items()}), err=True)
+
+
+@cli.command()
+@click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(), help="engine folder")
+@click.option("--prompts", "prompts_file", required=True, type=click.Path(), help="JSONL file, one {\"prompt\": ...} per line")
+@click.option("--limit", type=click.IntRange(1), default=None, help="use the first N prompts")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--k-max", "k_values", type=int, multiple=True, help="k_max values to try (repeatable; default: manifest)")
+@click.option("--threshold", "thresholds", type=float, multiple=True, help="thresholds to try (repeatable; default: manifest)")
+@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts (interleaved)")
+@click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="write the results as JSON here")
+@_threads_option
+@_clean_errors
+def bench(engines, prompts_file, limit, max_new_tokens, k_values, thresholds, repeats, out_json, threads, spinning):
+    """Target-only vs speculative decoding, interleaved on the same prompts; prints a table."""
+    from .bench import BenchConfig, format_table, load_prompts, run_bench
+    from .generator import GenerationConfig
+
+    prompts = load_prompts(prompts_file, limit)
+    engine = _engine(engines, threads, spinning)
+    m = engine.manifest
+    ks = k_values or (m.defaults.get("k_max", m.k_max),)
+    ths = thresholds or (m.defaults.get("threshold", 0.0),)
+    configs = [BenchConfig("target-only", GenerationConfig(max_new_tokens=max_new_tokens, speculative=False))]
+    for k in ks:
+        for th in ths:
+            cfg = engine.resolve(GenerationConfig(max_new_tokens=max_new_tokens, k_max=k, threshold=th))
+            configs.append(BenchConfig(f"spec k={k} th={th:g}", cfg))
+    with click.progressbar(length=len(prompts) * repeats * len(configs), label="bench", file=sys.stderr) as bar:
+        last = [0]
+
+        def progress(done, total):
+            bar.update(done - last[0])
+            last[0] = done
+
+        result = run_bench(engine, prompts, configs, repeats=repeats, progress=progress)
+    result["command"] = " ".join(["specrt"] + sys.argv[1:])
+    click.echo(format_table(result))
+    if out_json:
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_json).write_text(json.dumps(result, indent=1))
+        click.echo(f"wrote {out_json}", err=True)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="specrt")
+
+
+if __name__ == "__main__":
+    main()
