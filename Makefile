@@ -1,0 +1,45 @@
+# specrt — the two commands the README starts with: `make demo` and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ENGINES ?= engines/default
+PROMPTS ?= data/humaneval_dev.jsonl
+K_MAX ?= 8
+MAX_CTX ?= 1024
+
+.PHONY: install export demo test test-fast bench models clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# base (runtime) + [export] (torch==2.13.0 CPU, transformers, onnx) + [dev] (pytest ...)
+install: $(BIN)/python
+	$(BIN)/pip install -q -e '.[export,dev]'
+
+$(ENGINES)/manifest.json: models/target/model.safetensors models/draft/model.safetensors
+	$(BIN)/specrt export --draft models/draft --target models/target --out $(ENGINES) --k-max $(K_MAX) --max-ctx $(MAX_CTX)
+
+# export the embedded default pair (models/) to ONNX engines with parity checks
+export: install $(ENGINES)/manifest.json
+
+# the main job on the default pair: export, then generate on HumanEval prompts and print stats
+demo: export
+	$(BIN)/specrt generate --engines $(ENGINES) --max-new-tokens 96 --prompt "$$(head -1 $(PROMPTS) | $(BIN)/python -c 'import json,sys; print(json.load(sys.stdin)["prompt"], end="")')"
+	$(BIN)/specrt bench --engines $(ENGINES) --prompts $(PROMPTS) --limit 20 --max-new-tokens 128 --out bench_out/demo.json
+
+# all tests (tiny random pairs + the default pair)
+test: export
+	$(BIN)/python -m pytest -q
+
+# full benchmark: 100 HumanEval prompts, 128 new tokens, interleaved
+bench: export
+	$(BIN)/specrt bench --engines $(ENGINES) --prompts $(PROMPTS) --max-new-tokens 128 --out bench_out/bench.json
+
+# re-train the default pair (about an hour on 2 cores; see models/README.md)
+models: install
+	$(BIN)/python scripts/train_default_pair.py --out models --target-steps 800 --draft-steps 400
+
+clean:
+	rm -rf $(ENGINES)/*.onnx $(ENGINES)/manifest.json $(ENGINES)/tokenizer.json bench_out

@@ -1,0 +1,63 @@
+"""The embedded default pair (models/ exported to engines/default by `make export`):
+speculative greedy output == target-only greedy output == Hugging Face generate on the
+PyTorch target, on 20 HumanEval prompts, for k_max in {1,2,4,8} x threshold in {0,0.5,0.9}."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specrt.runtime.generator import Engine, GenerationConfig
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINES = REPO / "engines" / "default"
+PROMPTS = REPO / "data" / "humaneval_dev.jsonl"
+N_PROMPTS = 20
+NEW = 64
+
+pytestmark = pytest.mark.skipif(not (ENGINES / "manifest.json").is_file(), reason="engines/default not exported: run `make export`")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(ENGINES)
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    lines = PROMPTS.read_text().splitlines()[:N_PROMPTS]
+    return [engine.prompt_ids(json.loads(x)["prompt"]) for x in lines]
+
+
+@pytest.fixture(scope="module")
+def baseline(engine, prompts):
+    return [engine.generate(ids, GenerationConfig(max_new_tokens=NEW, speculative=False)).tokens for ids in prompts]
+
+
+def test_target_only_equals_hf_generate(prompts, baseline):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(REPO / "models" / "target"), dtype=torch.float32).eval()
+    for ids, want in zip(prompts, baseline):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, pad_token_id=hf.config.eos_token_id)
+        assert out[0, len(ids) :].tolist() == want
+
+
+@pytest.mark.parametrize("k_max", [1, 2, 4, 8])
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 0.9])
+def test_speculative_equals_target_only(engine, prompts, baseline, k_max, threshold):
+    proposed = accepted = 0
+    for ids, want in zip(prompts, baseline):
+        res = engine.generate(ids, GenerationConfig(max_new_tokens=NEW, k_max=k_max, threshold=threshold))
+        assert res.tokens == want
+        proposed += res.stats.proposed
+        accepted += res.stats.accepted
+    assert proposed > 0 and 0 < accepted <= proposed
+
+
+def test_manifest_parity_within_tolerance(engine):
+    for e in (engine.manifest.draft, engine.manifest.target):
+        assert max(e.parity.values()) < 1e-4
