@@ -45,6 +45,44 @@ def available_providers() -> list[str]:
     return list(ort.get_available_providers())
 
 
+def _raw_binding(session, binding):
+    """(bind_input, bind_output, run) closures for CPU pointers.
+
+    Uses onnxruntime's pybind objects directly when present (the public wrappers build a
+    device object per call: about 8% of a draft step measured with cProfile on a 2-layer
+    draft), else the public API.
+    """
+    try:
+        from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
+
+        dev = OrtDevice.make("cpu", 0)._get_c_device()
+        raw, sess = binding._iobinding, session._sess
+        raw_in, raw_out, raw_run = raw.bind_input, raw.bind_output, sess.run_with_iobinding
+
+        def bind_in(name, dtype, shape, ptr):
+            raw_in(name, dev, dtype, shape, ptr)
+
+        def bind_out(name, dtype, shape, ptr):
+            raw_out(name, dev, dtype, shape, ptr)
+
+        def run():
+            raw_run(raw, None)
+
+        return bind_in, bind_out, run
+    except (ImportError, AttributeError):  # pragma: no cover - other onnxruntime versions
+
+        def bind_in(name, dtype, shape, ptr):
+            binding.bind_input(name, "cpu", 0, dtype, shape, ptr)
+
+        def bind_out(name, dtype, shape, ptr):
+            binding.bind_output(name, "cpu", 0, dtype, shape, ptr)
+
+        def run():
+            session.run_with_iobinding(binding)
+
+        return bind_in, bind_out, run
+
+
 class OrtModel:
     """One exported model on onnxruntime with in-place KV (see module docstring).
 
@@ -92,6 +130,7 @@ class OrtModel:
         self.positions = np.arange(max_ctx, dtype=np.int64)[None, :]
         self.logits = np.zeros((1, max_q, self.vocab), np.float32)
         self._binding = self.session.io_binding()
+        self._bind_in, self._bind_out, self._run = _raw_binding(self.session, self._binding)
         # (input name, output name, buffer base pointer) per KV tensor, computed once
         self._kv = []
         for i in range(entry.n_layers):
@@ -125,18 +164,18 @@ class OrtModel:
                 f"and past + q <= max_ctx={self.max_ctx}"
             )
         self.ids[0, :q] = tokens
-        b = self._binding
+        bind_in, bind_out = self._bind_in, self._bind_out
         h, d = self._kv_dims
-        b.bind_input("input_ids", "cpu", 0, np.int64, [1, q], self._ids_ptr)
-        b.bind_input("position_ids", "cpu", 0, np.int64, [1, q], self._pos_ptr + 8 * start)
+        bind_in("input_ids", np.int64, [1, q], self._ids_ptr)
+        bind_in("position_ids", np.int64, [1, q], self._pos_ptr + 8 * start)
         past_shape = [1, start, h, d]
         new_shape = [1, q, h, d]
         off = start * self.row_bytes
         for past_name, new_name, base in self._kv:
-            b.bind_input(past_name, "cpu", 0, np.float32, past_shape, base)
-            b.bind_output(new_name, "cpu", 0, np.float32, new_shape, base + off)
-        b.bind_output("logits", "cpu", 0, np.float32, [1, q, self.vocab], self._logits_ptr)
-        self.session.run_with_iobinding(b)
+            bind_in(past_name, np.float32, past_shape, base)
+            bind_out(new_name, np.float32, new_shape, base + off)
+        bind_out("logits", np.float32, [1, q, self.vocab], self._logits_ptr)
+        self._run()
         return self.logits[0, :q]
 
     def output_pointers(self) -> dict[str, int]:
