@@ -7,6 +7,8 @@ ENGINES ?= engines/default
 PROMPTS ?= data/humaneval_dev.jsonl
 K_MAX ?= 8
 MAX_CTX ?= 1024
+# the CPU wheel of torch==2.13.0 lies here on this project's machines (an unpinned torch pulls a CUDA build)
+PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
 .PHONY: install export demo test test-fast bench models clean
 
@@ -16,7 +18,7 @@ $(BIN)/python:
 
 # base (runtime) + [export] (torch==2.13.0 CPU, transformers, onnx) + [dev] (pytest ...)
 install: $(BIN)/python
-	$(BIN)/pip install -q -e '.[export,dev]'
+	$(BIN)/pip install -q $(PIP_FIND) -e '.[export,dev]'
 
 $(ENGINES)/manifest.json: models/target/model.safetensors models/draft/model.safetensors
 	$(BIN)/specrt export --draft models/draft --target models/target --out $(ENGINES) --k-max $(K_MAX) --max-ctx $(MAX_CTX)
