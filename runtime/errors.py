@@ -12,3 +12,9 @@ class EngineError(SpecRTError):
 
 class InputError(SpecRTError):
     """A generation parameter or prompt is outside what the engines allow."""
+
+
+class BackendError(SpecRTError):
+    """A backend was asked for that this machine or engine folder cannot run (no GPU,
+    no tensorrt / onnxruntime-gpu, no TensorRT plans in the folder); the message says
+    which backends are available here."""
