@@ -132,20 +132,29 @@ class Engine:
         folder: the engine folder written by ``specrt export``.
         threads: onnxruntime thread settings for both sessions.
         verify_hashes: check the files' SHA-256 against the manifest at load.
+        backend: ``"ort-cpu"``, ``"ort-cuda"`` or ``"tensorrt"``; None picks the first
+            usable of tensorrt, ort-cuda, ort-cpu (:mod:`specrt.runtime.backends`; the GPU
+            backends are not verified on a GPU yet, see docs/GPU.md). Stored as ``backend``.
 
     Raises:
         EngineError: missing/half-written folder, unknown manifest version, mismatched pair,
             altered files.
+        BackendError: a backend this machine or folder cannot run (the message lists the
+            available ones).
     """
 
-    def __init__(self, folder: str | Path, threads: ThreadConfig | None = None, verify_hashes: bool = True):
+    def __init__(self, folder: str | Path, threads: ThreadConfig | None = None, verify_hashes: bool = True, backend: str | None = None):
         self.folder = Path(folder)
         self.manifest: Manifest = load_manifest(self.folder, verify_hashes=verify_hashes)
         m = self.manifest
         threads = threads or ThreadConfig()
         self.codec = TextCodec(self.folder / m.tokenizer_file, m.bos_token_id, m.add_bos)
-        self.target = OrtModel(self.folder / m.target.file, m.target, m.max_ctx, max(PREFILL_CHUNK, m.k_max + 1), threads)
-        self.draft = OrtModel(self.folder / m.draft.file, m.draft, m.max_ctx, PREFILL_CHUNK, threads)
+        from .backends import load_models, resolve_backend
+
+        self.backend = resolve_backend(backend, m)
+        self.target, self.draft = load_models(
+            self.backend, self.folder, m, threads, max(PREFILL_CHUNK, m.k_max + 1), PREFILL_CHUNK, verify_hashes
+        )
         self._scratch = np.empty(m.draft.vocab_size, np.float32)
         self._lock = threading.Lock()
 

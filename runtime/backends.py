@@ -1,0 +1,157 @@
+"""Backend selection: which model class serves an engine folder on this machine.
+
+======== ============================================== =======================================
+name     model class                                    needs
+======== ============================================== =======================================
+ort-cpu  :class:`~specrt.runtime.ort_backend.OrtModel`   onnxruntime (always available)
+ort-cuda :class:`~.ort_cuda_backend.OrtCudaModel`        onnxruntime-gpu and an NVIDIA GPU
+tensorrt :class:`~.trt_backend.TrtModel`                 tensorrt, cuda-python, a GPU and the
+                                                        plans in the manifest's extra
+======== ============================================== =======================================
+
+The default is the first available of tensorrt, ort-cuda, ort-cpu. The GPU backends have
+not been run on a GPU yet (docs/GPU.md).
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from .errors import BackendError, EngineError
+from .manifest import Manifest, sha256_file
+
+BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt")
+TRT_KEY = "tensorrt"  # key of the TensorRT record in Manifest.extra
+
+
+def _module_present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def gpu_present() -> bool:
+    """Whether an NVIDIA GPU is visible: cuda-python's device count when installed, else
+    the NVIDIA driver's ``/proc`` entries."""
+    from .cuda_mem import gpu_count
+
+    if _module_present("cuda") and gpu_count() > 0:
+        return True
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
+
+
+def backend_status(manifest: Manifest | None = None) -> dict[str, str | None]:
+    """Per backend: None if usable here (for ``manifest`` when given), else why not.
+
+    Cheap: no model is loaded, nothing is allocated.
+    """
+    from .ort_cuda_backend import ort_cuda_available
+
+    status: dict[str, str | None] = {"ort-cpu": None}
+    gpu = gpu_present()
+    status["ort-cuda"] = ort_cuda_available() or (None if gpu else "no NVIDIA GPU is visible on this machine")
+    if not _module_present("tensorrt"):
+        status["tensorrt"] = "the tensorrt Python package is not installed (NVIDIA's wheels)"
+    elif not _module_present("cuda"):
+        status["tensorrt"] = "cuda-python is not installed (pip install 'cuda-bindings>=12.6')"
+    elif not gpu:
+        status["tensorrt"] = "no NVIDIA GPU is visible on this machine"
+    elif manifest is not None and TRT_KEY not in manifest.extra:
+        status["tensorrt"] = "the engine folder has no TensorRT plans (build them with specrt-trt-build on this machine)"
+    else:
+        status["tensorrt"] = None
+    return status
+
+
+def default_backend(manifest: Manifest | None = None) -> str:
+    """First usable of tensorrt, ort-cuda, ort-cpu."""
+    status = backend_status(manifest)
+    for name in ("tensorrt", "ort-cuda", "ort-cpu"):
+        if status[name] is None:
+            return name
+    return "ort-cpu"  # pragma: no cover - ort-cpu is always usable
+
+
+def resolve_backend(name: str | None, manifest: Manifest | None = None) -> str:
+    """The backend to use: ``name``, or :func:`default_backend` when None.
+
+    Raises:
+        BackendError: unknown name, or a backend this machine/folder cannot run; the
+            message gives the reason and the backends that are available here.
+    """
+    if name is None:
+        return default_backend(manifest)
+    if name not in BACKENDS:
+        raise BackendError(f"backend={name!r}; choose one of {', '.join(BACKENDS)}")
+    status = backend_status(manifest)
+    if status[name] is not None:
+        usable = [b for b in BACKENDS if status[b] is None]
+        raise BackendError(f"backend {name!r} is unavailable here: {status[name]}; available: {', '.join(usable)}")
+    return name
+
+
+def trt_record(manifest: Manifest, folder: Path, verify_hashes: bool = True) -> dict:
+    """The manifest's TensorRT record, with each plan file checked.
+
+    Returns:
+        ``manifest.extra["tensorrt"]`` (see :mod:`specrt.export.trt_build`).
+
+    Raises:
+        EngineError: no record, a plan missing, or (``verify_hashes``) altered.
+    """
+    rec = manifest.extra.get(TRT_KEY)
+    if not isinstance(rec, dict) or not all(r in rec.get("models", {}) for r in ("draft", "target")):
+        raise EngineError(f"{folder}: the manifest has no TensorRT plans for both models; build them with specrt-trt-build")
+    for role in ("draft", "target"):
+        m = rec["models"][role]
+        p = Path(folder) / m["plan"]
+        if not p.is_file():
+            raise EngineError(f"{p} is missing; rebuild the TensorRT plans with specrt-trt-build")
+        if verify_hashes and sha256_file(p) != m.get("plan_sha256"):
+            raise EngineError(f"{p} does not match the SHA-256 recorded in the manifest (truncated or altered); rebuild the plans")
+    return rec
+
+
+def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_q: int, draft_q: int, verify_hashes: bool = True):
+    """(target, draft) model objects of ``backend`` for an engine folder.
+
+    Args:
+        backend: one of :data:`BACKENDS` (already resolved).
+        folder: the engine folder; manifest: its manifest.
+        threads: :class:`~specrt.runtime.ort_backend.ThreadConfig` (onnxruntime backends).
+        target_q, draft_q: widest call per model.
+        verify_hashes: check plan files against the manifest (tensorrt).
+
+    Raises:
+        BackendError, EngineError: see the model classes.
+    """
+    m = manifest
+    if backend == "ort-cpu":
+        from .ort_backend import OrtModel
+
+        return (
+            OrtModel(folder / m.target.file, m.target, m.max_ctx, target_q, threads),
+            OrtModel(folder / m.draft.file, m.draft, m.max_ctx, draft_q, threads),
+        )
+    if backend == "ort-cuda":
+        from .ort_cuda_backend import OrtCudaModel
+
+        return (
+            OrtCudaModel(folder / m.target.file, m.target, m.max_ctx, target_q, threads),
+            OrtCudaModel(folder / m.draft.file, m.draft, m.max_ctx, draft_q, threads),
+        )
+    if backend == "tensorrt":
+        from .cuda_mem import CudaRuntime
+        from .profiles import ProfileSet
+        from .trt_backend import TrtModel, load_tensorrt
+
+        rec = trt_record(m, folder, verify_hashes)
+        trt, cuda = load_tensorrt(), CudaRuntime()
+        models = []
+        for role, entry, q in (("target", m.target, target_q), ("draft", m.draft, draft_q)):
+            r = rec["models"][role]
+            models.append(TrtModel(folder / r["plan"], entry, ProfileSet.from_json(r["profiles"]), q, trt=trt, cuda=cuda))
+        return tuple(models)
+    raise BackendError(f"backend={backend!r}; choose one of {', '.join(BACKENDS)}")
