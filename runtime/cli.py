@@ -37,12 +37,21 @@ def _threads_option(f):
     return f
 
 
-def _engine(path: str, threads: int | None, spinning: bool):
+def _backend_option(f):
+    return click.option(
+        "--backend",
+        type=click.Choice(["ort-cpu", "ort-cuda", "tensorrt"]),
+        default=None,
+        help="model backend (default: the first usable of tensorrt, ort-cuda, ort-cpu; GPU backends unverified, see docs/GPU.md)",
+    )(f)
+
+
+def _engine(path: str, threads: int | None, spinning: bool, backend: str | None = None):
     from .generator import Engine
     from .ort_backend import ThreadConfig
 
     tc = ThreadConfig(intra_op=threads or ThreadConfig().intra_op, spinning=spinning)
-    return Engine(path, threads=tc)
+    return Engine(path, threads=tc, backend=backend)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -83,13 +92,14 @@ def export(draft, target, out, k_max, max_ctx):
 @click.option("--stream", is_flag=True, help="print text as it is committed")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="print statistics (JSON) to stderr")
 @_threads_option
+@_backend_option
 @_clean_errors
-def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, stream, stats, threads, spinning):
+def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, stream, stats, threads, spinning, backend):
     """Generate a continuation of PROMPT (greedy; output equals the target's own)."""
     from .generator import GenerationConfig
 
     t0 = time.perf_counter()
-    engine = _engine(engines, threads, spinning)
+    engine = _engine(engines, threads, spinning, backend)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, k_max=k_max, threshold=threshold, speculative=not no_speculation)
     if stream:
         first = None
@@ -123,14 +133,15 @@ def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, 
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts (interleaved)")
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="write the results as JSON here")
 @_threads_option
+@_backend_option
 @_clean_errors
-def bench(engines, prompts_file, limit, max_new_tokens, k_values, thresholds, repeats, out_json, threads, spinning):
+def bench(engines, prompts_file, limit, max_new_tokens, k_values, thresholds, repeats, out_json, threads, spinning, backend):
     """Target-only vs speculative decoding, interleaved on the same prompts; prints a table."""
     from .bench import BenchConfig, format_table, load_prompts, run_bench
     from .generator import GenerationConfig
 
     prompts = load_prompts(prompts_file, limit)
-    engine = _engine(engines, threads, spinning)
+    engine = _engine(engines, threads, spinning, backend)
     m = engine.manifest
     ks = k_values or (m.defaults.get("k_max", m.k_max),)
     ths = thresholds or (m.defaults.get("threshold", 0.0),)
@@ -148,6 +159,7 @@ def bench(engines, prompts_file, limit, max_new_tokens, k_values, thresholds, re
 
         result = run_bench(engine, prompts, configs, repeats=repeats, progress=progress)
     result["command"] = " ".join(["specrt"] + sys.argv[1:])
+    result["backend"] = engine.backend
     click.echo(format_table(result))
     if out_json:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
