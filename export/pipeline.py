@@ -68,7 +68,9 @@ def _special_ids(target_dir: Path) -> tuple[int, int | None, bool, int]:
     return int(eos), (int(bos) if bos is not None else None), add_bos, len(tok)
 
 
-def export_pair(draft_dir: str | Path, target_dir: str | Path, out: str | Path, k_max: int = 8, max_ctx: int = 1024, log=print) -> Manifest:
+def export_pair(
+    draft_dir: str | Path, target_dir: str | Path, out: str | Path, k_max: int = 8, max_ctx: int = 1024, log=print, tensorrt: str | None = None
+) -> Manifest:
     """Export both models, check parity, and write the manifest.
 
     Args:
@@ -78,6 +80,9 @@ def export_pair(draft_dir: str | Path, target_dir: str | Path, out: str | Path, 
             the target is verified with q up to k_max + 1.
         max_ctx: context size (KV buffer rows), 2..max_position_embeddings.
         log: progress sink.
+        tensorrt: None (default), or ``fp32``/``fp16``/``bf16``: also build TensorRT plans
+            where tensorrt and a GPU are present, else log that it skipped
+            (:func:`specrt.export.trt_build.tensorrt_hook`; unverified on a GPU).
 
     Returns:
         The written :class:`~specrt.runtime.manifest.Manifest`.
@@ -136,6 +141,10 @@ def export_pair(draft_dir: str | Path, target_dir: str | Path, out: str | Path, 
             "onnxruntime": onnxruntime.__version__,
         },
     )
+    if tensorrt:
+        from .trt_build import tensorrt_hook
+
+        manifest = tensorrt_hook(out, manifest, tensorrt, log)
     manifest.write(out)
     log(f"wrote {out / 'manifest.json'}")
     return manifest

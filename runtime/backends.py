@@ -59,7 +59,7 @@ def backend_status(manifest: Manifest | None = None) -> dict[str, str | None]:
     elif not gpu:
         status["tensorrt"] = "no NVIDIA GPU is visible on this machine"
     elif manifest is not None and TRT_KEY not in manifest.extra:
-        status["tensorrt"] = "the engine folder has no TensorRT plans (build them with specrt-trt-build on this machine)"
+        status["tensorrt"] = "the engine folder has no TensorRT plans (build them with `python -m specrt.export.trt_build` on this machine)"
     else:
         status["tensorrt"] = None
     return status
@@ -103,12 +103,12 @@ def trt_record(manifest: Manifest, folder: Path, verify_hashes: bool = True) -> 
     """
     rec = manifest.extra.get(TRT_KEY)
     if not isinstance(rec, dict) or not all(r in rec.get("models", {}) for r in ("draft", "target")):
-        raise EngineError(f"{folder}: the manifest has no TensorRT plans for both models; build them with specrt-trt-build")
+        raise EngineError(f"{folder}: the manifest has no TensorRT plans for both models; build them with `python -m specrt.export.trt_build`")
     for role in ("draft", "target"):
         m = rec["models"][role]
         p = Path(folder) / m["plan"]
         if not p.is_file():
-            raise EngineError(f"{p} is missing; rebuild the TensorRT plans with specrt-trt-build")
+            raise EngineError(f"{p} is missing; rebuild the TensorRT plans with `python -m specrt.export.trt_build`")
         if verify_hashes and sha256_file(p) != m.get("plan_sha256"):
             raise EngineError(f"{p} does not match the SHA-256 recorded in the manifest (truncated or altered); rebuild the plans")
     return rec

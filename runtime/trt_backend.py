@@ -98,7 +98,7 @@ class TrtModel:
         try:
             blob = Path(plan).read_bytes()
         except OSError as e:
-            raise EngineError(f"{plan}: cannot read the TensorRT plan ({e.strerror}); rebuild it with specrt-trt-build") from None
+            raise EngineError(f"{plan}: cannot read the TensorRT plan ({e.strerror}); rebuild it with `python -m specrt.export.trt_build`") from None
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self.engine = eng = self._runtime.deserialize_cuda_engine(blob)
@@ -106,7 +106,7 @@ class TrtModel:
         if eng is None:
             raise EngineError(
                 f"{plan}: TensorRT could not deserialize this plan (built by another TensorRT version or for another GPU?); "
-                "rebuild it on this machine with specrt-trt-build"
+                "rebuild it on this machine with `python -m specrt.export.trt_build`"
             )
         self._check_io(plan)
         check_engine_profiles(
