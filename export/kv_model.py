@@ -16,8 +16,9 @@ The q new tokens attend causally to the L past rows and to each other.
 
 The forward re-uses the Hugging Face model's own submodules (embeddings, norms,
 projections, MLP, rotary embedding), so weights and RoPE variants come from the
-checkpoint; only the attention wiring is written here. Which submodules to use is
-declared per architecture in :mod:`specrt.export.arch`.
+checkpoint; only the attention wiring is written here. Which submodules to use, how
+q/k/v come out of a layer and how positions enter are declared per architecture in
+:mod:`specrt.export.arch`; the forward has no per-model branches.
 """
 from __future__ import annotations
 
@@ -32,37 +33,89 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of ``x`` ``[1, q, heads, d]``; the rest pass
+    through (partial rotary, e.g. Phi-3 ``partial_rotary_factor`` < 1)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def _static_rotary_forward(rotary: nn.Module):
+    """The rotary module's own forward, minus Hugging Face's ``dynamic_rope_update`` wrapper.
+
+    That wrapper recomputes the frequencies from the largest position of the current call
+    (``dynamic`` / ``longrope`` types; a no-op for the others). :func:`spec_for` refuses
+    the contexts where it would change anything, so the load-time frequencies are exact,
+    and skipping it keeps the export free of data-dependent branches and buffer writes.
+    """
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    marker = dynamic_rope_update(lambda self, x, position_ids: None).__code__
+    fwd = type(rotary).forward
+    if getattr(fwd, "__code__", None) is marker:
+        fwd = fwd.__wrapped__
+    return lambda x, position_ids: fwd(rotary, x, position_ids)
+
+
 class KVExportModel(nn.Module):
     """Wraps a Hugging Face ``*ForCausalLM`` (eval mode, fp32) for IO-bound KV export.
+
+    The forward follows the family's :class:`~specrt.export.arch.ArchSpec` (module
+    paths, separate or fused q/k/v, RoPE or learned positions); see the module docstring
+    for the interface.
 
     Args:
         hf_model: a loaded causal LM whose ``config.model_type`` is in the registry of
             :mod:`specrt.export.arch`.
+        max_ctx: the context the export is for (checked against the config), or ``None``.
 
     Raises:
         specrt.export.arch.UnsupportedModelError: unknown ``model_type`` or config option.
     """
 
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, max_ctx: int | None = None):
         super().__init__()
         self.hf = hf_model
-        self.spec: ArchSpec = spec_for(hf_model.config)
+        self.spec: ArchSpec = spec_for(hf_model.config, max_ctx)
         cfg = hf_model.config
+        s = self.spec
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.scale = self.head_dim**-0.5
+        layers = s.get(hf_model, s.layers)
+        if len(layers) != self.n_layers:
+            raise ValueError(f"config says {self.n_layers} layers, the model has {len(layers)}")
+        # per-layer attention scale from the module itself (GPT-2 may scale by 1/(layer+1))
+        default = self.head_dim**-0.5
+        self.scales = [float(getattr(s.get(layer, s.attn), "scaling", default)) for layer in layers]
+        self._rotary = _static_rotary_forward(s.get(hf_model, s.rotary)) if s.rotary else None
+        q_w, kv_w = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self._split = [q_w, kv_w, kv_w]
+
+    def _qkv(self, attn: nn.Module, x: torch.Tensor):
+        """Flat q ``[1, q, H*d]``, k and v ``[1, q, KV*d]`` from separate or fused projections."""
+        names = self.spec.qkv
+        if len(names) == 3:
+            return tuple(getattr(attn, n)(x) for n in names)
+        return getattr(attn, names[0])(x).split(self._split, dim=-1)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
         s = self.spec
         m = self.hf
+        get = ArchSpec.get
         q_len = input_ids.shape[1]
         past_len = past[0].shape[1]
-        h = s.embed(m)(input_ids)
-        cos, sin = s.rotary(m)(h, position_ids)  # [1, q, head_dim]
-        cos = cos.unsqueeze(2)
-        sin = sin.unsqueeze(2)
+        h = get(m, s.embed)(input_ids)
+        if s.pos_embed is not None:
+            h = h + get(m, s.pos_embed)(position_ids)
+        if self._rotary is not None:
+            cos, sin = self._rotary(h, position_ids)  # [1, q, rotary_dim]
+            cos = cos.unsqueeze(2)
+            sin = sin.unsqueeze(2)
         # causal mask over [past | new]: new token i sees past rows and new rows j <= i
         rows = torch.arange(q_len, device=h.device).unsqueeze(1)
         cols = torch.arange(past_len + q_len, device=h.device).unsqueeze(0)
@@ -70,24 +123,26 @@ class KVExportModel(nn.Module):
         bias = torch.zeros(blocked.shape, dtype=h.dtype).masked_fill(blocked, float("-inf"))
         new_kv = []
         groups = self.n_heads // self.n_kv
-        for i, layer in enumerate(s.layers(m)):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(1, q_len, self.n_heads, self.head_dim)
-            k = attn.k_proj(x).view(1, q_len, self.n_kv, self.head_dim)
-            v = attn.v_proj(x).view(1, q_len, self.n_kv, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        for i, layer in enumerate(get(m, s.layers)):
+            attn = get(layer, s.attn)
+            x = get(layer, s.norm_attn)(h)
+            q, k, v = self._qkv(attn, x)
+            q = q.view(1, q_len, self.n_heads, self.head_dim)
+            k = k.view(1, q_len, self.n_kv, self.head_dim)
+            v = v.view(1, q_len, self.n_kv, self.head_dim)
+            if self._rotary is not None:
+                q = _apply_rope(q, cos, sin)
+                k = _apply_rope(k, cos, sin)
             new_kv += [k, v]
             k_all = torch.cat([past[2 * i], k], dim=1).transpose(1, 2)  # [1, kv, L+q, d]
             v_all = torch.cat([past[2 * i + 1], v], dim=1).transpose(1, 2)
             if groups > 1:
                 k_all = k_all.repeat_interleave(groups, dim=1)
                 v_all = v_all.repeat_interleave(groups, dim=1)
-            scores = torch.matmul(q.transpose(1, 2), k_all.transpose(2, 3)) * self.scale + bias
+            scores = torch.matmul(q.transpose(1, 2), k_all.transpose(2, 3)) * self.scales[i] + bias
             probs = torch.softmax(scores.float(), dim=-1).to(h.dtype)
             ctx = torch.matmul(probs, v_all).transpose(1, 2).reshape(1, q_len, self.n_heads * self.head_dim)
-            h = h + attn.o_proj(ctx)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = s.lm_head(m)(s.final_norm(m)(h))
+            h = h + get(attn, s.o_proj)(ctx)
+            h = h + get(layer, s.mlp)(get(layer, s.norm_mlp)(h))
+        logits = get(m, s.lm_head)(get(m, s.final_norm)(h))
         return (logits.float(), *new_kv)

@@ -57,7 +57,7 @@ def export_onnx(hf_model, out_path: Path, max_ctx: int) -> KVExportModel:
     """
     from torch.export import Dim
 
-    wrapper = KVExportModel(hf_model).eval()
+    wrapper = KVExportModel(hf_model, max_ctx).eval()
     ins, outs = ModelEntry.io_names(wrapper.n_layers)
     q = Dim("q", min=1, max=max_ctx)
     past = Dim("past", min=0, max=max_ctx)
