@@ -10,6 +10,7 @@ import hashlib
 import json
 import platform
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from specrt.runtime.manifest import FORMAT_VERSION, Manifest, sha256_file
@@ -21,20 +22,52 @@ class PairError(ValueError):
     """The draft and target cannot form a pair (different tokenizers or vocabularies)."""
 
 
-def vocab_hash(tokenizer_json: Path) -> str:
-    """SHA-256 of the token -> id map (added tokens included) of a ``tokenizer.json``."""
-    d = json.loads(Path(tokenizer_json).read_text())
+def vocab_map(tokenizer_json: Path) -> dict[str, int]:
+    """The token -> id map (added tokens included) of a ``tokenizer.json``.
+
+    Raises:
+        PairError: the file is not readable JSON.
+    """
+    try:
+        d = json.loads(Path(tokenizer_json).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PairError(f"{tokenizer_json} is not a readable tokenizer.json ({e})") from None
     vocab = dict(d.get("model", {}).get("vocab", {}))
     for t in d.get("added_tokens", []):
         vocab[t["content"]] = t["id"]
-    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
+    return vocab
+
+
+def vocab_hash(tokenizer_json: Path) -> str:
+    """SHA-256 of the token -> id map (added tokens included) of a ``tokenizer.json``."""
+    return hashlib.sha256(json.dumps(sorted(vocab_map(tokenizer_json).items())).encode()).hexdigest()
+
+
+def describe_vocab_difference(draft: dict[str, int], target: dict[str, int], examples: int = 3) -> str:
+    """One line naming how two token -> id maps differ (sizes, tokens only in one, ids that moved)."""
+    only_d = sorted(set(draft) - set(target), key=draft.get)
+    only_t = sorted(set(target) - set(draft), key=target.get)
+    moved = sorted((t for t in set(draft) & set(target) if draft[t] != target[t]), key=target.get)
+
+    def ex(tokens, m):
+        return ", ".join(f"{t!r}={m[t]}" for t in tokens[:examples])
+
+    parts = [f"draft has {len(draft)} tokens, target {len(target)}"]
+    if only_d:
+        parts.append(f"{len(only_d)} only in the draft (e.g. {ex(only_d, draft)})")
+    if only_t:
+        parts.append(f"{len(only_t)} only in the target (e.g. {ex(only_t, target)})")
+    if moved:
+        parts.append(f"{len(moved)} with different ids (e.g. {', '.join(f'{t!r}: draft {draft[t]}, target {target[t]}' for t in moved[:examples])})")
+    return "; ".join(parts)
 
 
 def check_pair(draft_dir: Path, target_dir: Path) -> Path:
     """Check both checkpoints share one tokenizer; returns the target's ``tokenizer.json``.
 
     Raises:
-        PairError: a folder has no ``tokenizer.json``, or the two vocabularies differ.
+        PairError: a folder has no ``tokenizer.json``, or the two token -> id maps differ
+            (the message names the sizes, tokens only in one, and ids that differ).
     """
     files = {}
     for role, d in (("draft", draft_dir), ("target", target_dir)):
@@ -44,11 +77,41 @@ def check_pair(draft_dir: Path, target_dir: Path) -> Path:
         files[role] = p
     hd, ht = vocab_hash(files["draft"]), vocab_hash(files["target"])
     if hd != ht:
+        diff = describe_vocab_difference(vocab_map(files["draft"]), vocab_map(files["target"]))
         raise PairError(
-            f"draft and target tokenizers differ (vocab hash {hd[:12]} vs {ht[:12]}); "
+            f"draft and target tokenizers differ (vocab hash {hd[:12]} vs {ht[:12]}: {diff}); "
             "speculative decoding needs the draft to propose ids the target understands: pick a draft trained with the target's tokenizer"
         )
     return files["target"]
+
+
+def _check_configs(draft_dir: Path, target_dir: Path, max_ctx: int, n_vocab: int, log) -> None:
+    """Before exporting anything: both architectures/config options are supported for
+    ``max_ctx``, and both logit widths cover the tokenizer (extra rows are padding, which
+    the runtime never proposes). A draft whose special tokens differ from the target's is
+    only reported: the target's (recorded in the manifest) are used for both.
+
+    Raises:
+        specrt.export.arch.UnsupportedModelError, PairError.
+    """
+    from transformers import AutoConfig
+
+    from .arch import spec_for
+
+    cfgs = {}
+    for role, d in (("draft", draft_dir), ("target", target_dir)):
+        cfg = AutoConfig.from_pretrained(str(d), local_files_only=True)
+        spec_for(cfg, max_ctx)
+        if cfg.vocab_size < n_vocab:
+            raise PairError(
+                f"{role} {d} has vocab_size={cfg.vocab_size} logits but the shared tokenizer has {n_vocab} ids; "
+                "each model needs a logit row for every token id (rows beyond the tokenizer are padding)"
+            )
+        cfgs[role] = cfg
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        d, t = getattr(cfgs["draft"], name, None), getattr(cfgs["target"], name, None)
+        if d is not None and t is not None and d != t:
+            log(f"  note: draft {name}={d}, target {name}={t}; the target's is used for draft, target and baseline")
 
 
 def _special_ids(target_dir: Path) -> tuple[int, int | None, bool, int]:
@@ -68,10 +131,30 @@ def _special_ids(target_dir: Path) -> tuple[int, int | None, bool, int]:
     return int(eos), (int(bos) if bos is not None else None), add_bos, len(tok)
 
 
+def _pad_id(target_dir: Path) -> int | None:
+    """The target's pad token id (config first, then tokenizer), or ``None``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    pad = getattr(AutoConfig.from_pretrained(str(target_dir), local_files_only=True), "pad_token_id", None)
+    if pad is None:
+        pad = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True).pad_token_id
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0] if pad else None
+    return int(pad) if pad is not None else None
+
+
 def export_pair(
     draft_dir: str | Path, target_dir: str | Path, out: str | Path, k_max: int = 8, max_ctx: int = 1024, log=print, tensorrt: str | None = None
 ) -> Manifest:
-    """Export both models, check parity, and write the manifest.
+    """Check the pair, export both models, check parity, and write the manifest.
+
+    Pair rules, checked before anything is exported: one tokenizer (equal token -> id
+    map hashes); each model's logit width >= the tokenizer's size (extra rows are
+    padding: the runtime slices them off, so no padded id is ever proposed or chosen);
+    both architectures and config options supported for ``max_ctx``. The target's
+    special tokens (BOS/EOS/pad) are recorded in the manifest and used for draft, target
+    and baseline alike; the tokenizer's vocab hash is recorded per model so the runtime
+    can refuse a mismatched pair at load.
 
     Args:
         draft_dir, target_dir: local HF checkpoint folders (config, safetensors, tokenizer).
@@ -106,6 +189,8 @@ def export_pair(
             raise ValueError(f"{role} folder {d} is not a Hugging Face checkpoint (no config.json)")
     tok_json = check_pair(draft_dir, target_dir)
     eos, bos, add_bos, n_vocab = _special_ids(target_dir)
+    _check_configs(draft_dir, target_dir, max_ctx, n_vocab, log)
+    v_hash = vocab_hash(tok_json)
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)  # half-written until the new one lands
     log(f"exporting target {target_dir} -> {out / 'target.onnx'}")
@@ -121,14 +206,15 @@ def export_pair(
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         name=out.name,
-        draft=draft.entry,
-        target=target.entry,
+        draft=replace(draft.entry, vocab_hash=v_hash),
+        target=replace(target.entry, vocab_hash=v_hash),
         tokenizer_file="tokenizer.json",
         tokenizer_sha256=sha256_file(out / "tokenizer.json"),
         vocab_size=n_vocab,
         eos_token_id=eos,
         bos_token_id=bos,
         add_bos=add_bos,
+        pad_token_id=_pad_id(target_dir),
         max_ctx=max_ctx,
         k_min=1,
         k_max=k_max,

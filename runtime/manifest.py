@@ -53,6 +53,9 @@ class ModelEntry:
         inputs: ONNX input names in order.
         outputs: ONNX output names in order.
         source: the checkpoint folder it came from.
+        vocab_hash: SHA-256 of the token -> id map of the tokenizer saved beside that
+            checkpoint (empty in manifests written before it was recorded); the draft's
+            and the target's must be equal.
     """
 
     file: str
@@ -69,6 +72,7 @@ class ModelEntry:
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
     source: str = ""
+    vocab_hash: str = ""
 
     @staticmethod
     def io_names(n_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -103,6 +107,7 @@ class Manifest:
     defaults: dict[str, Any] = field(default_factory=dict)  # decoding defaults, e.g. k_max, threshold
     tools: dict[str, str] = field(default_factory=dict)  # tool versions used at export
     extra: dict[str, Any] = field(default_factory=dict)  # backend files etc. (forward compatible)
+    pad_token_id: int | None = None  # the target's pad token (recorded; batch-1 decoding never pads)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=False)
@@ -139,7 +144,8 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
 
     Raises:
         EngineError: folder or file missing, JSON unreadable, unknown ``format_version``,
-            draft/target vocab sizes that differ, or a file whose hash does not match.
+            draft/target vocab sizes that differ, draft/target tokenizer vocab hashes that
+            differ, or a file whose hash does not match.
     """
     folder = Path(folder)
     hint = REEXPORT_HINT.format(folder=folder)
@@ -169,6 +175,12 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
         raise EngineError(
             f"{path}: vocab sizes differ (draft {m.draft.vocab_size}, target {m.target.vocab_size}, tokenizer {m.vocab_size}); "
             "the draft and the target must share one tokenizer; export a matching pair"
+        )
+    if m.draft.vocab_hash and m.target.vocab_hash and m.draft.vocab_hash != m.target.vocab_hash:
+        raise EngineError(
+            f"{path}: the draft and the target come from different tokenizers (vocab hash {m.draft.vocab_hash[:12]} "
+            f"vs {m.target.vocab_hash[:12]}); speculative decoding needs the draft to propose ids the target understands. "
+            f"Re-export the pair together from checkpoints that share the target's tokenizer: {hint}"
         )
     if m.kv_layout != KV_LAYOUT or m.kv_dtype != "float32":
         raise EngineError(f"{path}: KV layout {m.kv_layout}/{m.kv_dtype} is not supported (need {KV_LAYOUT}/float32); {hint}")
