@@ -360,10 +360,14 @@ def install(monkeypatch, log=None, devices=1, fail_build=False):
     log = [] if log is None else log
     cuda = FakeCuda(log, devices)
     trt = FakeTRT(log, cuda, fail_build)
+    from importlib.machinery import ModuleSpec
+
     cuda_pkg = types.ModuleType("cuda")
     bindings = types.ModuleType("cuda.bindings")
     cuda_pkg.bindings = bindings
     bindings.runtime = cuda
+    for mod in (trt, cuda_pkg, bindings):  # importlib.util.find_spec needs a spec
+        mod.__spec__ = ModuleSpec(mod.__name__, None)
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "cuda", cuda_pkg)
     monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
