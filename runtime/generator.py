@@ -15,6 +15,12 @@ as in Hugging Face assisted generation's ``assistant_confidence_threshold``)::
        back (:func:`~specrt.runtime.speculative.rollback_lengths`).
 
 The output equals the target's own greedy output token for token.
+
+With ``temperature > 0`` the same loop does exact speculative *sampling*
+(:mod:`~specrt.runtime.sampling`; Leviathan et al. 2023, Algorithm 1): the draft samples
+each candidate from its warped distribution q, the target accepts it with probability
+min(1, p/q), samples a correction from norm(max(0, p - q)) at the first rejection, or a
+bonus token from p; the output follows the target's warped distribution exactly.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import numpy as np
 from .errors import InputError
 from .manifest import Manifest, load_manifest
 from .ort_backend import OrtModel, ThreadConfig
+from .sampling import check_sampling_params, sample_token, speculative_verify, warp
 from .speculative import argmax_token, draft_limit, greedy_verify, rollback_lengths, top1
 from .tokenizer import TextCodec
 
@@ -43,15 +50,30 @@ class GenerationConfig:
     Attributes:
         max_new_tokens: tokens to generate at most (>= 1); output never overshoots.
         k_max: most draft candidates per verification pass (1..manifest k_max).
-        threshold: draft confidence threshold in [0, 1]; drafting stops when the draft's
-            top-1 probability is below it (0 = fixed k_max).
+        threshold: draft confidence threshold in [0, 1] (0 = fixed k_max). Greedy: drafting
+            stops, without proposing it, at a token whose raw top-1 probability is below it.
+            Sampling: drafting stops *after* a sampled token whose *warped* draft
+            probability q(x) is below it; that token is still proposed (see
+            :meth:`Engine._rounds` for why).
         speculative: False runs the target alone (the baseline), one token per pass.
+        temperature: 0 = greedy (bit-identical to the greedy path); > 0 samples from the
+            warped distributions (exact speculative sampling).
+        top_k: keep the k most probable tokens (ties kept); 0 = off. Sampling only.
+        top_p: nucleus mass in (0, 1]; 1 = off. Sampling only (applied after top-k).
+        seed: seed of the call's ``numpy.random.Generator(PCG64(seed))``; None = fresh
+            entropy. The same seed and settings (k_max included) give the same tokens,
+            whatever k_max is; different k_max values draw different tokens from the
+            same distribution.
     """
 
     max_new_tokens: int = 128
     k_max: int | None = None
     threshold: float | None = None
     speculative: bool = True
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 @dataclass
@@ -122,6 +144,20 @@ class GenerationResult:
     stats: Stats
 
 
+class _WarpedRows:
+    """Target logits rows warped on first access into preallocated float64 rows, so that
+    :func:`~specrt.runtime.sampling.speculative_verify` warps only the rows it reads
+    (none after the first rejection). ``logits`` is set per verification pass."""
+
+    __slots__ = ("out", "args", "logits")
+
+    def __init__(self, out: np.ndarray, args: tuple):
+        self.out, self.args, self.logits = out, args, None
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return warp(self.logits[i], *self.args, out=self.out[i])
+
+
 class Engine:
     """A loaded engine folder: manifest, tokenizer, and both models on onnxruntime.
 
@@ -164,7 +200,8 @@ class Engine:
 
         Raises:
             InputError: k_max outside 1..manifest k_max, threshold outside [0, 1],
-                max_new_tokens < 1, wrong types.
+                max_new_tokens < 1, temperature < 0, top_k < 0, top_p outside (0, 1],
+                seed < 0, wrong types.
         """
         m = self.manifest
         k = config.k_max if config.k_max is not None else m.defaults.get("k_max", m.k_max)
@@ -176,7 +213,17 @@ class Engine:
         n = config.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise InputError(f"max_new_tokens={n!r}; max_new_tokens must be an integer >= 1")
-        return replace(config, k_max=int(k), threshold=float(th), max_new_tokens=int(n))
+        check_sampling_params(config.temperature, config.top_k, config.top_p, config.seed)
+        return replace(
+            config,
+            k_max=int(k),
+            threshold=float(th),
+            max_new_tokens=int(n),
+            temperature=float(config.temperature),
+            top_k=int(config.top_k),
+            top_p=float(config.top_p),
+            seed=None if config.seed is None else int(config.seed),
+        )
 
     def prompt_ids(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
         """Token ids for a text prompt or validated ids for an id prompt.
@@ -205,7 +252,7 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int] | np.ndarray, config: GenerationConfig = GenerationConfig()) -> GenerationResult:
-        """Generate greedily (speculative or target-only); see the module docstring.
+        """Generate, greedy or sampled (speculative or target-only); see the module docstring.
 
         Args:
             prompt: text, or token ids (list / int32 / int64 array).
@@ -259,20 +306,54 @@ class Engine:
             logits = model.run(tokens[i : i + step], start + i)
         return logits[-1]
 
+    def _sampling_buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """float64 work buffers of the sampling path, allocated on first use and reused:
+        q rows ``[k_max, vocab]``, p rows ``[k_max + 1, vocab]``, scratch ``[2, vocab]``."""
+        bufs = getattr(self, "_sample_bufs", None)
+        if bufs is None:
+            k, v = self.manifest.k_max, self.manifest.vocab_size
+            bufs = self._sample_bufs = (np.empty((k, v)), np.empty((k + 1, v)), np.empty((2, v)))
+        return bufs
+
     def _rounds(self, prompt: list[int], cfg: GenerationConfig, stats: Stats) -> Iterator[tuple[list[int], str | None]]:
-        """Core loop: yields (newly committed tokens, finish reason or None) per round."""
+        """Core loop: yields (newly committed tokens, finish reason or None) per round.
+
+        Sampling (``temperature > 0``): one ``Generator(PCG64(seed))`` per call; the first
+        token and target-only tokens are sampled from the warped p; draft candidates from
+        the warped q; verification is :func:`~specrt.runtime.sampling.speculative_verify`.
+
+        Confidence threshold when sampling: the draft samples x ~ q, *proposes* it, and
+        stops drafting after it when its warped probability q(x) < threshold (what Hugging
+        Face's ``assistant_confidence_threshold`` does: its stopping criterion reads the
+        processed scores of the token just generated). Warped, because q is the
+        distribution x was drawn from and the one in the ratio p(x)/q(x): it is the
+        draft's actual confidence in the proposal (raw probabilities ignore temperature,
+        top-k and top-p). Proposed rather than dropped, because dropping x when q(x) is
+        small would make the proposal follow q restricted to {q >= threshold}, not q, and
+        the ratio p/q would then bias the output; stopping *after* x only shortens the
+        round, a decision made from the draft's own information, which keeps the output
+        exactly p. (Greedy keeps its own rule, bit for bit: drop a token whose raw top-1
+        probability is below the threshold; exact there because it precedes the proposal.)
+        """
         with self._lock:
             m = self.manifest
             vocab, eos, max_ctx = m.vocab_size, m.eos_token_id, m.max_ctx
             k_max, threshold, budget = cfg.k_max, cfg.threshold, cfg.max_new_tokens
             target, draft, scratch = self.target, self.draft, self._scratch
+            sampling = cfg.temperature > 0.0
+            if sampling:
+                rng = np.random.Generator(np.random.PCG64(cfg.seed))
+                q_rows, p_rows, work = self._sampling_buffers()
+                wargs = (vocab, cfg.temperature, cfg.top_k, cfg.top_p)
+                p_lazy = _WarpedRows(p_rows, wargs)
             clock = time.perf_counter
             stats.prompt_tokens = len(prompt)
             stats.accepted_hist = [0] * (k_max + 1)
             hist = stats.accepted_hist
             t_start = clock()
             seq = list(prompt)
-            first = argmax_token(self._feed(target, seq, 0), vocab)
+            row = self._feed(target, seq, 0)
+            first = sample_token(warp(row, *wargs, out=p_rows[0]), rng, work[1]) if sampling else argmax_token(row, vocab)
             seq.append(first)
             t1 = clock()
             stats.prefill_seconds = stats.ttft_seconds = t1 - t_start
@@ -295,10 +376,17 @@ class Engine:
                     draft_len = seq_len
                     stats.draft_calls += 1
                     while True:
-                        tok, conf = top1(row, vocab, scratch)
-                        if conf < threshold:
-                            break
-                        cands.append(tok)
+                        if sampling:
+                            q_row = warp(row, *wargs, out=q_rows[len(cands)])
+                            tok = sample_token(q_row, rng, work[1])
+                            cands.append(tok)
+                            if q_row[tok] < threshold:  # propose x, then stop (see docstring)
+                                break
+                        else:
+                            tok, conf = top1(row, vocab, scratch)
+                            if conf < threshold:
+                                break
+                            cands.append(tok)
                         if len(cands) == n_max or tok == eos:
                             break
                         row = draft.run((tok,), draft_len)[0]
@@ -307,7 +395,11 @@ class Engine:
                     t_draft += clock() - t0
                 t0 = clock()
                 logits = target.run([seq[-1], *cands], seq_len - 1)
-                n_acc, nxt = greedy_verify(cands, logits, vocab)
+                if sampling:
+                    p_lazy.logits = logits
+                    n_acc, nxt = speculative_verify(cands, q_rows[: len(cands)], p_lazy, rng, work)
+                else:
+                    n_acc, nxt = greedy_verify(cands, logits, vocab)
                 t_target += clock() - t0
                 stats.passes += 1
                 stats.proposed += len(cands)

@@ -1,0 +1,276 @@
+"""Exact speculative *sampling* as small pure functions (no model calls, no I/O).
+
+Names follow Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding" (ICML), Algorithm 1, and Chen et al. 2023, "Accelerating Large Language Model
+Decoding with Speculative Sampling" (arXiv:2302.01318), Algorithm 2: ``q`` is the draft's
+distribution, ``p`` the target's. One verification, in the style of gpt-fast's
+``speculative_decode``::
+
+    for i, x in enumerate(candidates):          # x was sampled from q_i
+        accept x with probability min(1, p_i(x) / q_i(x))
+        on the first rejection: sample from norm(max(0, p_i - q_i)) and stop (early stop)
+    all accepted: sample the bonus token from p_n
+
+Both distributions are *warped* the same way first (:func:`warp`: temperature, then
+top-k, then top-p, as Hugging Face's ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
+``TopPLogitsWarper``); the output then follows the warped target distribution exactly
+(Leviathan et al. 2023, section 3 and Appendix A.1; Chen et al. 2023, Theorem 1).
+
+All probability arithmetic is float64 on the host: logits (float32 from onnxruntime, or
+float16 from another backend) are upcast before the softmax, so no probability or ratio
+is ever formed in half precision.
+
+Randomness comes only from the ``numpy.random.Generator`` passed in (the engine makes one
+``Generator(PCG64(seed))`` per call), so a seed fixes the whole run.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .errors import InputError
+from .speculative import _raise_nonfinite
+
+# A residual max(0, p - q) whose total mass is at most this is numerical noise: rejection
+# only happens where q(x) > p(x), so in exact arithmetic the residual mass equals
+# TV(p, q) > 0; float64 round-off on normalised p and q is ~1e-16 per entry. Below the
+# bound, p and q agree on their support, and sampling from p instead changes the output
+# distribution by at most this much in total variation.
+RESIDUAL_EPS = 1e-12
+
+_TOP_P_FIRST = 64  # top-p looks at this many largest probabilities first, then 4x, ...
+
+
+def check_sampling_params(temperature, top_k, top_p, seed=None) -> None:
+    """Validate sampling parameters; raise with the value and the allowed range.
+
+    Args:
+        temperature: finite number >= 0 (0 = greedy).
+        top_k: integer >= 0 (0 = off; values >= vocab keep every token).
+        top_p: number in (0, 1] (1 = off).
+        seed: None (fresh entropy) or an integer >= 0.
+
+    Raises:
+        InputError: any value outside those ranges, or of the wrong type (bool is not a number here).
+    """
+    t = temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not (0.0 <= t < np.inf):
+        raise InputError(f"temperature={t!r}; temperature must be a finite number >= 0 (0 = greedy)")
+    k = top_k
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+        raise InputError(f"top_k={k!r}; top_k must be an integer >= 0 (0 = off)")
+    tp = top_p
+    if isinstance(tp, bool) or not isinstance(tp, (int, float, np.integer, np.floating)) or not (0.0 < tp <= 1.0):
+        raise InputError(f"top_p={tp!r}; top_p must be a number in (0, 1] (1 = off)")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise InputError(f"seed={seed!r}; seed must be None or an integer >= 0")
+
+
+def warp(
+    logits_row: np.ndarray,
+    vocab: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Sampling distribution of one logits row: temperature, then top-k, then top-p.
+
+    The same function warps the draft's rows (q) and the target's rows (p), and the
+    target-only baseline samples from it too, so speculation changes nothing but speed.
+
+    Args:
+        logits_row: ``[V_padded]`` logits of one position, any float dtype (float16 and
+            float32 are upcast to float64 first).
+        vocab: real vocab size (<= V_padded); ids >= vocab (padding rows) get probability 0.
+        temperature: >= 0. 0 gives the greedy one-hot (argmax, lowest id on ties); a
+            positive temperature divides the max-subtracted logits, so as it goes to 0 the
+            distribution becomes the one-hot of the argmax (greedy) without overflow.
+        top_k: keep the tokens whose probability is >= the k-th largest (ties at the k-th
+            value are kept, as Hugging Face's ``TopKLogitsWarper``); 0 or >= vocab = off.
+            top_k = 1 keeps only the argmax (greedy unless the top logits tie exactly).
+        top_p: after top-k, keep the smallest set of most probable tokens whose mass is
+            >= top_p (the token that crosses top_p is kept, ties with it too; at least one
+            token always stays), as Hugging Face's ``TopPLogitsWarper``; 1 = off.
+        out: optional float64 ``[W]`` result buffer with vocab <= W; entries [vocab:W]
+            are set to 0. Default: a new array of width ``len(logits_row)``.
+
+    Returns:
+        float64 ``[W]`` probabilities summing to 1 (``out`` when given).
+
+    Raises:
+        NumericsError: NaN or +inf in the row (or every entry -inf).
+        InputError: parameters outside the ranges of :func:`check_sampling_params`.
+
+    Source: Holtzman et al. 2020 (nucleus/top-p, section 3.1); Fan et al. 2018 (top-k);
+    applied to both p and q before any ratio, as Leviathan et al. 2023 section 3.
+    """
+    if not (temperature >= 0.0 and top_k >= 0 and 0.0 < top_p <= 1.0):
+        check_sampling_params(temperature, top_k, top_p)
+    if out is None:
+        out = np.empty(len(logits_row), np.float64)
+    row = logits_row[:vocab]
+    z = out[:vocab]
+    out[vocab:] = 0.0
+    if temperature == 0.0:
+        idx = int(row.argmax())
+        if not np.isfinite(row[idx]):
+            _raise_nonfinite(row)
+        z[:] = 0.0
+        z[idx] = 1.0
+        return out
+    z[:] = row  # upcast to float64
+    m = z.max()
+    if not np.isfinite(m):  # NaN propagates into max; +inf or all -inf are refused too
+        _raise_nonfinite(row)
+    np.subtract(z, m, out=z)
+    if temperature != 1.0:
+        np.divide(z, temperature, out=z)
+    np.exp(z, out=z)  # the max is exp(0) = 1, so the sum is >= 1: no division by zero below
+    if 0 < top_k < vocab:
+        kth = np.partition(z, vocab - top_k)[vocab - top_k]
+        z[z < kth] = 0.0
+    z /= z.sum()
+    if top_p < 1.0:
+        z[z < _top_p_cutoff(z, top_p)] = 0.0
+        z /= z.sum()
+    return out
+
+
+def _top_p_cutoff(probs: np.ndarray, top_p: float) -> float:
+    """Smallest probability kept by top-p: the value of the token whose running mass
+    (tokens in decreasing order) first reaches ``top_p``. Looks at the 64 largest first,
+    then 4x as many, so the common peaked case sorts only a handful of values."""
+    n = probs.size
+    m = min(_TOP_P_FIRST, n)
+    while True:
+        if m < n:
+            top = probs[np.argpartition(probs, n - m)[n - m :]]
+        else:
+            top = probs
+        top = np.sort(top)[::-1]
+        mass = np.cumsum(top)
+        j = int(np.searchsorted(mass, top_p))  # first index with mass >= top_p
+        if j < m:
+            return float(top[j])
+        if m == n:  # round-off: all mass just below top_p; keep everything
+            return float(top[-1])
+        m = min(4 * m, n)
+
+
+def sample_token(probs: np.ndarray, rng: np.random.Generator, work: np.ndarray | None = None) -> int:
+    """Draw one id from non-negative weights (they need not sum to 1) by inverse CDF.
+
+    Uses exactly one ``rng.random()`` draw. An id with weight 0 is never returned.
+
+    Args:
+        probs: float64 ``[W]`` non-negative weights with a positive, finite sum.
+        rng: the call's ``numpy.random.Generator``.
+        work: optional float64 ``[>= W]`` buffer for the running sum (avoids an allocation).
+
+    Returns:
+        the sampled id (int in 0..W-1).
+
+    Raises:
+        ValueError: weights summing to 0, NaN or inf.
+
+    Source: inverse transform sampling; the draws "x ~ q", "x ~ p" and
+    "x ~ norm(max(0, p - q))" of Leviathan et al. 2023, Algorithm 1.
+    """
+    c = np.cumsum(probs, out=None if work is None else work[: probs.size])
+    total = c[-1]
+    if not (0.0 < total < np.inf):
+        raise ValueError(f"cannot sample from weights that sum to {total!r}")
+    u = rng.random() * total
+    i = int(np.searchsorted(c, u, side="right"))  # first id whose running sum exceeds u
+    if i >= probs.size:  # u rounded up to the total: take the last id with positive weight
+        i = int(np.flatnonzero(probs)[-1])
+    return i
+
+
+def residual(p_row: np.ndarray, q_row: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Unnormalised residual ``max(0, p - q)`` the target samples from after a rejection.
+
+    Args:
+        p_row, q_row: float64 ``[W]`` warped target and draft distributions of one position.
+        out: optional float64 ``[W]`` result buffer.
+
+    Returns:
+        float64 ``[W]`` non-negative weights (``out`` when given); normalising is left to
+        :func:`sample_token`, which accepts unnormalised weights.
+
+    Source: Leviathan et al. 2023, Algorithm 1 ("p'(x) = norm(max(0, p(x) - q(x)))") and
+    section 3 (it is the correction that makes the output follow p).
+    """
+    out = np.subtract(p_row, q_row, out=out)
+    np.maximum(out, 0.0, out=out)
+    return out
+
+
+def sample_residual(p_row: np.ndarray, q_row: np.ndarray, rng: np.random.Generator, work: np.ndarray | None = None) -> int:
+    """Sample from ``norm(max(0, p - q))``, or from ``p`` when that residual is numerically zero.
+
+    A rejection of x implies q(x) > p(x), so in exact arithmetic the residual mass
+    sum(max(0, p - q)) = TV(p, q) > 0. When it is at most :data:`RESIDUAL_EPS` it is
+    round-off: p == q on the support, where the target's own distribution p is the exact
+    answer (and the change in the output distribution is at most RESIDUAL_EPS).
+
+    Args:
+        p_row, q_row: float64 ``[W]`` warped distributions (each sums to 1).
+        rng: the call's generator (one draw).
+        work: optional float64 ``[2, >= W]`` buffers.
+
+    Returns:
+        the corrected token id.
+
+    Source: Leviathan et al. 2023, Algorithm 1, rejection branch.
+    """
+    w = p_row.size
+    res = residual(p_row, q_row, out=None if work is None else work[0, :w])
+    if res.sum() <= RESIDUAL_EPS:
+        res = p_row
+    return sample_token(res, rng, None if work is None else work[1, :w])
+
+
+def speculative_verify(
+    candidates: Sequence[int],
+    q_probs: np.ndarray,
+    p_probs,
+    rng: np.random.Generator,
+    work: np.ndarray | None = None,
+) -> tuple[int, int]:
+    """Accept or reject draft candidates by speculative sampling; early stop at the first rejection.
+
+    Args:
+        candidates: the n draft tokens x_1..x_n, x_i sampled from ``q_probs[i]``.
+        q_probs: float64 ``[n, W]`` warped draft distributions the candidates came from.
+        p_probs: float64 ``[n+1, W]`` warped target distributions for the positions of
+            [pending, x_1, ..., x_n] (row i predicts the token after position i); or any
+            object whose ``[i]`` gives row i (the engine passes rows that are warped on
+            first access: rows after the first rejection are never read).
+        rng: the call's ``numpy.random.Generator``: one draw per examined candidate, plus
+            one for the correction or bonus token.
+        work: optional float64 ``[2, >= W]`` buffers (avoids allocations).
+
+    Returns:
+        ``(n_accepted, next_token)``: m = the number of leading candidates accepted (each
+        x_i with probability min(1, p_i(x_i) / q_i(x_i))), and the target's token at
+        row m: sampled from norm(max(0, p_m - q_m)) after a rejection (from p_m when that
+        residual is numerically zero, see :func:`sample_residual`), or the bonus token
+        sampled from p_n when all n were accepted.
+
+    Source: Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2; in the
+    style of gpt-fast's ``speculative_decode``. With p == q every candidate is accepted
+    (r < 1 = p/q); with one-hot p and q (temperature 0, top_k = 1) it is greedy_verify.
+    """
+    for i, x in enumerate(candidates):
+        qx = q_probs[i][x]
+        p_row = p_probs[i]
+        # accept with probability min(1, p(x)/q(x)); written without a division: r < 1
+        # always accepts when p(x) >= q(x) > 0
+        if rng.random() * qx < p_row[x]:
+            continue
+        return i, sample_residual(p_row, q_probs[i], rng, work)
+    n = len(candidates)
+    return n, sample_token(p_probs[n], rng, None if work is None else work[1])
