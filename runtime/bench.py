@@ -7,6 +7,10 @@ target-only (the same ratio, and the median and quartiles of per-prompt ratios),
 acceptance rate, mean accepted length, time to first token, the share of distinct
 4-grams in the outputs (a looping target inflates acceptance), and how many outputs
 equal the target-only output token for token.
+
+Sampled configurations (``temperature > 0``) are compared with target-only *sampling*
+with the same settings (the first config); their outputs are random draws, so
+``equal_to_target`` is None for them (it means something only for greedy decoding).
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import json
 import math
 import resource
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -94,7 +98,7 @@ def run_bench(
     ids_all = [engine.prompt_ids(p["prompt"]) for p in prompts]
     # warm-up (first-call allocations in onnxruntime), not measured
     for c in configs:
-        engine.generate(ids_all[0], GenerationConfig(max_new_tokens=4, k_max=c.config.k_max, threshold=c.config.threshold, speculative=c.config.speculative))
+        engine.generate(ids_all[0], replace(c.config, max_new_tokens=4))
     for r in range(repeats):
         for i, ids in enumerate(ids_all):
             shift = (i + r) % n
@@ -144,6 +148,10 @@ def run_bench(
                 k_max=c.config.k_max,
                 threshold=c.config.threshold,
                 speculative=c.config.speculative,
+                temperature=c.config.temperature,
+                top_k=c.config.top_k,
+                top_p=c.config.top_p,
+                seed=c.config.seed,
                 tokens=tok,
                 seconds=sec,
                 tokens_per_second=tok / sec,
@@ -157,7 +165,9 @@ def run_bench(
                 ttft_ms_median=1000 * float(np.median([x["ttft"] for x in xs])),
                 draft_share=sum(x["draft_seconds"] for x in xs) / sec,
                 distinct_4gram=float(np.nanmean([distinct_4gram_share(x["tokens"]) for x in xs if x["repeat"] == 0])),
-                equal_to_target=sum(x["tokens"] == base_tokens[x["prompt"]] for x in xs if x["repeat"] == 0),
+                equal_to_target=(
+                    None if c.config.temperature > 0 else sum(x["tokens"] == base_tokens[x["prompt"]] for x in xs if x["repeat"] == 0)
+                ),
                 accepted_hist=hist[:last].tolist(),
             )
         )
@@ -180,9 +190,13 @@ def format_table(result: dict) -> str:
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
         mal = f"{r['mean_accepted']:.2f}" if r["speculative"] else "-"
         spread = f"{r['speedup_per_prompt_median']:.2f} [{r['speedup_per_prompt_q25']:.2f},{r['speedup_per_prompt_q75']:.2f}]"
+        eq = f"{r['equal_to_target']:>5}/{result['prompts']:<3}" if r.get("equal_to_target") is not None else f"{'-':>5} {'':<3}"
         lines.append(
             f"{r['label']:<22}{r['tokens_per_second']:>9.1f}{r['speedup']:>8.2f}x{spread:>20}{acc:>8}{mal:>9}"
-            f"{r['ttft_ms_median']:>9.1f}{r['distinct_4gram']:>7.2f}{r['equal_to_target']:>5}/{result['prompts']:<3}"
+            f"{r['ttft_ms_median']:>9.1f}{r['distinct_4gram']:>7.2f}{eq}"
         )
     lines.append(f"prompts {result['prompts']} x {result['repeats']} repeats, {result['max_new_tokens']} new tokens, peak RSS {result['peak_rss_mb']:.0f} MiB")
+    r0 = result["rows"][0]
+    if r0.get("temperature"):
+        lines.append(f"sampling: temperature {r0['temperature']:g}, top_k {r0['top_k']}, top_p {r0['top_p']:g}, seed {r0['seed']} (all rows)")
     return "\n".join(lines)

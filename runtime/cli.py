@@ -46,6 +46,17 @@ def _backend_option(f):
     )(f)
 
 
+def _sampling_options(f):
+    """--temperature/--top-k/--top-p/--seed; values are checked by Engine.resolve (InputError)."""
+    f = click.option("--seed", type=int, default=None, help="sampling seed (same seed, same tokens; default: fresh entropy)")(f)
+    f = click.option("--top-p", type=float, default=1.0, show_default=True, help="nucleus mass in (0, 1] (1 = off)")(f)
+    f = click.option("--top-k", type=int, default=0, show_default=True, help="keep the k most probable tokens (0 = off)")(f)
+    f = click.option(
+        "--temperature", type=float, default=0.0, show_default=True, help="0 = greedy; > 0 = exact speculative sampling (temperature, then top-k, then top-p)"
+    )(f)
+    return f
+
+
 def _engine(path: str, threads: int | None, spinning: bool, backend: str | None = None):
     from .generator import Engine
     from .ort_backend import ThreadConfig
@@ -91,16 +102,20 @@ def export(draft, target, out, k_max, max_ctx):
 @click.option("--no-speculation", is_flag=True, help="run the target alone (baseline)")
 @click.option("--stream", is_flag=True, help="print text as it is committed")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="print statistics (JSON) to stderr")
+@_sampling_options
 @_threads_option
 @_backend_option
 @_clean_errors
-def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, stream, stats, threads, spinning, backend):
-    """Generate a continuation of PROMPT (greedy; output equals the target's own)."""
+def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, stream, stats, temperature, top_k, top_p, seed, threads, spinning, backend):
+    """Generate a continuation of PROMPT (greedy: the target's own output; sampled: its distribution)."""
     from .generator import GenerationConfig
 
     t0 = time.perf_counter()
     engine = _engine(engines, threads, spinning, backend)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, k_max=k_max, threshold=threshold, speculative=not no_speculation)
+    cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens, k_max=k_max, threshold=threshold, speculative=not no_speculation,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+    )
     if stream:
         first = None
         for piece in engine.stream(prompt, cfg):
@@ -132,11 +147,14 @@ def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, 
 @click.option("--threshold", "thresholds", type=float, multiple=True, help="thresholds to try (repeatable; default: manifest)")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts (interleaved)")
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="write the results as JSON here")
+@_sampling_options
 @_threads_option
 @_backend_option
 @_clean_errors
-def bench(engines, prompts_file, limit, max_new_tokens, k_values, thresholds, repeats, out_json, threads, spinning, backend):
-    """Target-only vs speculative decoding, interleaved on the same prompts; prints a table."""
+def bench(engines, prompts_file, limit, max_new_tokens, k_values, thresholds, repeats, out_json, temperature, top_k, top_p, seed, threads, spinning, backend):
+    """Target-only vs speculative decoding, interleaved on the same prompts; prints a table.
+
+    Sampling options apply to every row, the target-only baseline included."""
     from .bench import BenchConfig, format_table, load_prompts, run_bench
     from .generator import GenerationConfig
 
@@ -145,10 +163,11 @@ def bench(engines, prompts_file, limit, max_new_tokens, k_values, thresholds, re
     m = engine.manifest
     ks = k_values or (m.defaults.get("k_max", m.k_max),)
     ths = thresholds or (m.defaults.get("threshold", 0.0),)
-    configs = [BenchConfig("target-only", GenerationConfig(max_new_tokens=max_new_tokens, speculative=False))]
+    samp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    configs = [BenchConfig("target-only", GenerationConfig(max_new_tokens=max_new_tokens, speculative=False, **samp))]
     for k in ks:
         for th in ths:
-            cfg = engine.resolve(GenerationConfig(max_new_tokens=max_new_tokens, k_max=k, threshold=th))
+            cfg = engine.resolve(GenerationConfig(max_new_tokens=max_new_tokens, k_max=k, threshold=th, **samp))
             configs.append(BenchConfig(f"spec k={k} th={th:g}", cfg))
     with click.progressbar(length=len(prompts) * repeats * len(configs), label="bench", file=sys.stderr) as bar:
         last = [0]
