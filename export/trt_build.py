@@ -17,13 +17,14 @@ Manifest record (``extra["tensorrt"]``)::
 
     {"record_version": 1, "precision": "fp16", "tensorrt_version": "10.x", "past_pad": 0,
      "strongly_typed": true, "workspace_bytes": N, "prefill_q": 256,
-     "models": {"target": {"onnx": ..., "onnx_sha256": ..., "plan": ..., "plan_sha256": ...,
+     "models": {"target": {"source_onnx_sha256": <sha256 of target.onnx>, "onnx": ...,
+                           "onnx_sha256": ..., "plan": ..., "plan_sha256": ...,
                            "profiles": <ProfileSet.to_json()>}, "draft": {...}}}
 
 A plan is specific to the TensorRT version and the GPU model it was built on; build on
 the machine that serves. Command line (used by ``make export``)::
 
-    python -m specrt.export.trt_build ENGINE_DIR [--precision fp16] [--if-available]
+    python -m specrt.export.trt_build ENGINE_DIR [--precision fp16] [--if-available] [--skip-if-built]
 """
 from __future__ import annotations
 
@@ -175,6 +176,7 @@ def build_plans(folder: str | Path, manifest: Manifest, cfg: TrtBuildConfig = Tr
         _write_atomic(plan, build_plan(trt, onnx_path, entry, pset, cfg, log))
         log(f"  wrote {plan}")
         models[role] = {
+            "source_onnx_sha256": entry.sha256,
             "onnx": onnx_path.name,
             "onnx_sha256": sha256_file(onnx_path),
             "plan": plan.name,
@@ -211,6 +213,30 @@ def tensorrt_hook(out: Path, manifest: Manifest, precision: str | None, log: Cal
     return build_plans(out, manifest, TrtBuildConfig(precision=precision), log=log)
 
 
+def plans_up_to_date(folder: Path, manifest: Manifest, cfg: TrtBuildConfig, trt_version: str) -> bool:
+    """Whether ``manifest`` already records plans built with ``cfg`` by this TensorRT
+    version, for these ONNX files, and the plan files still match their hashes."""
+    rec = manifest.extra.get("tensorrt")
+    if not isinstance(rec, dict) or rec.get("record_version") != RECORD_VERSION:
+        return False
+    if (rec.get("precision"), rec.get("past_pad"), rec.get("prefill_q"), rec.get("tensorrt_version")) != (
+        cfg.precision,
+        cfg.past_pad,
+        cfg.prefill_q,
+        trt_version,
+    ):
+        return False
+    for role, entry in (("draft", manifest.draft), ("target", manifest.target)):
+        r = rec.get("models", {}).get(role, {})
+        if r.get("source_onnx_sha256") != entry.sha256:
+            return False
+        for key in ("onnx", "plan"):
+            p = Path(folder) / str(r.get(key, ""))
+            if not p.is_file() or sha256_file(p) != r.get(f"{key}_sha256"):
+                return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m specrt.export.trt_build``: build plans for an existing engine folder.
 
@@ -225,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--past-pad", type=int, choices=(0, 1), default=0, help="1 = dummy past row (if TensorRT refuses past length 0)")
     ap.add_argument("--opt-level", type=int, default=None, help="builder optimization level 0..5")
     ap.add_argument("--if-available", action="store_true", help="exit 0 with a message when TensorRT or a GPU is missing")
+    ap.add_argument("--skip-if-built", action="store_true", help="do nothing when the manifest already records matching, intact plans")
     args = ap.parse_args(argv)
     reason = tensorrt_unavailable()
     if reason:
@@ -234,7 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = TrtBuildConfig(args.precision, args.workspace_gb, args.prefill_q, args.past_pad, args.opt_level)
         folder = Path(args.engines)
-        manifest = build_plans(folder, load_manifest(folder), cfg, log=lambda s: print(s, file=sys.stderr))
+        manifest = load_manifest(folder)
+        if args.skip_if_built:
+            from specrt.runtime.trt_backend import load_tensorrt
+
+            if plans_up_to_date(folder, manifest, cfg, str(getattr(load_tensorrt(), "__version__", "unknown"))):
+                print(f"TensorRT plans: up to date in {folder}", file=sys.stderr)
+                return 0
+        manifest = build_plans(folder, manifest, cfg, log=lambda s: print(s, file=sys.stderr))
         manifest.write(folder)  # atomic, last: until then the old manifest (no plans) stays valid
     except Exception as e:  # noqa: BLE001 - one line, no stack trace, for make
         print(f"TensorRT plans: failed: {type(e).__name__}: {e}", file=sys.stderr)

@@ -301,6 +301,20 @@ def test_manifest_with_trt_record_serves_unchanged_on_ort_cpu(engine_copy, tiny_
     assert e.generate("def add(a, b):", GenerationConfig(max_new_tokens=16, k_max=4)).tokens == a.tokens
 
 
+def test_plans_up_to_date_detects_changes(engine_copy):
+    from specrt.export.trt_build import TrtBuildConfig, plans_up_to_date
+
+    log = []
+    trt = fake_gpu.FakeTRT(log, fake_gpu.FakeCuda(log))
+    assert not plans_up_to_date(engine_copy, load_manifest(engine_copy), TrtBuildConfig(), trt.__version__)
+    m = _build(engine_copy, trt, precision="fp16")
+    assert plans_up_to_date(engine_copy, m, TrtBuildConfig(precision="fp16"), trt.__version__)
+    assert not plans_up_to_date(engine_copy, m, TrtBuildConfig(precision="bf16"), trt.__version__)
+    assert not plans_up_to_date(engine_copy, m, TrtBuildConfig(precision="fp16"), "11.0")
+    (engine_copy / "target.fp16.plan").write_bytes(b"x")
+    assert not plans_up_to_date(engine_copy, m, TrtBuildConfig(precision="fp16"), trt.__version__)
+
+
 def test_build_without_strongly_typed_flag_and_build_failures(engine_copy):
     from specrt.export.trt_build import TrtBuildError, network_flags
 
