@@ -1,0 +1,716 @@
+"""Side-by-side benchmark: specrt against what users would pick instead, in one run.
+
+Systems (rows), all on the same pair, the same prompt token ids, greedy, the same thread count:
+
+  specrt target-only              onnxruntime, IO-bound KV (the baseline of every ratio)
+  specrt spec (best)              the engine manifest's default k_max/threshold (or --spec-k/--spec-threshold)
+  specrt spec (fixed k)           k = --fixed-k, threshold 0 (skipped when equal to best)
+  HF generate                     transformers generate(do_sample=False), PyTorch target
+  HF assisted (defaults)          assistant_model=draft, transformers' defaults (20 tokens, "constant", threshold 0.4)
+  HF assisted (specrt k/th)       num_assistant_tokens=k, "constant", assistant_confidence_threshold=th
+  optimum ORTModelForCausalLM     export=True of the target, generate (its own venv, transformers < 4.58)
+  ort-genai target-only           onnxruntime-genai, model builder fp32 cpu
+  ort-genai speculative (k)       onnxruntime-genai speculative decoding, max_draft_tokens=k
+
+Every system runs in its own worker process (scripts/bench_workers/*_worker.py, with the python
+of the venv it needs), loads once and warms up, then takes prompts over a JSON-lines pipe.
+Prompts are interleaved: for each prompt every system runs once, in an order rotated from
+prompt to prompt and repeat to repeat, so machine noise lands on all of them alike. Each
+worker times its own call (no pipe time), measures its time to first token and reports its
+own peak RSS (ru_maxrss). Outputs are compared with specrt target-only's tokens (equal to
+transformers' greedy output by the project's tests).
+
+Then, on the specrt worker alone: a k_max x threshold sweep (acceptance rate, speedup,
+accepted lengths), per-call costs of draft and target (for the analytic bound
+(1 - a^(k+1)) / ((1 - a)(k c + 1))), and a profile of the speculative loop (cProfile, and
+py-spy when installed). Writes OUT/compare.json, OUT/table.md and PNG plots beside them.
+
+    python scripts/bench_compare.py --target models/target --draft models/draft \
+        --engines engines/default --prompts data/humaneval_dev.jsonl --repeats 3 --out bench_out/compare
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "bench_workers"
+BASE = "specrt target-only"
+
+
+# ---- workers ---------------------------------------------------------------------------
+
+class Worker:
+    """One worker process speaking the JSON-lines protocol of bench_workers/_protocol.py."""
+
+    def __init__(self, label: str, python: str, script: str, init: dict, log_dir: Path, env: dict):
+        self.label = label
+        self.python = python
+        self.log_path = log_dir / (label.replace(" ", "_").replace("/", "_").replace("(", "").replace(")", "").replace("=", "") + ".log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([python, str(WORKERS / script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     cwd=str(ROOT), env=env, text=True, bufsize=1)
+        self.send({"init": init})
+
+    def send(self, obj: dict) -> None:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, timeout: float) -> dict:
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise RuntimeError(f"{self.label}: no answer within {timeout:.0f} s (worker killed); log {self.log_path}")
+            r, _, _ = select.select([self.proc.stdout], [], [], min(left, 5.0))
+            if r:
+                line = self.proc.stdout.readline()
+                if not line:
+                    self.proc.wait(timeout=10)
+                    raise RuntimeError(f"{self.label}: worker exited (code {self.proc.returncode}): {self.log_tail()}")
+                return json.loads(line)
+
+    def call(self, obj: dict, timeout: float) -> dict:
+        self.send(obj)
+        return self.recv(timeout)
+
+    def log_tail(self, n: int = 6) -> str:
+        self.log.flush()
+        try:
+            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return " | ".join(lines[-n:])[-1500:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"op": "exit"})
+                self.proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001
+                self.kill()
+        self.log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def venv_python(path: str) -> str | None:
+    p = Path(path)
+    if not p.is_absolute():
+        p = ROOT / p
+    return str(p) if p.exists() else None
+
+
+# ---- statistics ------------------------------------------------------------------------
+
+def quart(x) -> dict:
+    x = np.asarray([v for v in x if v is not None and not (isinstance(v, float) and math.isnan(v))], dtype=float)
+    if not x.size:
+        return dict(median=None, q25=None, q75=None)
+    return dict(median=float(np.median(x)), q25=float(np.percentile(x, 25)), q75=float(np.percentile(x, 75)))
+
+
+def summarize(rows: list[dict], runs: dict[str, list[dict]], n_prompts: int) -> None:
+    base_runs = runs.get(BASE, [])
+    base_tok = {x["prompt"]: x["tokens"] for x in base_runs if x["repeat"] == 0}
+    base_rate = {(x["prompt"], x["repeat"]): x["new_tokens"] / x["seconds"] for x in base_runs}
+    base_tps = (sum(x["new_tokens"] for x in base_runs) / sum(x["seconds"] for x in base_runs)) if base_runs else None
+    for row in rows:
+        xs = runs.get(row["label"], [])
+        row["runs"] = len(xs)
+        if not xs:
+            continue
+        tok = sum(x["new_tokens"] for x in xs)
+        sec = sum(x["seconds"] for x in xs)
+        row["new_tokens"] = tok
+        row["seconds"] = sec
+        row["tokens_per_second"] = tok / sec
+        row["tokens_per_second_per_run"] = quart([x["new_tokens"] / x["seconds"] for x in xs])
+        dec = [(x["new_tokens"] - 1, x["seconds"] - x["ttft"]) for x in xs if x.get("ttft") is not None]
+        row["decode_tokens_per_second"] = (sum(a for a, _ in dec) / sum(b for _, b in dec)) if dec and sum(b for _, b in dec) > 0 else None
+        row["ratio_to_specrt_target_only"] = row["tokens_per_second"] / base_tps if base_tps else None
+        per = [(x["new_tokens"] / x["seconds"]) / base_rate[(x["prompt"], x["repeat"])] for x in xs if (x["prompt"], x["repeat"]) in base_rate]
+        row["ratio_per_prompt"] = quart(per)
+        row["ttft_ms"] = {k: (v * 1000 if v is not None else None) for k, v in quart([x.get("ttft") for x in xs]).items()}
+        first = {x["prompt"]: x["tokens"] for x in xs if x["repeat"] == 0}
+        row["equal_to_target"] = sum(1 for p, t in first.items() if p in base_tok and t == base_tok[p])
+        row["compared_prompts"] = sum(1 for p in first if p in base_tok)
+        row["mismatch_prompts"] = [p for p, t in first.items() if p in base_tok and t != base_tok[p]]
+        row["deterministic_across_repeats"] = all(x["tokens"] == first.get(x["prompt"], x["tokens"]) for x in xs)
+        prop = [x["extra"].get("proposed") for x in xs]
+        acc = [x["extra"].get("accepted") for x in xs]
+        if all(p is not None for p in prop) and all(a is not None for a in acc) and sum(prop) > 0:
+            row["acceptance_rate"] = sum(acc) / sum(prop)
+        if all("hist" in x["extra"] for x in xs):
+            width = max(len(x["extra"]["hist"]) for x in xs)
+            h = np.sum([np.pad(x["extra"]["hist"], (0, width - len(x["extra"]["hist"]))) for x in xs], axis=0)
+            row["accepted_hist"] = [int(v) for v in h]
+            row["passes"] = sum(x["extra"]["passes"] for x in xs)
+            row["draft_calls"] = sum(x["extra"]["draft_calls"] for x in xs)
+            row["accepted"] = sum(acc)
+            row["proposed"] = sum(prop)
+        if all("loop_seconds" in x["extra"] for x in xs):  # specrt: where the wall time went
+            t = {k: sum(x["extra"][k] for x in xs) for k in ("loop_seconds", "prefill_seconds", "draft_seconds", "target_seconds")}
+            row["time_split_seconds"] = dict(
+                wall=sec,
+                outside_loop=sec - t["loop_seconds"],
+                prefill=t["prefill_seconds"],
+                draft=t["draft_seconds"],
+                verify_or_decode=t["target_seconds"],
+                loop_other=t["loop_seconds"] - t["prefill_seconds"] - t["draft_seconds"] - t["target_seconds"],
+            )
+        if all("acceptance_rate" in x["extra"] for x in xs):  # onnxruntime-genai's own counters
+            keys = ("rounds", "draft_tokens_evaluated", "draft_tokens_accepted", "draft_forward_passes", "target_forward_passes")
+            row["ortgenai_stats"] = {k: sum((x["extra"].get(k) or 0) for x in xs) for k in keys}
+
+
+# ---- analytic bound --------------------------------------------------------------------
+
+def bound_formula(alpha: float, k: int, c: float) -> float | None:
+    """Leviathan et al. 2023, Theorem 3.8: expected speedup of an overhead-free runtime."""
+    if alpha is None or c is None:
+        return None
+    if alpha >= 1.0:
+        return (k + 1) / (k * c + 1)
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
+
+
+def analyse_row(row: dict, costs: dict, threshold: float, k: int, measured: float | None, measured_decode: float | None) -> dict:
+    """Bound for one speculative configuration from its counters and the per-call costs.
+
+    alpha: accepted / proposed ("naive"), and for threshold 0 the censored-geometric
+    estimate accepted / (accepted + rejections), rejections = passes that accepted fewer than
+    k (the formula's alpha: each candidate accepted independently with probability alpha).
+    c = draft step / target verification of k+1 tokens (both measured in this run).
+    bound_counts: the same run's counters (draft calls, passes, tokens) priced at the
+    measured per-call costs, against target-only at one target call per token.
+    """
+    t_d = next(r["median_ms"] for r in costs["rows"] if r["model"] == "draft")
+    t_v = {r["q"]: r["median_ms"] for r in costs["rows"] if r["model"] == "target"}
+    hist = row.get("accepted_hist") or []
+    acc, prop, passes = row.get("accepted"), row.get("proposed"), row.get("passes")
+    out = dict(k=k, threshold=threshold, t_draft_ms=t_d, t_verify_ms=t_v.get(k + 1), t_target1_ms=t_v.get(1))
+    if not prop or not passes:
+        return out
+    a_naive = acc / prop
+    rejections = sum(hist[:k]) if len(hist) >= k else None
+    a_mle = acc / (acc + rejections) if threshold == 0 and rejections is not None and acc + rejections > 0 else None
+    alpha = a_mle if a_mle is not None else a_naive
+    c = t_d / t_v[k + 1] if t_v.get(k + 1) else None
+    out.update(alpha_naive=a_naive, alpha_geometric=a_mle, alpha_used=alpha, c=c, c_vs_target1=t_d / t_v[1] if t_v.get(1) else None)
+    out["bound_formula"] = bound_formula(alpha, k, c)
+    new = row.get("new_tokens")
+    n_runs = row.get("runs") or 1
+    q_mean = prop / passes + 1
+    qs = sorted(t_v)
+    tv_mean = float(np.interp(q_mean, qs, [t_v[q] for q in qs]))
+    ideal_spec = row["draft_calls"] * t_d + passes * tv_mean
+    ideal_base = (new - n_runs) * t_v[1]  # decode tokens after the first (prefill excluded on both sides)
+    out["bound_counts"] = ideal_base / ideal_spec if ideal_spec > 0 else None
+    out["mean_verify_width"] = q_mean
+    ts = row.get("time_split_seconds")
+    if ts:  # measured time per part against the same calls priced at the isolated per-call costs
+        ideal_d, ideal_v = row["draft_calls"] * t_d / 1000, passes * tv_mean / 1000
+        out["time_split"] = dict(
+            measured_seconds=ts,
+            ideal_draft_seconds=ideal_d,
+            ideal_verify_seconds=ideal_v,
+            draft_over_ideal=ts["draft"] / ideal_d if ideal_d else None,
+            verify_over_ideal=ts["verify_or_decode"] / ideal_v if ideal_v else None,
+            note="draft/verify measured = model calls + token selection + loop code of that phase (generator Stats); "
+            "ideal = the same number of calls at the per-call medians measured in isolation (costs)",
+        )
+    out["tokens_per_pass"] = (new - n_runs) / passes
+    out["measured_speedup"] = measured
+    out["measured_decode_speedup"] = measured_decode
+    if measured and out["bound_formula"]:
+        out["measured_over_bound_formula"] = measured / out["bound_formula"]
+    if measured_decode and out["bound_formula"]:
+        out["decode_over_bound_formula"] = measured_decode / out["bound_formula"]
+    if measured and out["bound_counts"]:
+        out["measured_over_bound_counts"] = measured / out["bound_counts"]
+    return out
+
+
+# ---- plots -----------------------------------------------------------------------------
+
+def make_plots(result: dict, out: Path) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = {}
+    rows = result["rows"]
+    # 1. tokens/s per system
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.6))
+    labels = [r["label"] for r in rows][::-1]
+    for y, r in enumerate(rows[::-1]):
+        tps = r.get("tokens_per_second")
+        if tps:
+            q = r["tokens_per_second_per_run"]
+            color = "tab:blue" if r["system"] == "specrt" else "tab:gray"
+            ax.barh(y, tps, color=color)
+            ax.errorbar(tps, y, xerr=[[max(0, tps - q["q25"])], [max(0, q["q75"] - tps)]], color="black", capsize=3, fmt="none")
+            ratio = r.get("ratio_to_specrt_target_only")
+            ax.text(max(tps, q["q75"] or tps), y, f"  {tps:.0f}" + (f" ({ratio:.2f}x)" if ratio else ""), va="center", fontsize=8)
+        else:
+            ax.text(0, y, f"  {r.get('status', 'failed')}: {(r.get('error') or '')[:70]}", va="center", fontsize=7, color="tab:red")
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xlabel("tokens/s (total new tokens / total time; bars: per-run quartiles)")
+    ax.set_title(f"{result['settings']['prompts']} prompts x {result['settings']['repeats']} repeats, "
+                 f"{result['settings']['max_new_tokens']} new tokens, greedy, {result['settings']['threads']} threads")
+    ax.margins(x=0.25)
+    fig.tight_layout()
+    paths["tokens_per_second"] = str(out / "tokens_per_second.png")
+    fig.savefig(paths["tokens_per_second"], dpi=110)
+    plt.close(fig)
+
+    sweep = result.get("sweep", {}).get("rows")
+    if sweep:
+        spec = [r for r in sweep if r["speculative"]]
+        ks = sorted({r["k_max"] for r in spec})
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        for k in ks:
+            rs = sorted([r for r in spec if r["k_max"] == k], key=lambda r: r["threshold"])
+            th = [r["threshold"] for r in rs]
+            a1.plot(th, [r["acceptance_rate"] if r["acceptance_rate"] is not None else np.nan for r in rs], "o-", label=f"k_max={k}")
+            a2.plot(th, [r["speedup"] for r in rs], "o-", label=f"k_max={k}")
+        a1.set_xlabel("draft confidence threshold")
+        a1.set_ylabel("acceptance rate (accepted / proposed)")
+        a1.set_ylim(-0.02, 1.02)
+        a2.axhline(1.0, color="gray", lw=0.8, ls="--")
+        a2.set_xlabel("draft confidence threshold")
+        a2.set_ylabel("speedup over specrt target-only")
+        for a in (a1, a2):
+            a.legend(fontsize=8)
+            a.grid(alpha=0.3)
+        fig.suptitle(f"specrt sweep: {result['sweep']['prompts']} prompts, {result['sweep']['max_new_tokens']} new tokens")
+        fig.tight_layout()
+        paths["threshold_sweep"] = str(out / "threshold_sweep.png")
+        fig.savefig(paths["threshold_sweep"], dpi=110)
+        plt.close(fig)
+
+    hists = [(r["label"], r["accepted_hist"]) for r in rows if r.get("accepted_hist") and r.get("proposed")]
+    if hists:
+        fig, ax = plt.subplots(figsize=(7, 3.8))
+        width = 0.8 / len(hists)
+        for j, (lab, h) in enumerate(hists):
+            h = np.asarray(h, float)
+            ax.bar(np.arange(len(h)) + j * width - 0.4 + width / 2, h / h.sum(), width=width, label=lab)
+        ax.set_xlabel("candidates accepted per verification pass")
+        ax.set_ylabel("share of passes")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        paths["accepted_lengths"] = str(out / "accepted_lengths.png")
+        fig.savefig(paths["accepted_lengths"], dpi=110)
+        plt.close(fig)
+
+    bound = result.get("analytic", {})
+    pts = [b for b in bound.get("sweep", []) if b.get("bound_formula")] 
+    main = [b for b in bound.get("rows", []) if b.get("bound_formula")]
+    if pts or main:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if pts:
+            pts = sorted(pts, key=lambda b: b["k"])
+            ks = [b["k"] for b in pts]
+            ax.plot(ks, [b["bound_formula"] for b in pts], "o-", label="analytic bound (1-a^(k+1))/((1-a)(kc+1))")
+            ax.plot(ks, [b.get("bound_counts") or np.nan for b in pts], "s--", label="bound from this run's counters x call costs")
+            ax.plot(ks, [b.get("measured_speedup") or np.nan for b in pts], "^-", label="measured speedup (sweep, threshold 0)")
+        for b in main:
+            ax.plot([b["k"]], [b["measured_speedup"]], "k*", ms=10)
+            ax.plot([b["k"]], [b["bound_formula"]], "r*", ms=10)
+            ax.annotate(f"{b['label']}\nmeasured {b['measured_speedup']:.2f} / bound {b['bound_formula']:.2f}", (b["k"], b["measured_speedup"]),
+                        fontsize=7, xytext=(5, -18), textcoords="offset points")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xlabel("k (draft tokens per round)")
+        ax.set_ylabel("speedup over target-only")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths["analytic_bound"] = str(out / "analytic_bound.png")
+        fig.savefig(paths["analytic_bound"], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+# ---- table -----------------------------------------------------------------------------
+
+def fmt(v, spec=".1f", none="-"):
+    return none if v is None else format(v, spec)
+
+
+def format_table(result: dict) -> str:
+    n = result["settings"]["prompts"]
+    head = "| system | tok/s | vs specrt target-only (per-prompt median [q25, q75]) | TTFT ms median [q25, q75] | peak RSS MiB | = target | accept | status |"
+    lines = [head, "|" + "---|" * 8]
+    for r in result["rows"]:
+        if r.get("tokens_per_second"):
+            pp = r["ratio_per_prompt"]
+            ratio = f"{r['ratio_to_specrt_target_only']:.2f}x ({fmt(pp['median'], '.2f')} [{fmt(pp['q25'], '.2f')}, {fmt(pp['q75'], '.2f')}])"
+            tt = r["ttft_ms"]
+            ttft = f"{fmt(tt['median'])} [{fmt(tt['q25'])}, {fmt(tt['q75'])}]"
+            eq = f"{r['equal_to_target']}/{r['compared_prompts']}"
+            lines.append(f"| {r['label']} | {r['tokens_per_second']:.1f} | {ratio} | {ttft} | {fmt(r.get('peak_rss_mb'), '.0f')} | {eq} | "
+                         f"{fmt(r.get('acceptance_rate'), '.3f')} | {r['status']}{': ' + r['error'][:200] if r.get('error') else ''} |")
+        else:
+            err = (r.get("error") or "").replace("|", "/").replace("\n", " ")
+            lines.append(f"| {r['label']} | - | - | - | {fmt(r.get('peak_rss_mb'), '.0f')} | - | - | {r['status']}: {err[:400]} |")
+    s = result["settings"]
+    lines.append("")
+    lines.append(f"{n} prompts x {s['repeats']} repeats, {s['max_new_tokens']} new tokens, greedy, {s['threads']} threads "
+                 f"(spinning {'on' if s['spinning'] else 'off'}); tok/s = total new tokens / total time of the calls; "
+                 f"= target: prompts whose output equals specrt target-only's token for token.")
+    return "\n".join(lines)
+
+
+# ---- main ------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="models/target", help="target: HF checkpoint folder")
+    ap.add_argument("--draft", default="models/draft", help="draft: HF checkpoint folder")
+    ap.add_argument("--engines", default="engines/default", help="specrt engine folder exported from the same pair")
+    ap.add_argument("--prompts", default="data/humaneval_dev.jsonl")
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts (default: all)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every system (torch, onnxruntime sessions, onnxruntime-genai)")
+    ap.add_argument("--spinning", action="store_true",
+                    help="let idle pool threads spin: onnxruntime allow_spinning (specrt, optimum, onnxruntime-genai) and OMP_WAIT_POLICY=ACTIVE (torch); default: off / PASSIVE everywhere")
+    ap.add_argument("--out", default="bench_out/compare")
+    ap.add_argument("--systems", default="specrt,hf,optimum,ortgenai", help="comma list among specrt,hf,optimum,ortgenai")
+    ap.add_argument("--spec-k", type=int, default=None, help="specrt 'best' k_max (default: manifest default)")
+    ap.add_argument("--spec-threshold", type=float, default=None, help="specrt 'best' threshold (default: manifest default)")
+    ap.add_argument("--fixed-k", type=int, default=None, help="k of the fixed-k rows, threshold 0 (default: the best k)")
+    ap.add_argument("--python-optimum", default=".venv-optimum/bin/python")
+    ap.add_argument("--python-ortgenai", default=".venv-ortgenai/bin/python")
+    ap.add_argument("--sweep-k", default="2,4,8", help="k_max values of the sweep (capped at the manifest's k_max); empty = no sweep")
+    ap.add_argument("--sweep-thresholds", default="0,0.2,0.4,0.6,0.8")
+    ap.add_argument("--sweep-limit", type=int, default=30, help="prompts in the sweep (the first N)")
+    ap.add_argument("--cost-reps", type=int, default=100)
+    ap.add_argument("--profile-prompts", type=int, default=5, help="prompts profiled (0 = no profile)")
+    ap.add_argument("--no-pyspy", action="store_true")
+    ap.add_argument("--setup-timeout", type=float, default=1800)
+    ap.add_argument("--call-timeout", type=float, default=900)
+    return ap.parse_args(argv)
+
+
+def log(msg: str) -> None:
+    print(f"[bench-compare {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from specrt.runtime.bench import load_prompts
+    from specrt.runtime.manifest import load_manifest
+    from specrt.runtime.tokenizer import TextCodec
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    systems = {s.strip() for s in a.systems.split(",") if s.strip()}
+    target, draft, engines = str(Path(a.target).resolve()), str(Path(a.draft).resolve()), str(Path(a.engines).resolve())
+
+    m = load_manifest(engines, verify_hashes=False)
+    codec = TextCodec(Path(engines) / m.tokenizer_file, m.bos_token_id, m.add_bos)
+    prompts = load_prompts(a.prompts, a.limit)
+    ids = [codec.encode(p["prompt"]) for p in prompts]
+    best_k = a.spec_k if a.spec_k is not None else int(m.defaults.get("k_max", m.k_max))
+    best_th = a.spec_threshold if a.spec_threshold is not None else float(m.defaults.get("threshold", 0.0))
+    fixed_k = a.fixed_k if a.fixed_k is not None else best_k
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["HF_HUB_OFFLINE"] = "1"
+    # the same idle policy for every thread pool: onnxruntime's allow_spinning and OpenMP's
+    # wait policy (torch); spinning pools of one system steal the cores of the next one
+    env["OMP_WAIT_POLICY"] = "ACTIVE" if a.spinning else "PASSIVE"
+    env["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    common = dict(threads=a.threads, spinning=a.spinning, warmup=[ids[0]])
+    main_py = sys.executable
+    py_opt = venv_python(a.python_optimum)
+    py_og = venv_python(a.python_ortgenai)
+
+    rows: list[dict] = []
+
+    def row(label, system, python, script, init, missing=None):
+        rows.append(dict(label=label, system=system, python=python, script=script, init=init, status="pending",
+                         error=missing, peak_rss_mb=None))
+
+    row(BASE, "specrt", main_py, "specrt_worker.py", dict(common, engines=engines, variant=dict(speculative=False)))
+    if "specrt" in systems:
+        row(f"specrt spec best (k={best_k} th={best_th:g})", "specrt", main_py, "specrt_worker.py",
+            dict(common, engines=engines, variant=dict(speculative=True, k_max=best_k, threshold=best_th)))
+        if not (fixed_k == best_k and best_th == 0):
+            row(f"specrt spec fixed k={fixed_k} (th=0)", "specrt", main_py, "specrt_worker.py",
+                dict(common, engines=engines, variant=dict(speculative=True, k_max=fixed_k, threshold=0.0)))
+    if "hf" in systems:
+        row("HF generate (PyTorch)", "transformers", main_py, "hf_worker.py", dict(common, target=target, variant=dict(kind="generate")))
+        row("HF assisted (defaults)", "transformers", main_py, "hf_worker.py", dict(common, target=target, draft=draft, variant=dict(kind="assisted")))
+        row(f"HF assisted (k={best_k} th={best_th:g})", "transformers", main_py, "hf_worker.py",
+            dict(common, target=target, draft=draft, variant=dict(kind="assisted", num_assistant_tokens=best_k,
+                                                                  num_assistant_tokens_schedule="constant", assistant_confidence_threshold=best_th)))
+    if "optimum" in systems:
+        row("optimum ORTModelForCausalLM", "optimum", py_opt, "optimum_worker.py", dict(common, target=target, cache=str((out / "anchors" / "optimum-target").resolve())),
+            missing=None if py_opt else f"no python at {a.python_optimum}: run `make bench-envs`")
+    og_root = (out / "anchors" / "ortgenai").resolve()
+    if "ortgenai" in systems:
+        row("ort-genai target-only", "onnxruntime-genai", py_og, "ortgenai_worker.py",
+            dict(common, model_dir=str(og_root / "target"), variant=dict(speculative=False)),
+            missing=None if py_og else f"no python at {a.python_ortgenai}: run `make bench-envs`")
+        row(f"ort-genai speculative (k={best_k})", "onnxruntime-genai", py_og, "ortgenai_worker.py",
+            dict(common, model_dir=str(og_root), variant=dict(speculative=True, max_draft_tokens=best_k)),
+            missing=None if py_og else f"no python at {a.python_ortgenai}: run `make bench-envs`")
+
+    result = dict(
+        settings=dict(target=target, draft=draft, engines=engines, prompts_file=a.prompts, prompts=len(prompts), repeats=a.repeats,
+                      max_new_tokens=a.max_new_tokens, threads=a.threads, spinning=a.spinning, best_k=best_k, best_threshold=best_th,
+                      fixed_k=fixed_k, systems=sorted(systems), command=" ".join([Path(sys.executable).name] + sys.argv),
+                      machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_start=os.getloadavg()),
+                      prompt_tokens=quart([len(x) for x in ids])),
+    )
+
+    # onnxruntime-genai: build both checkpoints with its model builder (cached)
+    if "ortgenai" in systems and py_og:
+        log("onnxruntime-genai: model builder (target, draft) ...")
+        p = subprocess.run([py_og, str(WORKERS / "ortgenai_worker.py"), "--build", "--target", target, "--draft", draft, "--out", str(og_root), "--k", str(best_k)],
+                           capture_output=True, text=True, cwd=str(ROOT), env=env)
+        (logs / "ortgenai_build.log").write_text(p.stderr)
+        try:
+            build = json.loads(p.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            tail = " | ".join([ln for ln in p.stderr.splitlines() if ln.strip()][-6:])
+            build = dict(ok=False, error=f"builder step exited {p.returncode}: {tail}")
+        result["ortgenai_build"] = build
+        for r in rows:
+            if r["system"] != "onnxruntime-genai":
+                continue
+            spec = r["init"]["variant"]["speculative"]
+            need = ["target", "draft", "speculative_config"] if spec else ["target"]
+            bad = [f"{n}: {build.get(n, {}).get('error', 'not built')}" for n in need if not build.get(n, {}).get("ok")]
+            if bad:
+                r["error"] = "model builder failed: " + "; ".join(bad)
+
+    # start the workers one at a time (loading and warming up), then interleave
+    workers: dict[str, Worker] = {}
+    for r in rows:
+        if r["error"]:
+            r["status"] = "failed"
+            continue
+        log(f"start {r['label']} ...")
+        try:
+            w = Worker(r["label"], r["python"], r["script"], r["init"], logs, env)
+            ans = w.recv(a.setup_timeout)
+        except Exception as e:  # noqa: BLE001
+            r["status"], r["error"] = "failed", f"{type(e).__name__}: {e}"
+            continue
+        if not ans.get("ready"):
+            r["status"], r["error"] = "failed", f"setup: {ans.get('error')}"
+            w.close()
+            continue
+        r["info"], r["status"] = ans["info"], "ok"
+        workers[r["label"]] = w
+        log(f"  ready ({ans['info'].get('load_seconds', 0):.1f} s load)")
+    if BASE not in workers:
+        log(f"baseline failed: {rows[0]['error']}")
+
+    runs: dict[str, list[dict]] = {r["label"]: [] for r in rows}
+    active = [r for r in rows if r["label"] in workers]
+    total = len(ids) * a.repeats * len(active)
+    done = 0
+    t_start = time.time()
+    for rep in range(a.repeats):
+        for i, x in enumerate(ids):
+            live = [r for r in active if r["status"] == "ok"]
+            if not live:
+                break
+            shift = (i + rep) % len(live)
+            for r in live[shift:] + live[:shift]:
+                w = workers[r["label"]]
+                try:
+                    ans = w.call({"op": "run", "ids": x, "max_new_tokens": a.max_new_tokens}, a.call_timeout)
+                except Exception as e:  # noqa: BLE001
+                    r["status"], r["error"] = "failed", f"prompt {i}: {type(e).__name__}: {e}"
+                    continue
+                if not ans.get("ok"):
+                    r["status"], r["error"] = "failed", f"prompt {i}: {ans.get('error')}"
+                    continue
+                runs[r["label"]].append(dict(prompt=i, repeat=rep, tokens=ans["tokens"], new_tokens=len(ans["tokens"]),
+                                             seconds=ans["seconds"], ttft=ans.get("ttft"), extra=ans.get("extra") or {}))
+                done += 1
+            if (i + 1) % 5 == 0 or i + 1 == len(ids):
+                el = time.time() - t_start
+                log(f"repeat {rep + 1}/{a.repeats} prompt {i + 1}/{len(ids)}: {done}/{total} calls, {el:.0f} s")
+    for r in rows:
+        if r["label"] in workers:
+            try:
+                ans = workers[r["label"]].call({"op": "rss"}, 60)
+                r["peak_rss_mb"] = ans.get("peak_rss_mb")
+            except Exception as e:  # noqa: BLE001
+                r.setdefault("notes", []).append(f"rss: {e}")
+        if r["status"] == "ok" and runs[r["label"]] and len(runs[r["label"]]) < len(ids) * a.repeats:
+            r["status"] = "partial"
+    summarize(rows, runs, len(ids))
+
+    # analysis on the specrt target-only worker, every other worker closed first
+    base_w = workers.get(BASE)
+    for lab, w in list(workers.items()):
+        if lab != BASE:
+            w.close()
+    analytic: dict = {}
+    if base_w is not None:
+        past = int(np.median([len(x) for x in ids]) + a.max_new_tokens // 2)
+        log(f"per-call costs at past length {past} ...")
+        try:
+            ans = base_w.call({"op": "costs", "past": past, "reps": a.cost_reps}, a.call_timeout)
+            result["costs"] = ans["costs"] if ans.get("ok") else dict(error=ans.get("error"))
+        except Exception as e:  # noqa: BLE001
+            result["costs"] = dict(error=f"{type(e).__name__}: {e}")
+        ks = sorted({min(int(k), m.k_max) for k in a.sweep_k.split(",") if k.strip()})
+        ths = [float(t) for t in a.sweep_thresholds.split(",") if t.strip()]
+        if ks and a.sweep_limit > 0:
+            n_sw = min(a.sweep_limit, len(ids))
+            log(f"sweep k={ks} th={ths} on {n_sw} prompts ...")
+            try:
+                ans = base_w.call({"op": "sweep", "k_values": ks, "thresholds": ths, "prompts": ids[:n_sw], "max_new_tokens": a.max_new_tokens,
+                                   "repeats": 1}, a.call_timeout * 10)
+                result["sweep"] = ans["sweep"] if ans.get("ok") else dict(error=ans.get("error"))
+            except Exception as e:  # noqa: BLE001
+                result["sweep"] = dict(error=f"{type(e).__name__}: {e}")
+        if a.profile_prompts > 0:
+            log("cProfile of the speculative loop ...")
+            try:
+                ans = base_w.call({"op": "profile", "prompts": ids[: a.profile_prompts], "max_new_tokens": a.max_new_tokens,
+                                   "k_max": best_k, "threshold": best_th}, a.call_timeout * 5)
+                result["profile_cprofile"] = ans["profile"] if ans.get("ok") else dict(error=ans.get("error"))
+            except Exception as e:  # noqa: BLE001
+                result["profile_cprofile"] = dict(error=f"{type(e).__name__}: {e}")
+        base_w.close()
+        if a.profile_prompts > 0 and not a.no_pyspy:
+            result["profile_pyspy"] = run_pyspy(a, engines, ids[: a.profile_prompts], best_k, best_th, out, env)
+
+        costs = result.get("costs", {})
+        if costs.get("rows"):
+            base_row = rows[0]
+            t1 = next((c["median_ms"] for c in costs["rows"] if c["model"] == "target" and c["q"] == 1), None)
+            if base_row.get("time_split_seconds") and base_row.get("passes") and t1:
+                ts = base_row["time_split_seconds"]
+                analytic["target_only"] = dict(measured_seconds=ts, ideal_decode_seconds=base_row["passes"] * t1 / 1000,
+                                               decode_over_ideal=ts["verify_or_decode"] / (base_row["passes"] * t1 / 1000))
+            for r in rows:
+                if r["system"] != "specrt" or not r.get("passes") or r is base_row:
+                    continue
+                v = r["init"]["variant"]
+                dec = (r["decode_tokens_per_second"] / base_row["decode_tokens_per_second"]) if r.get("decode_tokens_per_second") and base_row.get("decode_tokens_per_second") else None
+                b = analyse_row(r, costs, v["threshold"], v["k_max"], r.get("ratio_to_specrt_target_only"), dec)
+                b["label"] = r["label"]
+                analytic.setdefault("rows", []).append(b)
+            for sr in (result.get("sweep") or {}).get("rows", []):
+                if not sr.get("speculative") or sr.get("threshold") != 0:
+                    continue
+                hist = sr.get("accepted_hist") or []
+                n_sw = result["sweep"]["prompts"] * result["sweep"]["repeats"]
+                passes = round(sum(hist))
+                fake = dict(accepted_hist=hist, accepted=sum(i * h for i, h in enumerate(hist)), passes=passes,
+                            proposed=None, new_tokens=sr["tokens"], runs=n_sw, draft_calls=None)
+                # run_bench reports the acceptance rate, not the proposed count: with threshold 0
+                # every pass proposes k (fewer only at the token budget), and each proposal is one
+                # draft call (the catch-up feed produces the first candidate)
+                ar = sr.get("acceptance_rate")
+                fake["proposed"] = fake["accepted"] / ar if ar else passes * sr["k_max"]
+                fake["draft_calls"] = fake["proposed"]
+                b = analyse_row(fake, costs, 0.0, sr["k_max"], sr.get("speedup"), None)
+                b["label"] = sr["label"]
+                analytic.setdefault("sweep", []).append(b)
+            analytic["formula"] = "(1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)), c = t_draft(q=1) / t_target(q=k+1), Leviathan et al. 2023"
+    result["analytic"] = analytic
+
+    # goals
+    by = {r["label"]: r for r in rows}
+    best = next((r for r in rows if r["label"].startswith("specrt spec best")), None)
+    goals = {}
+    if best and best.get("tokens_per_second"):
+        hf_as = [r for r in rows if r["label"].startswith("HF assisted") and r.get("tokens_per_second")]
+        if hf_as:
+            top = max(hf_as, key=lambda r: r["tokens_per_second"])
+            goals["vs_hf_assisted"] = dict(target=4.0, value=best["tokens_per_second"] / top["tokens_per_second"], against=top["label"])
+        og_spec = [r for r in rows if r["label"].startswith("ort-genai speculative") and r.get("tokens_per_second")]
+        if og_spec:
+            goals["vs_ortgenai_speculative"] = dict(target=1.3, value=best["tokens_per_second"] / og_spec[0]["tokens_per_second"], against=og_spec[0]["label"])
+        bb = next((b for b in analytic.get("rows", []) if b["label"] == best["label"]), None)
+        if bb and bb.get("measured_over_bound_formula") is not None:
+            goals["vs_analytic_bound"] = dict(target=0.9, value=bb["measured_over_bound_formula"], bound=bb["bound_formula"], measured=bb["measured_speedup"])
+        for g in goals.values():
+            g["met"] = g["value"] >= g["target"]
+    result["goals"] = goals
+    result["settings"]["loadavg_end"] = os.getloadavg()
+
+    for r in rows:
+        r.pop("init", None)
+    result["rows"] = rows
+    result["per_prompt"] = {lab: [dict(prompt=x["prompt"], repeat=x["repeat"], new_tokens=x["new_tokens"], seconds=x["seconds"], ttft=x["ttft"])
+                                  for x in xs] for lab, xs in runs.items()}
+    try:
+        result["plots"] = make_plots(result, out)
+    except Exception as e:  # noqa: BLE001
+        result["plots"] = dict(error=f"{type(e).__name__}: {e}")
+    (out / "compare.json").write_text(json.dumps(result, indent=1, default=float))
+    table = format_table(result)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    for k, g in goals.items():
+        print(f"goal {k}: {g['value']:.2f} (target >= {g['target']}) {'met' if g['met'] else 'NOT met'}")
+    log(f"wrote {out / 'compare.json'}, {out / 'table.md'}, plots: {', '.join(Path(p).name for p in (result['plots'] or {}).values() if isinstance(p, str))}")
+    return 0
+
+
+def run_pyspy(a, engines: str, prompts: list, k: int, th: float, out: Path, env: dict) -> dict:
+    """py-spy record (sampling, --idle) of a standalone specrt speculative loop."""
+    exe = shutil.which("py-spy") or (str(Path(sys.executable).parent / "py-spy") if (Path(sys.executable).parent / "py-spy").exists() else None)
+    if not exe:
+        return dict(error="py-spy not installed (pip install py-spy)")
+    settings = out / "logs" / "pyspy_settings.json"
+    res_file = out / "logs" / "pyspy_result.json"
+    raw = out / "pyspy_raw.txt"
+    settings.write_text(json.dumps(dict(engines=engines, threads=a.threads, spinning=a.spinning, prompts=prompts, max_new_tokens=a.max_new_tokens,
+                                        k_max=k, threshold=th, repeats=3, result=str(res_file))))
+    cmd = [exe, "record", "--idle", "--rate", "500", "--format", "raw", "-o", str(raw), "--", sys.executable,
+           str(WORKERS / "specrt_worker.py"), "--pyspy", str(settings)]
+    log("py-spy record of the speculative loop ...")
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), env=env)
+    if p.returncode != 0 or not raw.exists():
+        tail = " | ".join([ln for ln in (p.stderr + p.stdout).splitlines() if ln.strip()][-5:])
+        return dict(error=f"py-spy exited {p.returncode}: {tail}", cmd=" ".join(cmd))
+    sys.path.insert(0, str(WORKERS))
+    from specrt_worker import pyspy_breakdown  # noqa: E402  (only parses text; the fd swap of _protocol is harmless here)
+
+    b = pyspy_breakdown(str(raw))
+    try:
+        b.update(json.loads(res_file.read_text()))
+    except (OSError, json.JSONDecodeError):
+        pass
+    b["raw"] = str(raw)
+    return b
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
