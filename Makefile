@@ -10,7 +10,14 @@ MAX_CTX ?= 1024
 # the CPU wheel of torch==2.13.0 lies here on this project's machines (an unpinned torch pulls a CUDA build)
 PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install export demo test test-fast bench models clean
+# benchmark anchors (issue 5): own venvs where their pins clash with the main one
+OPT_VENV ?= .venv-optimum
+OG_VENV ?= .venv-ortgenai
+REPEATS ?= 3
+THREADS ?= 2
+COMPARE_OUT ?= bench_out/compare
+
+.PHONY: install export demo test test-fast bench bench-envs bench-compare models clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,9 +42,31 @@ demo: export
 test: export
 	$(BIN)/python -m pytest -q
 
-# full benchmark: 100 HumanEval prompts, 128 new tokens, interleaved
+# full benchmark: 100 HumanEval prompts, 128 new tokens, interleaved; then the side-by-side comparison
 bench: export
 	$(BIN)/specrt bench --engines $(ENGINES) --prompts $(PROMPTS) --max-new-tokens 128 --out bench_out/bench.json
+	$(MAKE) bench-compare
+
+# optimum-onnx needs transformers < 4.58; onnxruntime-genai (+ its model builder) gets its own venv too
+$(OPT_VENV)/.installed:
+	$(PY) -m venv $(OPT_VENV)
+	$(OPT_VENV)/bin/pip install -q --upgrade pip
+	$(OPT_VENV)/bin/pip install -q $(PIP_FIND) torch==2.13.0 'transformers<4.58' optimum-onnx==0.1.0 onnxruntime==1.32.0
+	touch $@
+
+$(OG_VENV)/.installed:
+	$(PY) -m venv $(OG_VENV)
+	$(OG_VENV)/bin/pip install -q --upgrade pip
+	$(OG_VENV)/bin/pip install -q $(PIP_FIND) torch==2.13.0 'transformers>=5,<6' onnxruntime-genai==0.18.0 onnxruntime==1.32.0 onnx onnx_ir
+	touch $@
+
+bench-envs: install $(OPT_VENV)/.installed $(OG_VENV)/.installed
+	$(BIN)/pip install -q matplotlib py-spy
+
+# specrt vs transformers (generate, assisted), optimum, onnxruntime-genai: table, JSON, plots in $(COMPARE_OUT)
+bench-compare: export bench-envs
+	$(BIN)/python scripts/bench_compare.py --target models/target --draft models/draft --engines $(ENGINES) --prompts $(PROMPTS) \
+		--max-new-tokens 128 --repeats $(REPEATS) --threads $(THREADS) --out $(COMPARE_OUT)
 
 # re-train the default pair (about an hour on 2 cores; see models/README.md)
 models: install
