@@ -175,7 +175,7 @@ def summarize(rows: list[dict], runs: dict[str, list[dict]], n_prompts: int) -> 
                 loop_other=t["loop_seconds"] - t["prefill_seconds"] - t["draft_seconds"] - t["target_seconds"],
             )
         if all("acceptance_rate" in x["extra"] for x in xs):  # onnxruntime-genai's own counters
-            keys = ("rounds", "draft_tokens_evaluated", "draft_tokens_accepted", "draft_forward_passes", "target_forward_passes")
+            keys = ("rounds", "draft_tokens_proposed", "draft_tokens_evaluated", "draft_tokens_accepted", "draft_forward_passes", "target_forward_passes")
             row["ortgenai_stats"] = {k: sum((x["extra"].get(k) or 0) for x in xs) for k in keys}
 
 
@@ -224,6 +224,11 @@ def analyse_row(row: dict, costs: dict, threshold: float, k: int, measured: floa
     out["bound_counts"] = ideal_base / ideal_spec if ideal_spec > 0 else None
     out["mean_verify_width"] = q_mean
     ts = row.get("time_split_seconds")
+    if ts and row.get("draft_calls") and passes:  # per-call costs inside the loop (generator Stats), for a cross-check of c
+        d_loop = ts["draft"] / row["draft_calls"] * 1000
+        v_loop = ts["verify_or_decode"] / passes * 1000
+        out["in_loop"] = dict(draft_ms_per_call=d_loop, verify_ms_per_pass=v_loop, c=d_loop / v_loop,
+                              bound_formula=bound_formula(alpha, k, d_loop / v_loop))
     if ts:  # measured time per part against the same calls priced at the isolated per-call costs
         ideal_d, ideal_v = row["draft_calls"] * t_d / 1000, passes * tv_mean / 1000
         out["time_split"] = dict(
@@ -297,7 +302,9 @@ def make_plots(result: dict, out: Path) -> dict:
         a2.axhline(1.0, color="gray", lw=0.8, ls="--")
         a2.set_xlabel("draft confidence threshold")
         a2.set_ylabel("speedup over specrt target-only")
+        ths_all = [r["threshold"] for r in spec]
         for a in (a1, a2):
+            a.set_xlim(min(ths_all) - 0.05, max(ths_all) + 0.05)
             a.legend(fontsize=8)
             a.grid(alpha=0.3)
         fig.suptitle(f"specrt sweep: {result['sweep']['prompts']} prompts, {result['sweep']['max_new_tokens']} new tokens")
@@ -377,6 +384,42 @@ def format_table(result: dict) -> str:
     lines.append(f"{n} prompts x {s['repeats']} repeats, {s['max_new_tokens']} new tokens, greedy, {s['threads']} threads "
                  f"(spinning {'on' if s['spinning'] else 'off'}); tok/s = total new tokens / total time of the calls; "
                  f"= target: prompts whose output equals specrt target-only's token for token.")
+    return "\n".join(lines)
+
+
+def format_details(result: dict) -> str:
+    """Analytic bound, time split and profile shares, as text under the table."""
+    lines = []
+    an = result.get("analytic", {})
+    for b in an.get("rows", []) + an.get("sweep", []):
+        if b.get("bound_formula") is None:
+            lines.append(f"- {b['label']}: no bound (nothing proposed)")
+            continue
+        dec = b.get("measured_decode_speedup")
+        lines.append(
+            f"- {b['label']}: alpha {b['alpha_used']:.3f} (naive {b['alpha_naive']:.3f}), c {b['c']:.3f}, k {b['k']}: "
+            f"bound {b['bound_formula']:.2f}x, counters x costs {fmt(b.get('bound_counts'), '.2f')}x; measured {fmt(b.get('measured_speedup'), '.2f')}x end-to-end"
+            + (f", {dec:.2f}x decode-only ({dec / b['bound_formula']:.2f} of the bound)" if dec else "")
+        )
+        ts = b.get("time_split")
+        if ts:
+            m = ts["measured_seconds"]
+            w = m["wall"]
+            lines.append(
+                "  time split: " + ", ".join(f"{k} {v / w:.1%}" for k, v in m.items() if k != "wall")
+                + f"; draft phase {fmt(ts['draft_over_ideal'], '.2f')}x and verify phase {fmt(ts['verify_over_ideal'], '.2f')}x the isolated per-call cost"
+            )
+    for key in ("profile_pyspy", "profile_cprofile"):
+        p = result.get(key)
+        if not p:
+            continue
+        if p.get("error"):
+            lines.append(f"- {key}: {p['error']}")
+            continue
+        cats = p.get("categories", {})
+        lines.append(f"- {p.get('tool', key)}: " + ", ".join(f"{c} {v['share']:.1%}" for c, v in cats.items() if v.get("share")))
+    for k, g in result.get("goals", {}).items():
+        lines.append(f"- goal {k}: {g['value']:.2f} (target >= {g['target']}) {'met' if g['met'] else 'NOT met'}")
     return "\n".join(lines)
 
 
@@ -657,8 +700,12 @@ def main(argv=None) -> int:
         if og_spec:
             goals["vs_ortgenai_speculative"] = dict(target=1.3, value=best["tokens_per_second"] / og_spec[0]["tokens_per_second"], against=og_spec[0]["label"])
         bb = next((b for b in analytic.get("rows", []) if b["label"] == best["label"]), None)
-        if bb and bb.get("measured_over_bound_formula") is not None:
-            goals["vs_analytic_bound"] = dict(target=0.9, value=bb["measured_over_bound_formula"], bound=bb["bound_formula"], measured=bb["measured_speedup"])
+        if bb and bb.get("decode_over_bound_formula") is not None:
+            # the formula models the decode phase (prefill is the same target pass in both), so the
+            # goal compares the decode-phase speedup; the end-to-end ratio is reported beside it
+            goals["vs_analytic_bound"] = dict(target=0.9, value=bb["decode_over_bound_formula"], bound=bb["bound_formula"],
+                                              measured_decode_speedup=bb["measured_decode_speedup"], measured_speedup=bb["measured_speedup"],
+                                              end_to_end_over_bound=bb.get("measured_over_bound_formula"))
         for g in goals.values():
             g["met"] = g["value"] >= g["target"]
     result["goals"] = goals
@@ -674,11 +721,9 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001
         result["plots"] = dict(error=f"{type(e).__name__}: {e}")
     (out / "compare.json").write_text(json.dumps(result, indent=1, default=float))
-    table = format_table(result)
+    table = format_table(result) + "\n\n" + format_details(result)
     (out / "table.md").write_text(table + "\n")
     print(table)
-    for k, g in goals.items():
-        print(f"goal {k}: {g['value']:.2f} (target >= {g['target']}) {'met' if g['met'] else 'NOT met'}")
     log(f"wrote {out / 'compare.json'}, {out / 'table.md'}, plots: {', '.join(Path(p).name for p in (result['plots'] or {}).values() if isinstance(p, str))}")
     return 0
 
@@ -693,13 +738,19 @@ def run_pyspy(a, engines: str, prompts: list, k: int, th: float, out: Path, env:
     raw = out / "pyspy_raw.txt"
     settings.write_text(json.dumps(dict(engines=engines, threads=a.threads, spinning=a.spinning, prompts=prompts, max_new_tokens=a.max_new_tokens,
                                         k_max=k, threshold=th, repeats=3, result=str(res_file))))
-    cmd = [exe, "record", "--idle", "--rate", "500", "--format", "raw", "-o", str(raw), "--", sys.executable,
-           str(WORKERS / "specrt_worker.py"), "--pyspy", str(settings)]
-    log("py-spy record of the speculative loop ...")
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), env=env)
-    if p.returncode != 0 or not raw.exists():
+    errors = []
+    for native in (["--native"], []):  # native stacks split onnxruntime's time; fall back without
+        cmd = [exe, "record", "--idle", *native, "--rate", "500", "--format", "raw", "-o", str(raw), "--", sys.executable,
+               str(WORKERS / "specrt_worker.py"), "--pyspy", str(settings)]
+        log(f"py-spy record {' '.join(native)} of the speculative loop ...")
+        raw.unlink(missing_ok=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), env=env)
+        if p.returncode == 0 and raw.exists():
+            break
         tail = " | ".join([ln for ln in (p.stderr + p.stdout).splitlines() if ln.strip()][-5:])
-        return dict(error=f"py-spy exited {p.returncode}: {tail}", cmd=" ".join(cmd))
+        errors.append(f"{' '.join(cmd[:5])}: exited {p.returncode}: {tail}")
+    else:
+        return dict(error="; ".join(errors))
     sys.path.insert(0, str(WORKERS))
     from specrt_worker import pyspy_breakdown  # noqa: E402  (only parses text; the fd swap of _protocol is harmless here)
 
@@ -709,6 +760,8 @@ def run_pyspy(a, engines: str, prompts: list, k: int, th: float, out: Path, env:
     except (OSError, json.JSONDecodeError):
         pass
     b["raw"] = str(raw)
+    if errors:
+        b["native_failed"] = errors
     return b
 
 

@@ -32,7 +32,6 @@ def setup(init: dict):
     threads = int(init["threads"])
     set_thread_env(threads)
     import onnxruntime as ort
-    import optimum
     import torch
     import transformers
     from optimum.onnxruntime import ORTModelForCausalLM
@@ -75,12 +74,12 @@ def setup(init: dict):
     try:
         from importlib.metadata import version
 
-        optimum_onnx = version("optimum-onnx")
+        optimum_onnx, optimum_version = version("optimum-onnx"), version("optimum")
     except Exception:  # noqa: BLE001
-        optimum_onnx = None
+        optimum_onnx = optimum_version = None
     info = dict(
         system="optimum",
-        optimum=getattr(optimum, "__version__", None),
+        optimum=optimum_version,
         optimum_onnx=optimum_onnx,
         transformers=transformers.__version__,
         torch=torch.__version__,

@@ -149,7 +149,10 @@ def setup(init: dict):
         if spec:
             st = gen.get_speculative_stats()
             extra.update({key: st.get(key) for key in keep})
-            extra["proposed"] = st.get("draft_tokens_evaluated")
+            # specrt's definition: every candidate sent to verification counts as proposed
+            # (onnxruntime-genai's own acceptance_rate divides by the tokens examined up to
+            # the first rejection, draft_tokens_evaluated; kept in the extra as is)
+            extra["proposed"] = st.get("draft_tokens_proposed")
             extra["accepted"] = st.get("draft_tokens_accepted")
         return seq[len(ids):], seconds, ttft, extra
 

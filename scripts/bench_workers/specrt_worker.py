@@ -16,6 +16,7 @@ Runs in the main venv. Besides ``run`` it answers three analysis operations, use
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -196,17 +197,40 @@ def _raw_run_line() -> int | None:
     return None
 
 
-def pyspy_breakdown(raw_file: str, marker: str = "_profiled_section") -> dict:
-    """Split py-spy raw (collapsed) stacks of the main thread by leaf frame.
+_PY_FRAME = re.compile(r"^(?P<name>.*) \((?P<file>.*\.py):(?P<line>\d+)\)$")
+_NATIVE_FRAME = re.compile(r"^(?P<name>.*) \((?P<lib>[^()]*)\)$")
+_SYNC = ("pthread_cond", "futex", "sched_yield", "__lll_lock", "pthread_mutex", "nanosleep", "syscall")
 
-    Only stacks inside ``marker`` count. Leaf = the innermost Python frame; time spent in C
-    (onnxruntime, numpy) is attributed to the Python line that called it, so the line that
-    calls ``run_with_iobinding`` and the bind closures identify onnxruntime and binding.
+
+def _native_category(leaf: str) -> str:
+    m = _NATIVE_FRAME.match(leaf)
+    name, lib = (m["name"], m["lib"]) if m else (leaf, "")
+    if "libc" in lib or "libpthread" in lib:
+        if any(k in name for k in _SYNC):
+            return "ort: thread hand-over (pthread_cond/futex: wake and wait for pool threads)"
+        if name in ("malloc", "free", "calloc", "realloc") or "malloc" in name:
+            return "ort: allocation (malloc/free)"
+        return "ort: libc other (memcpy etc., unnamed)"
+    if "onnxruntime" in lib:
+        return "ort: kernels and executor (onnxruntime .so, stripped)"
+    return f"ort: other native ({Path(lib).name or name})"
+
+
+def pyspy_breakdown(raw_file: str, marker: str = "_profiled_section") -> dict:
+    """Split py-spy raw (collapsed) stacks of the main thread.
+
+    Only stacks inside ``marker`` count. The innermost Python frame decides the category:
+    the line of ort_backend.py that calls ``run_with_iobinding`` = onnxruntime, the bind
+    closures = binding, numpy / speculative.py = numpy, the rest = Python. With ``--native``
+    stacks, time inside ``run_with_iobinding`` is split further by the innermost native
+    frame: libc thread synchronisation (pthread_cond_signal/wait, futex: handing work to the
+    intra-op pool and waiting for it), malloc/free, and onnxruntime's own code.
     """
     run_line = _raw_run_line()
     cats: dict[str, int] = {}
     lines_count: dict[str, int] = {}
     total = 0
+    native = False
     for line in Path(raw_file).read_text().splitlines():
         if marker not in line:
             continue
@@ -215,16 +239,20 @@ def pyspy_breakdown(raw_file: str, marker: str = "_profiled_section") -> dict:
             n = int(n)
         except ValueError:
             continue
-        leaf = stack.split(";")[-1]
-        name, _, loc = leaf.partition(" (")
-        loc = loc.rstrip(")")
-        file, _, lno = loc.rpartition(":")
+        frames = stack.split(";")
+        py_idx = max((i for i, f in enumerate(frames) if _PY_FRAME.match(f)), default=None)
+        if py_idx is None:
+            continue
+        m = _PY_FRAME.match(frames[py_idx])
+        name, file, lno = m["name"], m["file"], int(m["line"])
         short = name.split(".")[-1]
-        if file.endswith("ort_backend.py") and lno.isdigit() and int(lno) == run_line:
-            c = "onnxruntime run_with_iobinding"
+        below = frames[py_idx + 1:]
+        native = native or bool(below)
+        if file.endswith("ort_backend.py") and lno == run_line:
+            c = _native_category(below[-1]) if below else "onnxruntime run_with_iobinding"
         elif file.endswith("ort_backend.py") and short in ("bind_in", "bind_out"):
             c = "binding (bind_input/bind_output)"
-        elif "/numpy/" in file:
+        elif "/numpy/" in file or any("numpy" in f for f in below[-1:]):
             c = "numpy"
         elif file.endswith("speculative.py"):
             c = "token selection (numpy calls in speculative.py)"
@@ -235,11 +263,13 @@ def pyspy_breakdown(raw_file: str, marker: str = "_profiled_section") -> dict:
         lines_count[key] = lines_count.get(key, 0) + n
         total += n
     top = sorted(lines_count.items(), key=lambda x: -x[1])[:15]
+    ort = sum(v for k, v in cats.items() if k.startswith("ort") or k.startswith("onnxruntime"))
     return dict(
-        tool="py-spy (sampling, --idle, main thread)",
+        tool="py-spy record --idle" + (" --native" if native else "") + " (sampling, main thread)",
         samples=total,
         categories={c: dict(samples=s, share=s / total if total else None) for c, s in sorted(cats.items(), key=lambda x: -x[1])},
-        top_lines=[dict(samples=s, share=s / total if total else None, line=k) for k, s in top],
+        inside_run_with_iobinding_share=ort / total if total else None,
+        top_python_lines=[dict(samples=s, share=s / total if total else None, line=k) for k, s in top],
         run_with_iobinding_line=run_line,
     )
 
