@@ -5,14 +5,15 @@
 # write ONE JSON of results. Budget: under 8 minutes (every step has a timeout).
 #
 #   bash scripts/gpu_check.sh [OUT_JSON]        (default: $OUT/gpu_check.json or gpu_check.json)
-#   env: ENGINES=engines/default  PRECISION=fp16  PY=python  OPT_LEVEL=(TensorRT default)
+#   env: ENGINES=engines/default  PRECISION=fp16  PY=(.venv/bin/python if present, else python)
+#        OPT_LEVEL=(TensorRT default)
 #
 # The engine folder is copied to a temporary folder first; engines/ is never modified.
 # Nothing is installed (the machine may have no network). Exit status 0 even when a step
 # fails: the JSON says what passed; the last line printed is the JSON path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-python}
+if [ -z "${PY:-}" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python; fi; fi
 PRECISION=${PRECISION:-fp16}
 ENGINES=${ENGINES:-engines/default}
 OUT_JSON=${1:-${OUT:+$OUT/gpu_check.json}}
