@@ -382,7 +382,7 @@ def format_table(result: dict) -> str:
     s = result["settings"]
     lines.append("")
     lines.append(f"{n} prompts x {s['repeats']} repeats, {s['max_new_tokens']} new tokens, greedy, {s['threads']} threads "
-                 f"(spinning {'on' if s['spinning'] else 'off'}); tok/s = total new tokens / total time of the calls; "
+                 f"(onnxruntime spinning {'on' if s['spinning'] else 'off'}, OMP_WAIT_POLICY {s.get('omp_wait_policy')}); tok/s = total new tokens / total time of the calls; "
                  f"= target: prompts whose output equals specrt target-only's token for token.")
     return "\n".join(lines)
 
@@ -437,6 +437,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every system (torch, onnxruntime sessions, onnxruntime-genai)")
     ap.add_argument("--spinning", action="store_true",
                     help="let idle pool threads spin: onnxruntime allow_spinning (specrt, optimum, onnxruntime-genai) and OMP_WAIT_POLICY=ACTIVE (torch); default: off / PASSIVE everywhere")
+    ap.add_argument("--omp-wait-policy", choices=["PASSIVE", "ACTIVE", "unset"], default=None,
+                    help="OMP_WAIT_POLICY of the workers (torch's OpenMP pool); default: follows --spinning; "
+                    "'unset' = libgomp's own default (spins a while, then sleeps)")
     ap.add_argument("--out", default="bench_out/compare")
     ap.add_argument("--systems", default="specrt,hf,optimum,ortgenai", help="comma list among specrt,hf,optimum,ortgenai")
     ap.add_argument("--spec-k", type=int, default=None, help="specrt 'best' k_max (default: manifest default)")
@@ -486,7 +489,11 @@ def main(argv=None) -> int:
     env["HF_HUB_OFFLINE"] = "1"
     # the same idle policy for every thread pool: onnxruntime's allow_spinning and OpenMP's
     # wait policy (torch); spinning pools of one system steal the cores of the next one
-    env["OMP_WAIT_POLICY"] = "ACTIVE" if a.spinning else "PASSIVE"
+    policy = a.omp_wait_policy or ("ACTIVE" if a.spinning else "PASSIVE")
+    if policy == "unset":
+        env.pop("OMP_WAIT_POLICY", None)
+    else:
+        env["OMP_WAIT_POLICY"] = policy
     env["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
     common = dict(threads=a.threads, spinning=a.spinning, warmup=[ids[0]])
     main_py = sys.executable
@@ -526,7 +533,8 @@ def main(argv=None) -> int:
 
     result = dict(
         settings=dict(target=target, draft=draft, engines=engines, prompts_file=a.prompts, prompts=len(prompts), repeats=a.repeats,
-                      max_new_tokens=a.max_new_tokens, threads=a.threads, spinning=a.spinning, best_k=best_k, best_threshold=best_th,
+                      max_new_tokens=a.max_new_tokens, threads=a.threads, spinning=a.spinning,
+                      omp_wait_policy=env.get("OMP_WAIT_POLICY", "unset"), best_k=best_k, best_threshold=best_th,
                       fixed_k=fixed_k, systems=sorted(systems), command=" ".join([Path(sys.executable).name] + sys.argv),
                       machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_start=os.getloadavg()),
                       prompt_tokens=quart([len(x) for x in ids])),
