@@ -54,3 +54,142 @@ def save_llama(out: Path, tok, seed: int, hidden=64, layers=2, heads=4, kv_heads
     model.save_pretrained(out)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS).save_pretrained(out)
     return model
+
+
+# ---- other architecture families (tiny random weights, no hub) -------------------------
+OTHER_CORPUS = [
+    "SELECT name, age FROM users WHERE age > 30 ORDER BY name;\n",
+    "<html><body><p>Hello</p></body></html>\n",
+    "fn main() { let v: Vec<u32> = (0..10).collect(); }\n",
+    "The quick brown fox jumps over the lazy dog.\n",
+]
+
+
+def make_other_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE with the same size as :func:`make_tokenizer` but trained on another
+    corpus, so its token -> id map differs (for the mismatched-tokenizer tests)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(OTHER_CORPUS * 20, trainer=trainer)
+    return tok
+
+
+def family_config(family: str, vocab: int, eos: int, **overrides):
+    """A tiny HF config of ``family`` (llama, mistral, qwen2, phi3, gpt2); ``overrides`` win.
+
+    Defaults exercise what differs per family: Mistral an explicit head_dim and a sliding
+    window larger than the test contexts; Qwen2 attention biases, tied embeddings and one
+    sliding layer (window 512); Phi-3 fused qkv/gate_up, partial rotary (0.75) and
+    longrope (original context 256); GPT-2 learned positions, fused Conv1D c_attn, tied
+    embeddings.
+    """
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, bos_token_id=eos, eos_token_id=eos)
+    if family == "gpt2":
+        # a larger init than GPT-2's 0.02: with tied embeddings a tiny random model otherwise
+        # just repeats its input token (the embedding dominates the residual stream)
+        kw = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, n_inner=128, initializer_range=0.4, **common)
+        kw.update(overrides)
+        return tf.GPT2Config(**kw)
+    kw = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=False, **common,
+    )
+    if family == "llama":
+        cls = tf.LlamaConfig
+    elif family == "mistral":
+        cls = tf.MistralConfig
+        kw.update(head_dim=32, sliding_window=4096)
+    elif family == "qwen2":
+        cls = tf.Qwen2Config
+        kw.update(
+            tie_word_embeddings=True, initializer_range=0.3, use_sliding_window=True, sliding_window=512, max_window_layers=1, rope_theta=1e6
+        )
+    elif family == "phi3":
+        cls = tf.Phi3Config
+        rot_half = int(16 * 0.75) // 2  # head_dim 16, partial rotary 0.75
+        kw.update(
+            max_position_embeddings=1024,
+            original_max_position_embeddings=256,  # Phi3Config copies it into rope_parameters
+            pad_token_id=eos,
+            rope_parameters=dict(
+                rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75, original_max_position_embeddings=256,
+                short_factor=[1.0 + 0.1 * i for i in range(rot_half)], long_factor=[2.0 + 0.5 * i for i in range(rot_half)],
+            ),
+        )
+    else:
+        raise ValueError(f"family={family!r}; known: llama, mistral, qwen2, phi3, gpt2")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def save_family(out: Path, tok, family: str, seed: int, vocab_pad: int = 0, **overrides):
+    """Save a random ``family`` causal LM + tokenizer as a HF checkpoint folder; returns the model.
+
+    Untied output weights are sharpened (x8) so greedy paths are non-trivial (tied ones get
+    a larger init in :func:`family_config` instead); projection biases (Qwen2 q/k/v, GPT-2)
+    get random values so they matter numerically.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    eos = tok.token_to_id(EOS)
+    cfg = family_config(family, tok.get_vocab_size() + vocab_pad, eos, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        if not cfg.tie_word_embeddings:
+            model.get_output_embeddings().weight.mul_(8.0)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") and ("proj" in name or ".c_" in name):
+                p.normal_(0.0, 0.5)
+    model.eval()
+    save_model(out, model, tok)
+    return model
+
+
+def save_model(out: Path, model, tok) -> None:
+    """Write ``model`` and ``tok`` (EOS doubling as BOS) to the checkpoint folder ``out``."""
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS).save_pretrained(out)
+
+
+def perturbed_copy(model, seed: int, scale: float = 0.35):
+    """A deep copy of ``model`` with Gaussian noise (``scale`` x each tensor's std) added:
+    a draft that agrees with ``model`` often but not always."""
+    import copy
+
+    import torch
+
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.numel() > 1:
+                p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return draft
+
+
+def pad_vocab(model, n_pad: int, boost: float = 10.0, seed: int = 0):
+    """Grow ``model``'s vocab by ``n_pad`` padding rows whose output weights are ``boost`` x
+    random real rows, so the padded ids get the largest logits; returns the model."""
+    import torch
+
+    v = model.config.vocab_size
+    model.resize_token_embeddings(v + n_pad, mean_resizing=False)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, v, (n_pad,), generator=g)
+    with torch.no_grad():
+        w = model.get_output_embeddings().weight
+        w[v:] = boost * w[idx]
+    return model
