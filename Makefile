@@ -17,7 +17,7 @@ REPEATS ?= 3
 THREADS ?= 2
 COMPARE_OUT ?= bench_out/compare
 
-.PHONY: install export demo test test-fast bench bench-envs bench-compare models clean
+.PHONY: install export demo test test-fast bench bench-envs bench-compare models clean gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,8 +30,16 @@ install: $(BIN)/python
 $(ENGINES)/manifest.json: models/target/model.safetensors models/draft/model.safetensors
 	$(BIN)/specrt export --draft models/draft --target models/target --out $(ENGINES) --k-max $(K_MAX) --max-ctx $(MAX_CTX)
 
-# export the embedded default pair (models/) to ONNX engines with parity checks
+TRT_PRECISION ?= fp16
+
+# export the embedded default pair (models/) to ONNX engines with parity checks; then TensorRT
+# plans only where `import tensorrt` works and a GPU is visible (else it says it skipped)
 export: install $(ENGINES)/manifest.json
+	$(BIN)/python -m specrt.export.trt_build $(ENGINES) --precision $(TRT_PRECISION) --if-available --skip-if-built
+
+# on a GPU machine with TensorRT: plans, GPU tests, a short bench, one JSON (docs/GPU.md)
+gpu-check: export
+	bash scripts/gpu_check.sh bench_out/gpu_check.json
 
 # the main job on the default pair: export, then generate on HumanEval prompts and print stats
 demo: export
