@@ -100,13 +100,14 @@ def export(draft, target, out, k_max, max_ctx):
 @click.option("--threshold", type=float, default=None, help="draft confidence threshold in [0, 1] (default: manifest)")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--no-speculation", is_flag=True, help="run the target alone (baseline)")
-@click.option("--stream", is_flag=True, help="print text as it is committed")
+@click.option("--stream", is_flag=True, help="print text as it is committed (UTF-8-safe pieces)")
+@click.option("--stop", "stops", multiple=True, help="stop string (repeatable, at most 16): the output ends before the first match")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="print statistics (JSON) to stderr")
 @_sampling_options
 @_threads_option
 @_backend_option
 @_clean_errors
-def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, stream, stats, temperature, top_k, top_p, seed, threads, spinning, backend):
+def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, stream, stops, stats, temperature, top_k, top_p, seed, threads, spinning, backend):
     """Generate a continuation of PROMPT (greedy: the target's own output; sampled: its distribution)."""
     from .generator import GenerationConfig
 
@@ -114,25 +115,28 @@ def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, 
     engine = _engine(engines, threads, spinning, backend)
     cfg = GenerationConfig(
         max_new_tokens=max_new_tokens, k_max=k_max, threshold=threshold, speculative=not no_speculation,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=tuple(stops),
     )
+    t_loaded = time.perf_counter()
     if stream:
         first = None
-        for piece in engine.stream(prompt, cfg):
+        st = engine.stream(prompt, cfg)
+        for piece in st:
             if first is None:
                 first = time.perf_counter() - t0
             click.echo(piece, nl=False)
             sys.stdout.flush()
         click.echo()
-        if stats:
-            click.echo(json.dumps({"time_to_first_text_s": first}), err=True)
-        return
-    t_loaded = time.perf_counter()
-    res = engine.generate(prompt, cfg)
-    click.echo(res.text)
+        res = st.result
+    else:
+        res = engine.generate(prompt, cfg)
+        click.echo(res.text)
     if stats:
         d = res.stats.as_dict()
         d["finish_reason"] = res.finish_reason
+        d["stop_reason"] = res.stop_reason
+        if stream:
+            d["time_to_first_text_s"] = first  # command start to the first printed piece
         d["load_s"] = t_loaded - t0
         d["load_plus_ttft_s"] = d["load_s"] + res.stats.ttft_seconds  # command start to first token
         click.echo(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in d.items()}), err=True)

@@ -38,6 +38,7 @@ from .manifest import Manifest, load_manifest
 from .ort_backend import OrtModel, ThreadConfig
 from .sampling import check_sampling_params, sample_token, speculative_verify, warp
 from .speculative import argmax_token, draft_limit, greedy_verify, rollback_lengths, top1
+from .textstream import IncrementalText
 from .tokenizer import TextCodec
 
 PREFILL_CHUNK = 256  # widest prefill call; longer prompts are fed in chunks
@@ -64,6 +65,12 @@ class GenerationConfig:
             entropy. The same seed and settings (k_max included) give the same tokens,
             whatever k_max is; different k_max values draw different tokens from the
             same distribution.
+        stop: stop strings (at most :data:`MAX_STOPS`, each a non-empty ``str`` without
+            U+FFFD; a single ``str`` is taken as one stop; a list becomes a tuple). The
+            output ends at the first match, even one spanning several tokens committed in
+            one round: text cut before the match, tokens cut to the shortest prefix whose
+            text contains it (exact rule: :mod:`specrt.runtime.textstream`);
+            ``finish_reason`` "stop" and ``stop_reason`` the matched string.
     """
 
     max_new_tokens: int = 128
@@ -74,6 +81,38 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+MAX_STOPS = 16  # most stop strings per call
+
+
+def check_stops(stop) -> tuple[str, ...]:
+    """Validated stop strings as a tuple.
+
+    Args:
+        stop: a ``str`` (one stop) or a tuple/list of ``str``.
+
+    Returns:
+        ``tuple[str, ...]`` (empty: no stop strings).
+
+    Raises:
+        InputError: not a str/tuple/list, more than :data:`MAX_STOPS`, an element that is
+            not a non-empty ``str``, or one containing U+FFFD (it stands for undecodable
+            bytes, never for text).
+    """
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (tuple, list)):
+        raise InputError(f"stop={stop!r}; stop must be a string or a tuple/list of strings")
+    if len(stop) > MAX_STOPS:
+        raise InputError(f"stop strings: {len(stop)} given; at most {MAX_STOPS} are allowed")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise InputError(f"stop string {s!r}; each stop must be a non-empty string")
+        if "\ufffd" in s:
+            raise InputError(f"stop string {s!r} contains U+FFFD (the replacement character for undecodable bytes); it cannot be matched")
+    return tuple(stop)
 
 
 @dataclass
@@ -129,19 +168,74 @@ class Stats:
 
 @dataclass
 class GenerationResult:
-    """Output of :meth:`Engine.generate`.
+    """Output of :meth:`Engine.generate` (and :attr:`Stream.result`).
 
     Attributes:
-        tokens: generated ids (EOS included when it ended the output).
-        text: decoded text of ``tokens`` (special tokens left out).
-        finish_reason: ``"stop"`` (EOS) or ``"length"`` (max_new_tokens or context full).
-        stats: :class:`Stats`.
+        tokens: generated ids (EOS included when it ended the output; after a stop string,
+            the shortest prefix whose text contains the match).
+        text: decoded text of ``tokens`` (special tokens left out), cut before a stop
+            string's match.
+        finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (max_new_tokens
+            or context full).
+        stats: :class:`Stats` (``new_tokens`` == ``len(tokens)``).
+        stop_reason: the stop string that ended the output; None when EOS ended it or
+            the reason is "length".
     """
 
     tokens: list[int]
     text: str
     finish_reason: str
     stats: Stats
+    stop_reason: str | None = None
+
+
+class Stream:
+    """Iterator over the text pieces of one :meth:`Engine.stream` call.
+
+    Iterate it for non-empty ``str`` pieces (UTF-8-safe, nothing after a stop string).
+    Once it is exhausted, :attr:`result` holds the :class:`GenerationResult` (tokens,
+    ``text == "".join(pieces)``, finish_reason, stop_reason, stats: the usage figures a
+    server reports after streaming). :meth:`close`, or leaving a ``with`` block, ends the
+    generation early and frees the Engine for the next call (``result`` stays None).
+
+    The Engine's lock is held from the first ``next()`` until exhaustion or close, so
+    finish or close a stream before starting another generation on the same Engine in
+    the same thread (that raises :class:`~specrt.runtime.errors.InputError` instead of
+    deadlocking).
+
+    Attributes:
+        result: :class:`GenerationResult` after exhaustion, else None.
+    """
+
+    __slots__ = ("_run", "result")
+
+    def __init__(self, run: Iterator[str]):
+        self._run = run
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> str:
+        while True:
+            try:
+                piece = next(self._run)
+            except StopIteration as done:
+                if done.value is not None:
+                    self.result = done.value
+                raise StopIteration from None
+            if piece:
+                return piece
+
+    def close(self) -> None:
+        """Stop the generation now (idempotent); the Engine is free afterwards."""
+        self._run.close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class _WarpedRows:
@@ -193,6 +287,7 @@ class Engine:
         )
         self._scratch = np.empty(m.draft.vocab_size, np.float32)
         self._lock = threading.Lock()
+        self._owner: int | None = None  # thread id holding _lock (deadlock check in _rounds)
 
     # ---- validation ------------------------------------------------------------------
     def resolve(self, config: GenerationConfig) -> GenerationConfig:
@@ -201,7 +296,7 @@ class Engine:
         Raises:
             InputError: k_max outside 1..manifest k_max, threshold outside [0, 1],
                 max_new_tokens < 1, temperature < 0, top_k < 0, top_p outside (0, 1],
-                seed < 0, wrong types.
+                seed < 0, bad stop strings (:func:`check_stops`), wrong types.
         """
         m = self.manifest
         k = config.k_max if config.k_max is not None else m.defaults.get("k_max", m.k_max)
@@ -214,6 +309,7 @@ class Engine:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise InputError(f"max_new_tokens={n!r}; max_new_tokens must be an integer >= 1")
         check_sampling_params(config.temperature, config.top_k, config.top_p, config.seed)
+        stop = check_stops(config.stop)
         return replace(
             config,
             k_max=int(k),
@@ -223,6 +319,7 @@ class Engine:
             top_k=int(config.top_k),
             top_p=float(config.top_p),
             seed=None if config.seed is None else int(config.seed),
+            stop=stop,
         )
 
     def prompt_ids(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
@@ -255,49 +352,86 @@ class Engine:
         """Generate, greedy or sampled (speculative or target-only); see the module docstring.
 
         Args:
-            prompt: text, or token ids (list / int32 / int64 array).
-            config: :class:`GenerationConfig`.
+            prompt: text, or token ids (list / tuple / any 1-D integer array: int32 and
+                int64 give the same output).
+            config: :class:`GenerationConfig` (stop strings included).
 
         Returns:
             :class:`GenerationResult`.
 
         Raises:
-            InputError: bad prompt or config (see :meth:`resolve`, :meth:`prompt_ids`).
+            InputError: bad prompt or config (see :meth:`resolve`, :meth:`prompt_ids`), or a
+                call from a thread whose own stream on this Engine is still open.
             NumericsError: NaN/inf logits.
         """
         cfg = self.resolve(config)
         ids = self.prompt_ids(prompt)
-        stats = Stats()
-        out: list[int] = []
-        finish = "length"
-        for piece, reason in self._rounds(ids, cfg, stats):
-            out.extend(piece)
-            if reason:
-                finish = reason
-        return GenerationResult(tokens=out, text=self.codec.decode(out), finish_reason=finish, stats=stats)
+        run = self._run(ids, cfg, streaming=False)
+        while True:
+            try:
+                next(run)
+            except StopIteration as done:
+                return done.value
 
-    def stream(self, prompt: str | Sequence[int] | np.ndarray, config: GenerationConfig = GenerationConfig()) -> Iterator[str]:
-        """Yield the output text in pieces as rounds commit tokens.
+    def stream(self, prompt: str | Sequence[int] | np.ndarray, config: GenerationConfig = GenerationConfig()) -> "Stream":
+        """Stream the output text in pieces as rounds commit tokens.
 
-        Text is released only at UTF-8-safe points (a token that ends inside a multi-byte
-        character waits for the next one); the pieces concatenate to the final text.
-        Raises what :meth:`generate` raises.
+        The prompt and config are checked here, before anything runs (so a server can
+        refuse a request before it starts a response). Text is released only at UTF-8-safe
+        points (a token that ends inside a multi-byte character waits for the one that
+        completes it); with stop strings, text that could start a match is held back until
+        it cannot, and nothing is yielded after a stop. The pieces concatenate to
+        ``stream.result.text``, which equals :meth:`generate`'s text for the same call.
+
+        Returns:
+            a :class:`Stream`: iterate it for ``str`` pieces; ``.result`` holds the
+            :class:`GenerationResult` once it is exhausted.
+
+        Raises:
+            InputError: bad prompt or config (here, at the call); during iteration what
+                :meth:`generate` raises.
         """
         cfg = self.resolve(config)
         ids = self.prompt_ids(prompt)
+        return Stream(self._run(ids, cfg, streaming=True))
+
+    def _run(self, ids: list[int], cfg: GenerationConfig, streaming: bool):
+        """One generation as a generator: yields text pieces (``streaming``; none
+        otherwise, except one empty yield per round) and returns the :class:`GenerationResult`.
+
+        The round loop is closed on every exit (stop string, exception, an abandoned
+        stream), which releases the Engine's lock.
+        """
+        stats = Stats()
         out: list[int] = []
-        sent = ""
-        for piece, _ in self._rounds(ids, cfg, Stats()):
-            out.extend(piece)
+        finish, stop_reason = "length", None
+        text_out = IncrementalText(self.codec, cfg.stop) if (streaming or cfg.stop) else None
+        rounds = self._rounds(ids, cfg, stats)
+        try:
+            for piece, reason in rounds:
+                if text_out is not None:
+                    kept = text_out.push(piece)
+                    if kept is not None:
+                        out.extend(piece[:kept])
+                        finish, stop_reason = "stop", text_out.stop_reason
+                        break
+                out.extend(piece)
+                if reason:
+                    finish = reason
+                yield text_out.take() if streaming else ""
+        finally:
+            rounds.close()
+        if text_out is None:
             text = self.codec.decode(out)
-            if text.endswith("\ufffd"):
-                continue
-            if len(text) > len(sent):
-                yield text[len(sent) :]
-                sent = text
-        text = self.codec.decode(out)
-        if len(text) > len(sent):
-            yield text[len(sent) :]
+        else:
+            text_out.finish()
+            if streaming:
+                last = text_out.take()
+                if last:
+                    yield last
+            text = text_out.text
+        stats.new_tokens = len(out)
+        return GenerationResult(tokens=out, text=text, finish_reason=finish, stats=stats, stop_reason=stop_reason)
 
     def _feed(self, model: OrtModel, tokens: Sequence[int], start: int) -> np.ndarray:
         """Run ``tokens`` from KV length ``start`` in chunks; returns the last logits row."""
@@ -316,6 +450,30 @@ class Engine:
         return bufs
 
     def _rounds(self, prompt: list[int], cfg: GenerationConfig, stats: Stats) -> Iterator[tuple[list[int], str | None]]:
+        """Core loop under the Engine's lock: yields (newly committed tokens, finish reason
+        or None) per round (:meth:`_rounds_locked`). Closing it early (a stop string, an
+        abandoned stream) releases the lock; ``stats.total_seconds`` is set either way.
+
+        Raises:
+            InputError: the calling thread already holds this Engine's lock (its own
+                stream is still open): waiting would deadlock.
+        """
+        me = threading.get_ident()
+        if self._owner == me:
+            raise InputError(
+                "this thread has an unfinished stream on this Engine; exhaust or close() it first "
+                "(one generation at a time per Engine; use Engine.fork() for concurrent ones)"
+            )
+        with self._lock:
+            self._owner = me
+            t_start = time.perf_counter()
+            try:
+                yield from self._rounds_locked(prompt, cfg, stats)
+            finally:
+                stats.total_seconds = time.perf_counter() - t_start
+                self._owner = None
+
+    def _rounds_locked(self, prompt: list[int], cfg: GenerationConfig, stats: Stats) -> Iterator[tuple[list[int], str | None]]:
         """Core loop: yields (newly committed tokens, finish reason or None) per round.
 
         Sampling (``temperature > 0``): one ``Generator(PCG64(seed))`` per call; the first
@@ -335,87 +493,82 @@ class Engine:
         exactly p. (Greedy keeps its own rule, bit for bit: drop a token whose raw top-1
         probability is below the threshold; exact there because it precedes the proposal.)
         """
-        with self._lock:
-            m = self.manifest
-            vocab, eos, max_ctx = m.vocab_size, m.eos_token_id, m.max_ctx
-            k_max, threshold, budget = cfg.k_max, cfg.threshold, cfg.max_new_tokens
-            target, draft, scratch = self.target, self.draft, self._scratch
-            sampling = cfg.temperature > 0.0
-            if sampling:
-                rng = np.random.Generator(np.random.PCG64(cfg.seed))
-                q_rows, p_rows, work = self._sampling_buffers()
-                wargs = (vocab, cfg.temperature, cfg.top_k, cfg.top_p)
-                p_lazy = _WarpedRows(p_rows, wargs)
-            clock = time.perf_counter
-            stats.prompt_tokens = len(prompt)
-            stats.accepted_hist = [0] * (k_max + 1)
-            hist = stats.accepted_hist
-            t_start = clock()
-            seq = list(prompt)
-            row = self._feed(target, seq, 0)
-            first = sample_token(warp(row, *wargs, out=p_rows[0]), rng, work[1]) if sampling else argmax_token(row, vocab)
-            seq.append(first)
-            t1 = clock()
-            stats.prefill_seconds = stats.ttft_seconds = t1 - t_start
-            n_prompt = len(prompt)
-            draft_len = 0
-            t_draft = t_target = 0.0
-            reason = None
-            if first == eos:
-                reason = "stop"
-            elif budget == 1 or len(seq) >= max_ctx:
-                reason = "length"
-            yield [first], reason
-            while reason is None:
-                seq_len = len(seq)
-                n_max = draft_limit(k_max, budget - (seq_len - n_prompt), seq_len, max_ctx) if cfg.speculative else 0
-                cands: list[int] = []
-                if n_max:
-                    t0 = clock()
-                    row = self._feed(draft, seq[draft_len:], draft_len)
-                    draft_len = seq_len
-                    stats.draft_calls += 1
-                    while True:
-                        if sampling:
-                            q_row = warp(row, *wargs, out=q_rows[len(cands)])
-                            tok = sample_token(q_row, rng, work[1])
-                            cands.append(tok)
-                            if q_row[tok] < threshold:  # propose x, then stop (see docstring)
-                                break
-                        else:
-                            tok, conf = top1(row, vocab, scratch)
-                            if conf < threshold:
-                                break
-                            cands.append(tok)
-                        if len(cands) == n_max or tok == eos:
-                            break
-                        row = draft.run((tok,), draft_len)[0]
-                        draft_len += 1
-                        stats.draft_calls += 1
-                    t_draft += clock() - t0
+        m = self.manifest
+        vocab, eos, max_ctx = m.vocab_size, m.eos_token_id, m.max_ctx
+        k_max, threshold, budget = cfg.k_max, cfg.threshold, cfg.max_new_tokens
+        target, draft, scratch = self.target, self.draft, self._scratch
+        sampling = cfg.temperature > 0.0
+        if sampling:
+            rng = np.random.Generator(np.random.PCG64(cfg.seed))
+            q_rows, p_rows, work = self._sampling_buffers()
+            wargs = (vocab, cfg.temperature, cfg.top_k, cfg.top_p)
+            p_lazy = _WarpedRows(p_rows, wargs)
+        clock = time.perf_counter
+        stats.prompt_tokens = len(prompt)
+        stats.accepted_hist = [0] * (k_max + 1)
+        hist = stats.accepted_hist
+        t_start = clock()
+        seq = list(prompt)
+        row = self._feed(target, seq, 0)
+        first = sample_token(warp(row, *wargs, out=p_rows[0]), rng, work[1]) if sampling else argmax_token(row, vocab)
+        seq.append(first)
+        t1 = clock()
+        stats.prefill_seconds = stats.ttft_seconds = t1 - t_start
+        n_prompt = len(prompt)
+        draft_len = 0
+        reason = None
+        if first == eos:
+            reason = "stop"
+        elif budget == 1 or len(seq) >= max_ctx:
+            reason = "length"
+        yield [first], reason
+        while reason is None:
+            seq_len = len(seq)
+            n_max = draft_limit(k_max, budget - (seq_len - n_prompt), seq_len, max_ctx) if cfg.speculative else 0
+            cands: list[int] = []
+            if n_max:
                 t0 = clock()
-                logits = target.run([seq[-1], *cands], seq_len - 1)
-                if sampling:
-                    p_lazy.logits = logits
-                    n_acc, nxt = speculative_verify(cands, q_rows[: len(cands)], p_lazy, rng, work)
-                else:
-                    n_acc, nxt = greedy_verify(cands, logits, vocab)
-                t_target += clock() - t0
-                stats.passes += 1
-                stats.proposed += len(cands)
-                stats.accepted += n_acc
-                hist[n_acc] += 1
-                new = cands[:n_acc]
-                new.append(nxt)
-                if eos in new:
-                    new = new[: new.index(eos) + 1]
-                    reason = "stop"
-                seq.extend(new)
-                _, draft_len = rollback_lengths(seq_len, draft_len, n_acc)
-                if reason is None and (len(seq) - n_prompt >= budget or len(seq) >= max_ctx):
-                    reason = "length"
-                yield new, reason
-            stats.new_tokens = len(seq) - n_prompt
-            stats.draft_seconds = t_draft
-            stats.target_seconds = t_target
-            stats.total_seconds = clock() - t_start
+                row = self._feed(draft, seq[draft_len:], draft_len)
+                draft_len = seq_len
+                stats.draft_calls += 1
+                while True:
+                    if sampling:
+                        q_row = warp(row, *wargs, out=q_rows[len(cands)])
+                        tok = sample_token(q_row, rng, work[1])
+                        cands.append(tok)
+                        if q_row[tok] < threshold:  # propose x, then stop (see docstring)
+                            break
+                    else:
+                        tok, conf = top1(row, vocab, scratch)
+                        if conf < threshold:
+                            break
+                        cands.append(tok)
+                    if len(cands) == n_max or tok == eos:
+                        break
+                    row = draft.run((tok,), draft_len)[0]
+                    draft_len += 1
+                    stats.draft_calls += 1
+                stats.draft_seconds += clock() - t0
+            t0 = clock()
+            logits = target.run([seq[-1], *cands], seq_len - 1)
+            if sampling:
+                p_lazy.logits = logits
+                n_acc, nxt = speculative_verify(cands, q_rows[: len(cands)], p_lazy, rng, work)
+            else:
+                n_acc, nxt = greedy_verify(cands, logits, vocab)
+            stats.target_seconds += clock() - t0
+            stats.passes += 1
+            stats.proposed += len(cands)
+            stats.accepted += n_acc
+            hist[n_acc] += 1
+            new = cands[:n_acc]
+            new.append(nxt)
+            if eos in new:
+                new = new[: new.index(eos) + 1]
+                reason = "stop"
+            seq.extend(new)
+            _, draft_len = rollback_lengths(seq_len, draft_len, n_acc)
+            if reason is None and (len(seq) - n_prompt >= budget or len(seq) >= max_ctx):
+                reason = "length"
+            yield new, reason
+        stats.new_tokens = len(seq) - n_prompt
