@@ -24,6 +24,7 @@ bonus token from p; the output follows the target's warped distribution exactly.
 """
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import time
@@ -33,7 +34,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .errors import InputError
+from .errors import BackendError, InputError
 from .manifest import Manifest, load_manifest
 from .ort_backend import OrtModel, ThreadConfig
 from .sampling import check_sampling_params, sample_token, speculative_verify, warp
@@ -256,7 +257,10 @@ class Engine:
     """A loaded engine folder: manifest, tokenizer, and both models on onnxruntime.
 
     One generation at a time per Engine (it owns the KV buffers): concurrent calls from
-    threads are serialised by a lock. Load several Engines for parallel generations.
+    threads are serialised by a lock (each call's output is what it would be alone). For
+    parallel generations, give each thread its own :meth:`fork` (shared sessions, own KV
+    buffers) or load several Engines. A thread that starts a generation while its own
+    :class:`Stream` on the same Engine is unfinished gets an InputError (not a deadlock).
 
     Args:
         folder: the engine folder written by ``specrt export``.
@@ -288,6 +292,33 @@ class Engine:
         self._scratch = np.empty(m.draft.vocab_size, np.float32)
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread id holding _lock (deadlock check in _rounds)
+
+    def fork(self) -> "Engine":
+        """Another Engine over the same loaded models: the onnxruntime sessions (weights),
+        manifest and tokenizer are shared, the KV buffers, work buffers and lock are its own.
+
+        Use one fork per thread for concurrent generations: each gives exactly what the
+        parent gives for the same call (greedy, or sampled with a seed), and onnxruntime
+        runs the sessions for several bindings at once. Cheap: no file is read or checked;
+        memory is one set of KV/logits buffers (see ``OrtModel.fork``).
+
+        Returns:
+            a new :class:`Engine`.
+
+        Raises:
+            BackendError: the backend's model objects cannot fork (only ``ort-cpu`` can;
+                load another Engine there).
+        """
+        if not (hasattr(self.target, "fork") and hasattr(self.draft, "fork")):
+            raise BackendError(f"backend {self.backend!r} cannot fork an Engine (ort-cpu can); load one Engine per concurrent generation")
+        new = copy.copy(self)  # shares folder, manifest, codec, backend name ...
+        # ... and gets its own per-generation state:
+        new.target, new.draft = self.target.fork(), self.draft.fork()
+        new._scratch = np.empty_like(self._scratch)
+        new._lock = threading.Lock()
+        new._owner = None
+        new.__dict__.pop("_sample_bufs", None)
+        return new
 
     # ---- validation ------------------------------------------------------------------
     def resolve(self, config: GenerationConfig) -> GenerationConfig:

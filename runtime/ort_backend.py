@@ -118,6 +118,22 @@ class OrtModel:
         got_out = tuple(o.name for o in self.session.get_outputs())
         if set(got_in) != set(entry.inputs) or set(got_out) != set(entry.outputs):
             raise EngineError(f"{path}: I/O names {got_in} -> {got_out} differ from the manifest's {entry.inputs} -> {entry.outputs}")
+        self._allocate(entry, max_ctx, max_q)
+
+    def fork(self) -> "OrtModel":
+        """A model over the same onnxruntime session (weights loaded once) with its own KV,
+        ids, positions and logits buffers and its own I/O binding, so that two threads can
+        run the two objects at once (onnxruntime's ``Run`` is thread-safe across
+        bindings). Costs the buffers: ``2 * n_layers * max_ctx * n_kv_heads * head_dim * 4``
+        bytes of KV plus ``max_q * vocab * 4`` of logits.
+        """
+        new = object.__new__(type(self))
+        new.session = self.session
+        new._allocate(self.entry, self.max_ctx, self.max_q)
+        return new
+
+    def _allocate(self, entry: ModelEntry, max_ctx: int, max_q: int) -> None:
+        """Buffers and binding of one model object (see the class docstring)."""
         self.entry = entry
         self.max_ctx = max_ctx
         self.max_q = max_q

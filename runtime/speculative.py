@@ -29,18 +29,23 @@ def top1(logits_row: np.ndarray, vocab: int, scratch: np.ndarray | None = None) 
     """Greedy token and its softmax probability from one logits row.
 
     Args:
-        logits_row: float32/float64 ``[V_padded]`` logits of one position.
+        logits_row: ``[V_padded]`` logits of one position, float32 or float64 (float16 and
+            other narrower floats are upcast to float32 first, so no exponential or sum is
+            ever formed in half precision).
         vocab: real vocab size; ids >= vocab (padding rows) are never returned.
         scratch: optional float32 ``[>= vocab]`` work buffer (avoids an allocation).
 
     Returns:
         ``(token_id, probability)`` where probability = softmax(logits[:vocab])[token_id],
-        computed in the logits' dtype (float32 at least), max-subtracted so it cannot overflow.
+        computed in float32 or the logits' wider dtype, max-subtracted so it cannot
+        overflow (logits of +-1e5 or more are fine).
 
     Raises:
         NumericsError: NaN or inf in the row.
     """
     row = logits_row[:vocab]
+    if row.dtype.itemsize < 4:  # float16 / bfloat16-like: upcast before any arithmetic
+        row = row.astype(np.float32)
     idx = int(row.argmax())
     m = row[idx]
     if not np.isfinite(m):  # argmax returns the first NaN if there is one

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .errors import EngineError
+from .errors import EngineError, InputError
 
 
 class TextCodec:
@@ -34,8 +34,20 @@ class TextCodec:
         self.bos = bos_token_id if add_bos else None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (list of int), BOS first when the manifest asks for it."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text`` (list of int), BOS first when the manifest asks for it.
+
+        Raises:
+            InputError: ``text`` is not encodable Unicode (a lone surrogate such as
+                ``"\\ud800"``, which has no UTF-8 form).
+        """
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        except TypeError:  # tokenizers refuses str values with lone surrogates this way
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InputError(f"prompt text is not valid Unicode: {e.reason} at index {e.start} ({text[e.start]!r})") from None
+            raise
         return [self.bos, *ids] if self.bos is not None else list(ids)
 
     def decode(self, ids: Sequence[int]) -> str:
