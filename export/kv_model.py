@@ -7,7 +7,7 @@ Interface (one model call, batch 1; q new tokens after L past ones)::
              past_key_i    float32 [1, L, n_kv_heads, head_dim]   (i = 0..n_layers-1)
              past_value_i  float32 [1, L, n_kv_heads, head_dim]
     outputs: logits        float32 [1, q, vocab]
-             new_key_i     float32 [1, q, n_kv_heads, head_dim]   (post-RoPE keys)
+             new_key_i     float32 [1, q, n_kv_heads, head_dim]   (post-RoPE keys for RoPE families)
              new_value_i   float32 [1, q, n_kv_heads, head_dim]
 
 Only the q new KV rows are returned, never the concatenation, so that the runtime can
