@@ -1,0 +1,119 @@
+"""scripts/bench_compare.py: the analytic bound, and one small run (specrt + transformers rows) on a tiny pair."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bc():
+    return _load("bench_compare", REPO / "scripts" / "bench_compare.py")
+
+
+def test_bound_formula(bc):
+    # alpha = 0: every round costs k draft steps + one verification and yields one token
+    assert bc.bound_formula(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
+    # Leviathan et al. 2023, Theorem 3.8
+    assert bc.bound_formula(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / (0.2 * 1.4))
+    # alpha -> 1: k+1 tokens per round
+    assert bc.bound_formula(1.0, 4, 0.0) == pytest.approx(5.0)
+    assert bc.bound_formula(0.999999, 4, 0.0) == pytest.approx(5.0, rel=1e-4)
+
+
+def test_analyse_row_alpha_estimates(bc):
+    costs = {"rows": [{"model": "draft", "q": 1, "median_ms": 1.0}] + [{"model": "target", "q": q, "median_ms": 10.0} for q in range(1, 6)]}
+    # k = 4, threshold 0: 10 passes, 6 accepted all 4, 4 rejected at the first candidate
+    row = dict(accepted_hist=[4, 0, 0, 0, 6], accepted=24, proposed=40, passes=10, draft_calls=40, new_tokens=35, runs=1)
+    b = bc.analyse_row(row, costs, 0.0, 4, 2.0, 2.2)
+    assert b["alpha_naive"] == pytest.approx(0.6)
+    assert b["alpha_geometric"] == pytest.approx(24 / 28)
+    assert b["c"] == pytest.approx(0.1)
+    assert b["bound_formula"] == pytest.approx(bc.bound_formula(24 / 28, 4, 0.1))
+    # counters x costs: 34 decode tokens at 10 ms vs 40 draft calls at 1 ms + 10 passes at 10 ms
+    assert b["bound_counts"] == pytest.approx(340 / 140)
+    assert b["decode_over_bound_formula"] == pytest.approx(2.2 / b["bound_formula"])
+
+
+def test_pyspy_breakdown_parses_native_and_python_stacks(tmp_path):
+    sys.path.insert(0, str(REPO / "scripts" / "bench_workers"))
+    try:
+        sw = _load("specrt_worker_under_test", REPO / "scripts" / "bench_workers" / "specrt_worker.py")
+    finally:
+        sys.path.remove(str(REPO / "scripts" / "bench_workers"))
+    line = sw._raw_run_line()
+    assert line is not None
+    ob = "/x/runtime/ort_backend.py"
+    base = "<module> (w.py:1);_profiled_section (w.py:5);Engine._rounds (/x/runtime/generator.py:390)"
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "\n".join(
+            [
+                f"{base};OrtModel.run (/x/runtime/ort_backend.py:170);_raw_binding.<locals>.run ({ob}:{line});pthread_cond_signal (libc.so.6) 30",
+                f"{base};OrtModel.run (/x/runtime/ort_backend.py:170);_raw_binding.<locals>.run ({ob}:{line});0x7f01 (onnxruntime/capi/x.so) 50",
+                f"{base};OrtModel.run (/x/runtime/ort_backend.py:168);_raw_binding.<locals>.bind_in ({ob}:63) 10",
+                f"{base};top1 (/x/runtime/speculative.py:46) 5",
+                f"{base} 5",
+                "<module> (w.py:1);load (w.py:3) 99",  # outside the marker: ignored
+            ]
+        )
+    )
+    b = sw.pyspy_breakdown(str(raw))
+    assert b["samples"] == 100
+    cats = {k: v["samples"] for k, v in b["categories"].items()}
+    assert cats["ort: thread hand-over (pthread_cond/futex: wake and wait for pool threads)"] == 30
+    assert cats["ort: kernels and executor (onnxruntime .so, stripped)"] == 50
+    assert cats["binding (bind_input/bind_output)"] == 10
+    assert cats["token selection (numpy calls in speculative.py)"] == 5
+    assert cats["Python (loop, bookkeeping, calls)"] == 5
+    assert b["inside_run_with_iobinding_share"] == pytest.approx(0.8)
+
+
+def test_small_run_specrt_and_transformers(tiny_pair, tmp_path, bc):
+    """Workers start, run interleaved, and transformers' greedy output equals specrt's."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    draft, target, engine = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("def add(a, b):", "hello world")) + "\n")
+    out = tmp_path / "out"
+    rc = bc.main(["--target", str(target), "--draft", str(draft), "--engines", str(engine), "--prompts", str(prompts),
+                  "--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--systems", "specrt,hf", "--spec-k", "3",
+                  "--spec-threshold", "0.2", "--sweep-k", "2", "--sweep-thresholds", "0,0.5", "--sweep-limit", "1",
+                  "--cost-reps", "3", "--profile-prompts", "1", "--no-pyspy", "--out", str(out)])
+    assert rc == 0
+    r = json.loads((out / "compare.json").read_text())
+    rows = {x["label"]: x for x in r["rows"]}
+    assert set(rows) == {"specrt target-only", "specrt spec best (k=3 th=0.2)", "specrt spec fixed k=3 (th=0)", "HF generate (PyTorch)",
+                         "HF assisted (defaults)", "HF assisted (k=3 th=0.2)"}
+    for x in rows.values():
+        assert x["status"] == "ok", x
+        assert x["runs"] == 2 and x["tokens_per_second"] > 0 and x["peak_rss_mb"] > 0
+        assert x["ttft_ms"]["median"] is not None
+    # greedy everywhere: every system reproduces specrt target-only's tokens
+    for lab in rows:
+        assert rows[lab]["equal_to_target"] == 2, lab
+    assert rows["HF assisted (defaults)"]["info"]["assistant_settings"]["num_assistant_tokens"] == 20
+    assert rows["HF assisted (k=3 th=0.2)"]["info"]["assistant_settings"] == {
+        "num_assistant_tokens": 3, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.2}
+    assert r["costs"]["rows"][0]["model"] == "draft"
+    assert [x["label"] for x in r["sweep"]["rows"]] == ["target-only", "k=2 th=0", "k=2 th=0.5"]
+    assert r["profile_cprofile"]["categories"]
+    assert any(b["label"] == "specrt spec fixed k=3 (th=0)" for b in r["analytic"]["rows"])
+    for name in ("tokens_per_second", "threshold_sweep"):
+        assert Path(r["plots"][name]).exists()
+    assert "specrt target-only" in (out / "table.md").read_text()
+    assert not math.isnan(rows["specrt spec fixed k=3 (th=0)"]["ratio_to_specrt_target_only"])
