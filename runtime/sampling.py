@@ -125,8 +125,12 @@ def warp(
     if not np.isfinite(m):  # NaN propagates into max; +inf or all -inf are refused too
         _raise_nonfinite(row)
     np.subtract(z, m, out=z)
-    if temperature != 1.0:
-        np.divide(z, temperature, out=z)
+    if temperature >= 1e-290:
+        if temperature != 1.0:
+            np.divide(z, temperature, out=z)
+    else:  # (z - m) / T overflows to -inf: exp gives the exact 0 it stands for
+        with np.errstate(over="ignore"):
+            np.divide(z, temperature, out=z)
     np.exp(z, out=z)  # the max is exp(0) = 1, so the sum is >= 1: no division by zero below
     if 0 < top_k < vocab:
         kth = np.partition(z, vocab - top_k)[vocab - top_k]
