@@ -218,6 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--stage", choices=["all", "data", "target", "draft"], default="all")
+    ap.add_argument("--init-draft", type=Path, default=None, help="continue distilling from this saved draft (fp16 -> fp32)")
+    ap.add_argument("--draft-lr", type=float, default=3e-3)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -271,8 +273,13 @@ def main(argv=None) -> int:
             p.requires_grad_(False)
         torch.manual_seed(args.seed + 1)
         draft = LlamaForCausalLM(llama_config(DRAFT, eos_id))
+        name = "draft"
+        if args.init_draft is not None:
+            draft = LlamaForCausalLM.from_pretrained(str(args.init_draft), dtype=torch.float32)
+            name = "draft_continued"
+            log["draft_continued_from"] = {k: log.get(k) for k in ("draft_train_seconds", "draft_target_top1_agreement_heldout")}
         log["draft_params"] = sum(p.numel() for p in draft.parameters())
-        train(draft, train_data, args.draft_steps, args.batch, 3e-3, args.seed + 1, log, "draft", teacher=target)
+        train(draft, train_data, args.draft_steps, args.batch, args.draft_lr, args.seed + 2 if args.init_draft else args.seed + 1, log, name, teacher=target)
         log["draft_heldout_loss"] = round(eval_loss(draft, windows), 4)
         log["draft_target_top1_agreement_heldout"] = round(agreement(draft, target, windows), 4)
         save(draft, tok, args.out / "draft")
