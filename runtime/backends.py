@@ -133,14 +133,14 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
 
         return (
             OrtModel(folder / m.target.file, m.target, m.max_ctx, target_q, threads),
-            OrtModel(folder / m.draft.file, m.draft, m.max_ctx, draft_q, threads),
+            OrtModel(folder / m.draft.file, m.draft, m.max_ctx, draft_q, threads.for_draft()),
         )
     if backend == "ort-cuda":
         from .ort_cuda_backend import OrtCudaModel
 
         return (
             OrtCudaModel(folder / m.target.file, m.target, m.max_ctx, target_q, threads),
-            OrtCudaModel(folder / m.draft.file, m.draft, m.max_ctx, draft_q, threads),
+            OrtCudaModel(folder / m.draft.file, m.draft, m.max_ctx, draft_q, threads.for_draft()),
         )
     if backend == "tensorrt":
         from .cuda_mem import CudaRuntime

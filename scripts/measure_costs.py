@@ -63,6 +63,9 @@ def main(argv=None) -> int:
         tm = next(r["median_ms"] for r in d if r["model"] == "target" and r["q"] == 1)
         print(f"threads={tc.intra_op} spin={int(tc.spinning)}: target(q=1)/draft(q=1) = {tm / dm:.2f}")
     if a.out:
+        import os
+
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(dict(engines=a.engines, past=a.past, reps=a.reps, rows=rows), f, indent=1)
     return 0
