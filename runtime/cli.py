@@ -1,4 +1,4 @@
-"""``specrt`` command line (click): export | generate | bench.
+"""``specrt`` command line (click): export | generate | bench | serve.
 
 Errors the project raises (:class:`~specrt.runtime.errors.SpecRTError`) are printed as one
 line with a non-zero exit, never as a stack trace.
@@ -188,6 +188,28 @@ def bench(engines, prompts_file, limit, max_new_tokens, k_values, thresholds, re
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(out_json).write_text(json.dumps(result, indent=1))
         click.echo(f"wrote {out_json}", err=True)
+
+
+@cli.command()
+@click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(), help="engine folder")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--workers", type=click.IntRange(1, 256), default=1, show_default=True, help="generator workers, each with its own Engine (workers x --threads <= cores)")
+@click.option("--max-queue", type=click.IntRange(1), default=64, show_default=True, help="requests that may wait for a worker (503 beyond)")
+@click.option("--model-name", default=None, help="model id clients send (default: the engine folder's name)")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
+@click.option("--round-delay", type=click.FloatRange(0, 10), default=0.0, hidden=True, help="test hook: a worker sleeps this long after each piece (simulates a slow model)")
+@_threads_option
+@_backend_option
+@_clean_errors
+def serve(engines, host, port, workers, max_queue, model_name, log_level, round_delay, threads, spinning, backend):
+    """Serve ENGINES over HTTP: OpenAI-compatible /v1/completions (SSE streaming), /metrics (docs/SERVING.md)."""
+    from .ort_backend import ThreadConfig
+    from .server import serve as run_server
+
+    tc = ThreadConfig(intra_op=threads or ThreadConfig().intra_op, spinning=spinning)
+    run_server(engines, host=host, port=port, workers=workers, max_queue=max_queue, threads=tc, backend=backend,
+               model_name=model_name, log_level=log_level, round_delay=round_delay)
 
 
 def main() -> None:
