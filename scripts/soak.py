@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Soak test: many generations in one process, mixed prompts and settings; reports RSS.
+
+Issue 8: after the first ``--warmup`` generations (allocator pools, onnxruntime arenas and
+the lazily allocated sampling buffers have settled) the process's peak RSS must stay within
+``--max-ratio`` (default 1.05) of its value then, over ``--n`` generations (default 1000).
+
+The mix: text prompts (code, unicode, special-token text) of many lengths and id prompts
+(int32, int64, lists); greedy and sampled; speculative and target-only; k_max, threshold,
+max_new_tokens, top-k/top-p, seeds, stop strings; ``generate`` and ``Engine.stream``
+(some streams closed early); invalid calls that must raise ``SpecRTError``; and an
+``Engine.fork()`` made and dropped every 100 generations.
+
+Usage::
+
+    python scripts/soak.py --engines /tmp/sizes/engine            # prints a JSON report
+    python scripts/soak.py --engines engines/default --n 200 --out soak.json
+
+Exit status 1 when the ratio exceeds ``--max-ratio``. Not a CI test (it takes minutes).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+
+def rss_kib() -> tuple[int, int]:
+    """(current RSS, peak RSS) of this process in KiB, from /proc/self/status."""
+    cur = peak = 0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            cur = int(line.split()[1])
+        elif line.startswith("VmHWM:"):
+            peak = int(line.split()[1])
+    return cur, peak
+
+
+BASE_PROMPTS = [
+    "def add(a, b):",
+    "for i in range(10):\n    print(i)\n",
+    "class Foo:\n    def __init__(self, x):\n        self.x = x\n",
+    "héllo wörld — ünïcode ✓ 日本語 😀",
+    "<|endoftext|>import os\n",
+    "x",
+    'SELECT name FROM users WHERE age > 30;\n"""docstring"""\n',
+]
+
+
+def make_call(rng: random.Random, engine, i: int):
+    """One (prompt, config, mode) drawn at random; mode: generate | stream | stream-close | invalid."""
+    from specrt.runtime.generator import GenerationConfig
+
+    m = engine.manifest
+    import numpy as np
+
+    text = rng.choice(BASE_PROMPTS) * rng.choice([1, 1, 2, 5, 20])
+    ids = engine.codec.encode(text)
+    if rng.random() < 0.7 and len(ids) < m.max_ctx // 2:
+        prompt = text
+    else:  # id prompts, at most half the context
+        ids = ids[: m.max_ctx // 2]
+        prompt = rng.choice([ids, np.array(ids, np.int32), np.array(ids, np.int64)])
+    sampled = rng.random() < 0.4
+    cfg = GenerationConfig(
+        max_new_tokens=rng.choice([1, 2, 8, 16, 32, 64]),
+        k_max=rng.randint(m.k_min, m.k_max),
+        threshold=rng.choice([0.0, 0.0, 0.3, 0.6, 0.9]),
+        speculative=rng.random() < 0.85,
+        temperature=rng.choice([0.5, 0.8, 1.0, 1.3]) if sampled else 0.0,
+        top_k=rng.choice([0, 0, 5, 50]) if sampled else 0,
+        top_p=rng.choice([1.0, 0.9, 0.5]) if sampled else 1.0,
+        seed=rng.randrange(1 << 30) if sampled else None,
+        stop=tuple(rng.sample(["\n", "  ", "e", "):", "日", "zz"], rng.randint(0, 3))),
+    )
+    r = rng.random()
+    mode = "generate" if r < 0.55 else "stream" if r < 0.85 else "stream-close" if r < 0.95 else "invalid"
+    if mode == "invalid":
+        cfg = rng.choice(
+            [GenerationConfig(k_max=m.k_max + 1), GenerationConfig(stop=("",)), GenerationConfig(temperature=-1.0), GenerationConfig(max_new_tokens=0)]
+        )
+        prompt = rng.choice([prompt, "", [m.vocab_size + 5]])
+    return prompt, cfg, mode
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="engines/default", help="engine folder")
+    ap.add_argument("--n", type=int, default=1000, help="generations in all")
+    ap.add_argument("--warmup", type=int, default=50, help="generations before the reference RSS")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads per session")
+    ap.add_argument("--max-ratio", type=float, default=1.05, help="fail when peak RSS at the end / peak RSS after warmup exceeds this")
+    ap.add_argument("--out", default=None, help="also write the JSON report here")
+    args = ap.parse_args(argv)
+
+    from specrt.runtime.errors import SpecRTError
+    from specrt.runtime.generator import Engine
+    from specrt.runtime.ort_backend import ThreadConfig
+
+    t0 = time.perf_counter()
+    engine = Engine(args.engines, threads=ThreadConfig(intra_op=args.threads))
+    rss_loaded = rss_kib()
+    rng = random.Random(args.seed)
+    counts = {"generate": 0, "stream": 0, "stream-close": 0, "invalid": 0, "refused": 0, "forks": 0}
+    tokens = 0
+    finish: dict[str, int] = {}
+    rss_warm = None
+    samples = []
+    for i in range(args.n):
+        if i and i % 100 == 0:
+            f = engine.fork()  # made, used once, dropped: its buffers must be freed
+            f.generate("def f():")
+            del f
+            counts["forks"] += 1
+        prompt, cfg, mode = make_call(rng, engine, i)
+        counts[mode] += 1
+        try:
+            if mode == "generate":
+                res = engine.generate(prompt, cfg)
+            elif mode == "stream":
+                st = engine.stream(prompt, cfg)
+                text = "".join(st)
+                res = st.result
+                assert text == res.text, "stream pieces differ from the result text"
+            elif mode == "stream-close":
+                st = engine.stream(prompt, cfg)
+                next(st, None)
+                st.close()
+                res = None
+            else:
+                res = engine.generate(prompt, cfg)
+                raise AssertionError(f"invalid call was accepted: {prompt!r} {cfg}")
+        except SpecRTError:
+            counts["refused"] += 1
+            if mode != "invalid":
+                raise
+            res = None
+        if res is not None:
+            tokens += len(res.tokens)
+            finish[res.finish_reason] = finish.get(res.finish_reason, 0) + 1
+        if i + 1 == args.warmup:
+            gc.collect()
+            rss_warm = rss_kib()
+        if (i + 1) % 100 == 0:
+            cur, peak = rss_kib()
+            samples.append({"after": i + 1, "rss_mib": round(cur / 1024, 1), "peak_rss_mib": round(peak / 1024, 1)})
+            print(f"[soak] {i + 1}/{args.n} rss {cur / 1024:.1f} MiB peak {peak / 1024:.1f} MiB", file=sys.stderr, flush=True)
+    gc.collect()
+    rss_end = rss_kib()
+    if rss_warm is None:
+        rss_warm = rss_end
+    ratio = rss_end[1] / rss_warm[1]
+    report = {
+        "engines": str(args.engines),
+        "generations": args.n,
+        "warmup": args.warmup,
+        "modes": counts,
+        "finish_reasons": finish,
+        "new_tokens": tokens,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "rss_after_load_mib": round(rss_loaded[0] / 1024, 1),
+        "rss_after_warmup_mib": round(rss_warm[0] / 1024, 1),
+        "peak_rss_after_warmup_mib": round(rss_warm[1] / 1024, 1),
+        "rss_end_mib": round(rss_end[0] / 1024, 1),
+        "peak_rss_end_mib": round(rss_end[1] / 1024, 1),
+        "peak_ratio_end_over_warmup": round(ratio, 4),
+        "max_ratio": args.max_ratio,
+        "ok": ratio <= args.max_ratio,
+        "samples": samples,
+    }
+    out = json.dumps(report, indent=1)
+    print(out)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(out)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
