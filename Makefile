@@ -17,7 +17,7 @@ REPEATS ?= 3
 THREADS ?= 2
 COMPARE_OUT ?= bench_out/compare
 
-.PHONY: install export demo test test-fast bench bench-envs bench-compare models clean gpu-check
+.PHONY: install export demo test test-fast bench bench-envs bench-compare models clean gpu-check load-test ray-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -75,6 +75,21 @@ bench-envs: install $(OPT_VENV)/.installed $(OG_VENV)/.installed
 bench-compare: export bench-envs
 	$(BIN)/python scripts/bench_compare.py --target models/target --draft models/draft --engines $(ENGINES) --prompts $(PROMPTS) \
 		--max-new-tokens 128 --repeats $(REPEATS) --threads $(THREADS) --out $(COMPARE_OUT)
+
+# serving (docs/SERVING.md): a bounded loopback load run against `specrt serve` on the default pair
+load-test: export
+	$(BIN)/python scripts/load_test.py --engines $(ENGINES) --workers 2 --threads 1 --requests 200 --concurrency 8 --max-tokens 64 --out bench_out/load.json
+
+# scale-out: Ray Serve (own venv: ray is large) with 2 replicas of the default pair on 127.0.0.1, checked end to end
+RAY_VENV ?= .venv-ray
+$(RAY_VENV)/.installed:
+	$(PY) -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/pip install -q --upgrade pip
+	$(RAY_VENV)/bin/pip install -q -e '.[serve,ray]' pytest
+	touch $@
+
+ray-check: export $(RAY_VENV)/.installed
+	$(RAY_VENV)/bin/python scripts/ray_serve_check.py --engines $(ENGINES) --replicas 2 --out bench_out/ray_check.json
 
 # re-train the default pair (about an hour on 2 cores; see models/README.md)
 models: install

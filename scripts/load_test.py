@@ -1,0 +1,265 @@
+#!/usr/bin/env python
+"""Load run against a specrt server on this machine (loopback only; bounded in count and time).
+
+Either point it at a running server (``--url http://127.0.0.1:8000``) or let it start one
+(``--engines DIR``: ``specrt serve`` on a free loopback port, stopped at the end). C client
+threads (keep-alive connections) send N ``/v1/completions`` requests in total, never more,
+and stop issuing new ones after ``--max-seconds``. Prints (and writes with ``--out``)
+requests/s, latency p50/p90/p99, time to first token (streamed), tokens/s, errors by
+status, and the server's acceptance figures (from /metrics, before/after).
+
+    python scripts/load_test.py --engines engines/default --workers 2 --threads 1 \\
+        --requests 200 --concurrency 8 --max-tokens 64 --out bench_out/load.json
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from urllib.parse import urlparse
+
+MAX_REQUESTS = 100_000
+MAX_SECONDS = 3600
+PROMPTS = [
+    "def add(a, b):", "for i in range(10):", "class Foo:", "import os\nimport sys\n", "def fib(n):",
+    "if __name__ == '__main__':", "def __init__(self, x):", "print(", "return a +", "while True:",
+]
+
+
+def loopback_only(host: str) -> None:
+    """Refuse any host that does not resolve only to loopback addresses (127.0.0.0/8, ::1)."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror as e:
+        raise SystemExit(f"--url host {host!r} does not resolve ({e})")
+    addrs = {info[4][0] for info in infos}
+    bad = [a for a in addrs if not ipaddress.ip_address(a.split("%")[0]).is_loopback]
+    if bad:
+        raise SystemExit(f"--url host {host!r} resolves to {sorted(bad)}; this load test only targets loopback (127.0.0.1, ::1)")
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]) of ``xs``; None when empty."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))
+    return s[k]
+
+
+def read_metrics(host: str, port: int) -> dict[str, float]:
+    """The server's /metrics as {sample name: value}."""
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def start_server(args) -> tuple[subprocess.Popen, int]:
+    """``specrt serve`` on a free loopback port; returns (process, port) once /health answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "specrt.runtime.cli", "serve", "--engines", args.engines, "--host", "127.0.0.1", "--port", str(port),
+           "--workers", str(args.workers), "--max-queue", str(max(args.concurrency, 1) + 8), "--log-level", "warning"]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                conn.close()
+                return proc, port
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("server did not come up in 180 s")
+
+
+class Client(threading.Thread):
+    """One client: a keep-alive connection sending requests while tickets and time last."""
+
+    def __init__(self, host, port, body_for, tickets, deadline, stream, timeout, out):
+        super().__init__(daemon=True)
+        self.host, self.port, self.body_for, self.tickets = host, port, body_for, tickets
+        self.deadline, self.stream, self.timeout, self.out = deadline, stream, timeout, out
+        self.conn = None
+
+    def _connect(self):
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+
+    def run(self):
+        self._connect()
+        while time.perf_counter() < self.deadline:
+            i = self.tickets.take()
+            if i is None:
+                break
+            body = self.body_for(i)
+            t0 = time.perf_counter()
+            rec = {"i": i, "status": None, "latency": None, "ttft": None, "tokens": 0}
+            try:
+                self.conn.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+                r = self.conn.getresponse()
+                rec["status"] = r.status
+                if r.status == 200 and self.stream:
+                    for line in r:
+                        if line.startswith(b"data: {"):
+                            ev = json.loads(line[6:])
+                            if ev.get("choices") and ev["choices"][0]["text"] and rec["ttft"] is None:
+                                rec["ttft"] = time.perf_counter() - t0
+                            if ev.get("usage"):
+                                rec["tokens"] = ev["usage"]["completion_tokens"]
+                        elif line.startswith(b"data: [DONE]"):
+                            break
+                    r.read()
+                else:
+                    data = json.loads(r.read())
+                    if r.status == 200:
+                        rec["tokens"] = data["usage"]["completion_tokens"]
+                rec["latency"] = time.perf_counter() - t0
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                rec["status"] = f"{type(e).__name__}"
+                self.conn.close()
+                self._connect()
+            self.out.append(rec)
+        self.conn.close()
+
+
+class Tickets:
+    """A thread-safe countdown of request numbers 0..n-1."""
+
+    def __init__(self, n):
+        self._n, self._next, self._lock = n, 0, threading.Lock()
+
+    def take(self):
+        """The next request number, or None when all were handed out."""
+        with self._lock:
+            if self._next >= self._n:
+                return None
+            self._next += 1
+            return self._next - 1
+
+
+def main(argv=None) -> dict:
+    """Run the load test; returns the summary dict (also printed as JSON)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="a running server, loopback only (http://127.0.0.1:PORT)")
+    src.add_argument("--engines", help="start `specrt serve` on this engine folder for the run")
+    ap.add_argument("--workers", type=int, default=2, help="with --engines: server workers")
+    ap.add_argument("--threads", type=int, default=1, help="with --engines: onnxruntime threads per session")
+    ap.add_argument("--requests", type=int, default=200, help=f"requests in total (1..{MAX_REQUESTS})")
+    ap.add_argument("--concurrency", type=int, default=8, help="client threads (1..256)")
+    ap.add_argument("--max-seconds", type=float, default=120.0, help=f"stop issuing requests after this (<= {MAX_SECONDS})")
+    ap.add_argument("--timeout", type=float, default=120.0, help="per-request socket timeout (s)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--stream", action="store_true", help="streamed requests (adds time to first token)")
+    ap.add_argument("--prompts", help="JSONL with {\"prompt\": ...} per line (default: built-in code prompts)")
+    ap.add_argument("--out", help="write the summary JSON here")
+    args = ap.parse_args(argv)
+    if not 1 <= args.requests <= MAX_REQUESTS:
+        ap.error(f"--requests must be in 1..{MAX_REQUESTS}")
+    if not 1 <= args.concurrency <= 256:
+        ap.error("--concurrency must be in 1..256")
+    if not 0 < args.max_seconds <= MAX_SECONDS:
+        ap.error(f"--max-seconds must be in (0, {MAX_SECONDS}]")
+
+    prompts = PROMPTS
+    if args.prompts:
+        with open(args.prompts) as f:
+            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+
+    proc = None
+    if args.url:
+        u = urlparse(args.url)
+        if u.scheme != "http" or not u.hostname:
+            ap.error("--url must look like http://127.0.0.1:PORT")
+        loopback_only(u.hostname)
+        host, port = u.hostname, u.port or 80
+    else:
+        proc, port = start_server(args)
+        host = "127.0.0.1"
+    try:
+        def body_for(i):
+            b = {"prompt": prompts[i % len(prompts)], "max_tokens": args.max_tokens, "temperature": args.temperature}
+            if args.temperature > 0:
+                b["seed"] = i
+            if args.stream:
+                b["stream"] = True
+                b["stream_options"] = {"include_usage": True}
+            return b
+
+        before = read_metrics(host, port)
+        load_before = os.getloadavg()[0]
+        out: list[dict] = []
+        tickets = Tickets(args.requests)
+        t0 = time.perf_counter()
+        clients = [Client(host, port, body_for, tickets, t0 + args.max_seconds, args.stream, args.timeout, out) for _ in range(args.concurrency)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(args.max_seconds + args.timeout + 10)
+        wall = time.perf_counter() - t0
+        after = read_metrics(host, port)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    ok = [r for r in out if r["status"] == 200]
+    lat = [r["latency"] for r in ok]
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    statuses: dict[str, int] = {}
+    for r in out:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("specrt_draft_tokens_proposed_total", "specrt_draft_tokens_accepted_total", "specrt_verify_passes_total")}
+    tokens = sum(r["tokens"] for r in ok)
+    summary = {
+        "requests_sent": len(out), "ok": len(ok), "statuses": statuses, "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": args.stream,
+        "workers": args.workers if args.engines else None, "threads": args.threads if args.engines else None,
+        "wall_s": round(wall, 3), "requests_per_s": round(len(ok) / wall, 3) if wall else None,
+        "completion_tokens_per_s": round(tokens / wall, 1) if wall else None,
+        "latency_s": {q: (round(v, 4) if v is not None else None) for q, v in (("p50", percentile(lat, 50)), ("p90", percentile(lat, 90)), ("p99", percentile(lat, 99)), ("max", max(lat) if lat else None))},
+        "ttft_s": {q: (round(v, 4) if v is not None else None) for q, v in (("p50", percentile(ttft, 50)), ("p99", percentile(ttft, 99)))} if args.stream else None,
+        "acceptance_rate": round(d["specrt_draft_tokens_accepted_total"] / d["specrt_draft_tokens_proposed_total"], 4) if d["specrt_draft_tokens_proposed_total"] else None,
+        "mean_accepted_length": round(d["specrt_draft_tokens_accepted_total"] / d["specrt_verify_passes_total"], 3) if d["specrt_verify_passes_total"] else None,
+        "cpu_count": os.cpu_count(),
+        # other processes on the machine slow everything: the 1-minute load average at the
+        # start and end of the run (2 cores: above 2 means the run did not have them alone)
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
