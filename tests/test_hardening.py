@@ -197,6 +197,39 @@ def test_incremental_text_unit():
     assert u.take() == "xy" and u.text == "xy"
 
 
+@pytest.mark.parametrize("scheme", ["first", "always"])
+def test_incremental_text_with_a_sentencepiece_style_decoder(scheme):
+    """Llama-2/Mistral-style decoding (Metaspace, byte fallback, Strip of the first space):
+    the window scheme still concatenates to decode(ids) for random id sequences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from helpers import CORPUS
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+    specials = ["<unk>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(CORPUS * 20, trainer=trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+
+    class Codec:
+        def decode(self, ids):
+            return tok.decode(list(ids), skip_special_tokens=True)
+
+    rnd = random.Random(0)
+    for _ in range(200):
+        ids = [rnd.randrange(2, tok.get_vocab_size()) for _ in range(rnd.randint(1, 40))]
+        t = IncrementalText(Codec(), ())
+        i, pieces = 0, []
+        while i < len(ids):
+            n = rnd.randint(1, 4)
+            t.push(ids[i : i + n])
+            pieces.append(t.take())
+            i += n
+        t.finish()
+        pieces.append(t.take())
+        assert "".join(pieces) == Codec().decode(ids)
+
+
 # ---- stop strings -------------------------------------------------------------------------
 @pytest.mark.parametrize("sampled", [False, True])
 def test_stop_strings_follow_the_documented_rule(engine, sampled):
