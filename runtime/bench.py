@@ -74,6 +74,12 @@ def distinct_4gram_share(tokens: Sequence[int]) -> float:
     return len(set(grams)) / len(grams) if grams else math.nan
 
 
+def _mean_finite(values: Sequence[float]) -> float:
+    """Mean of the finite values (nan when there are none, without numpy's empty-slice warning)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.mean(finite)) if finite else math.nan
+
+
 def peak_rss_mb() -> float:
     """Peak resident set size of this process, MiB (Linux ru_maxrss is in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -164,7 +170,7 @@ def run_bench(
                 tokens_per_pass=(tok - len(xs)) / passes if passes else None,
                 ttft_ms_median=1000 * float(np.median([x["ttft"] for x in xs])),
                 draft_share=sum(x["draft_seconds"] for x in xs) / sec,
-                distinct_4gram=float(np.nanmean([distinct_4gram_share(x["tokens"]) for x in xs if x["repeat"] == 0])),
+                distinct_4gram=_mean_finite([distinct_4gram_share(x["tokens"]) for x in xs if x["repeat"] == 0]),
                 equal_to_target=(
                     None if c.config.temperature > 0 else sum(x["tokens"] == base_tokens[x["prompt"]] for x in xs if x["repeat"] == 0)
                 ),
