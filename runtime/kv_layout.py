@@ -16,7 +16,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import InputError
+
 ALIGN = 256  # TensorRT/CUDA alignment for tensor and scratch addresses (bytes)
+
+
+def check_call(q: int, start: int, max_q: int, max_ctx: int) -> None:
+    """Refuse a model call of ``q`` new tokens at past length ``start`` that does not fit the
+    buffers (1 <= q <= max_q, 0 <= start, start + q <= max_ctx); shared by the backends.
+
+    Raises:
+        InputError: naming q, start and the allowed ranges.
+    """
+    if q < 1 or q > max_q or start < 0 or start + q > max_ctx:
+        raise InputError(
+            f"model call with q={q} new tokens at past length {start}: allowed 1 <= q <= {max_q} "
+            f"and past + q <= max_ctx={max_ctx}"
+        )
 
 
 def align_up(n: int, a: int = ALIGN) -> int:

@@ -19,7 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import EngineError, InputError
+from .kv_layout import check_call
+from .errors import EngineError
 from .manifest import ModelEntry
 
 
@@ -184,11 +185,7 @@ class OrtModel:
             InputError: q or start outside the buffers.
         """
         q = len(tokens)
-        if q < 1 or q > self.max_q or start < 0 or start + q > self.max_ctx:
-            raise InputError(
-                f"model call with q={q} new tokens at past length {start}: allowed 1 <= q <= {self.max_q} "
-                f"and past + q <= max_ctx={self.max_ctx}"
-            )
+        check_call(q, start, self.max_q, self.max_ctx)
         self.ids[0, :q] = tokens
         bind_in, bind_out = self._bind_in, self._bind_out
         h, d = self._kv_dims

@@ -25,8 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import BackendError, EngineError, InputError
-from .kv_layout import KVLayout
+from .errors import BackendError, EngineError
+from .kv_layout import check_call, KVLayout
 from .manifest import ModelEntry
 from .ort_backend import ThreadConfig
 
@@ -145,11 +145,7 @@ class OrtCudaModel:
             InputError: q or start outside the buffers.
         """
         q = len(tokens)
-        if q < 1 or q > self.max_q or start < 0 or start + q > self.max_ctx:
-            raise InputError(
-                f"model call with q={q} new tokens at past length {start}: allowed 1 <= q <= {self.max_q} "
-                f"and past + q <= max_ctx={self.max_ctx}"
-            )
+        check_call(q, start, self.max_q, self.max_ctx)
         self.ids[:q] = tokens
         b = self._binding
         dev, did = self.device
