@@ -72,6 +72,13 @@ class GenerationConfig:
             one round: text cut before the match, tokens cut to the shortest prefix whose
             text contains it (exact rule: :mod:`specrt.runtime.textstream`);
             ``finish_reason`` "stop" and ``stop_reason`` the matched string.
+        confidence_temperature: T of the draft's *confidence* in the greedy threshold test
+            (the threshold is compared with softmax(draft_logits / T)[top-1]); None = the
+            manifest's ``defaults["draft_confidence_temperature"]`` (written by
+            ``specrt tune --calibrate``), else 1.0. Must be in [0.01, 100]. It never changes
+            the proposals (the argmax), so greedy output stays the target's; 1.0 is
+            bit-identical to no calibration. Sampling ignores it (its threshold reads the
+            warped q(x)). See :mod:`specrt.runtime.calibration`.
     """
 
     max_new_tokens: int = 128
@@ -83,6 +90,7 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    confidence_temperature: float | None = None
 
 
 MAX_STOPS = 16  # most stop strings per call
@@ -327,7 +335,8 @@ class Engine:
         Raises:
             InputError: k_max outside 1..manifest k_max, threshold outside [0, 1],
                 max_new_tokens < 1, temperature < 0, top_k < 0, top_p outside (0, 1],
-                seed < 0, bad stop strings (:func:`check_stops`), wrong types.
+                seed < 0, bad stop strings (:func:`check_stops`), confidence_temperature
+                outside [0.01, 100], wrong types.
         """
         m = self.manifest
         k = config.k_max if config.k_max is not None else m.defaults.get("k_max", m.k_max)
@@ -341,6 +350,11 @@ class Engine:
             raise InputError(f"max_new_tokens={n!r}; max_new_tokens must be an integer >= 1")
         check_sampling_params(config.temperature, config.top_k, config.top_p, config.seed)
         stop = check_stops(config.stop)
+        ct = config.confidence_temperature
+        if ct is None:
+            ct = m.defaults.get("draft_confidence_temperature", 1.0)
+        if isinstance(ct, bool) or not isinstance(ct, (int, float)) or not 0.01 <= ct <= 100.0:
+            raise InputError(f"confidence_temperature={ct!r}; the draft confidence temperature must be a number in [0.01, 100] (1 = uncalibrated)")
         return replace(
             config,
             k_max=int(k),
@@ -351,6 +365,7 @@ class Engine:
             top_p=float(config.top_p),
             seed=None if config.seed is None else int(config.seed),
             stop=stop,
+            confidence_temperature=float(ct),
         )
 
     def prompt_ids(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
@@ -379,13 +394,16 @@ class Engine:
         return ids
 
     # ---- generation ------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int] | np.ndarray, config: GenerationConfig = GenerationConfig()) -> GenerationResult:
+    def generate(self, prompt: str | Sequence[int] | np.ndarray, config: GenerationConfig = GenerationConfig(), trace=None) -> GenerationResult:
         """Generate, greedy or sampled (speculative or target-only); see the module docstring.
 
         Args:
             prompt: text, or token ids (list / tuple / any 1-D integer array: int32 and
                 int64 give the same output).
             config: :class:`GenerationConfig` (stop strings included).
+            trace: a :class:`~specrt.runtime.trace.TraceWriter` that records every round
+                (draft confidences, accepted length, timings); None (the default) records
+                nothing and costs the round loop one ``if`` per site.
 
         Returns:
             :class:`GenerationResult`.
@@ -397,14 +415,14 @@ class Engine:
         """
         cfg = self.resolve(config)
         ids = self.prompt_ids(prompt)
-        run = self._run(ids, cfg, streaming=False)
+        run = self._run(ids, cfg, streaming=False, trace=trace)
         while True:
             try:
                 next(run)
             except StopIteration as done:
                 return done.value
 
-    def stream(self, prompt: str | Sequence[int] | np.ndarray, config: GenerationConfig = GenerationConfig()) -> "Stream":
+    def stream(self, prompt: str | Sequence[int] | np.ndarray, config: GenerationConfig = GenerationConfig(), trace=None) -> "Stream":
         """Stream the output text in pieces as rounds commit tokens.
 
         The prompt and config are checked here, before anything runs (so a server can
@@ -424,9 +442,9 @@ class Engine:
         """
         cfg = self.resolve(config)
         ids = self.prompt_ids(prompt)
-        return Stream(self._run(ids, cfg, streaming=True))
+        return Stream(self._run(ids, cfg, streaming=True, trace=trace))
 
-    def _run(self, ids: list[int], cfg: GenerationConfig, streaming: bool):
+    def _run(self, ids: list[int], cfg: GenerationConfig, streaming: bool, trace=None):
         """One generation as a generator: yields text pieces (``streaming``; none
         otherwise, except one empty yield per round) and returns the :class:`GenerationResult`.
 
@@ -437,7 +455,7 @@ class Engine:
         out: list[int] = []
         finish, stop_reason = "length", None
         text_out = IncrementalText(self.codec, cfg.stop) if (streaming or cfg.stop) else None
-        rounds = self._rounds(ids, cfg, stats)
+        rounds = self._rounds(ids, cfg, stats, trace)
         try:
             for piece, reason in rounds:
                 if text_out is not None:
@@ -462,7 +480,10 @@ class Engine:
                     yield last
             text = text_out.text
         stats.new_tokens = len(out)
-        return GenerationResult(tokens=out, text=text, finish_reason=finish, stats=stats, stop_reason=stop_reason)
+        result = GenerationResult(tokens=out, text=text, finish_reason=finish, stats=stats, stop_reason=stop_reason)
+        if trace is not None:
+            trace.end(result)
+        return result
 
     def _feed(self, model: OrtModel, tokens: Sequence[int], start: int) -> np.ndarray:
         """Run ``tokens`` from KV length ``start`` in chunks; returns the last logits row."""
@@ -470,6 +491,14 @@ class Engine:
         for i in range(0, len(tokens), step):
             logits = model.run(tokens[i : i + step], start + i)
         return logits[-1]
+
+    def _feed_rows(self, model: OrtModel, tokens: Sequence[int], start: int) -> np.ndarray:
+        """As :meth:`_feed`, but returns all logits rows of the last chunk ``[q, vocab]``
+        (tracing reads the row before the last: the draft's prediction of the pending token)."""
+        step = model.max_q
+        for i in range(0, len(tokens), step):
+            logits = model.run(tokens[i : i + step], start + i)
+        return logits
 
     def _sampling_buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """float64 work buffers of the sampling path, allocated on first use and reused:
@@ -480,7 +509,7 @@ class Engine:
             bufs = self._sample_bufs = (np.empty((k, v)), np.empty((k + 1, v)), np.empty((2, v)))
         return bufs
 
-    def _rounds(self, prompt: list[int], cfg: GenerationConfig, stats: Stats) -> Iterator[tuple[list[int], str | None]]:
+    def _rounds(self, prompt: list[int], cfg: GenerationConfig, stats: Stats, trace=None) -> Iterator[tuple[list[int], str | None]]:
         """Core loop under the Engine's lock: yields (newly committed tokens, finish reason
         or None) per round (:meth:`_rounds_locked`). Closing it early (a stop string, an
         abandoned stream) releases the lock; ``stats.total_seconds`` is set either way.
@@ -499,12 +528,12 @@ class Engine:
             self._owner = me
             t_start = time.perf_counter()
             try:
-                yield from self._rounds_locked(prompt, cfg, stats)
+                yield from self._rounds_locked(prompt, cfg, stats, trace)
             finally:
                 stats.total_seconds = time.perf_counter() - t_start
                 self._owner = None
 
-    def _rounds_locked(self, prompt: list[int], cfg: GenerationConfig, stats: Stats) -> Iterator[tuple[list[int], str | None]]:
+    def _rounds_locked(self, prompt: list[int], cfg: GenerationConfig, stats: Stats, trace=None) -> Iterator[tuple[list[int], str | None]]:
         """Core loop: yields (newly committed tokens, finish reason or None) per round.
 
         Sampling (``temperature > 0``): one ``Generator(PCG64(seed))`` per call; the first
@@ -522,12 +551,21 @@ class Engine:
         the ratio p/q would then bias the output; stopping *after* x only shortens the
         round, a decision made from the draft's own information, which keeps the output
         exactly p. (Greedy keeps its own rule, bit for bit: drop a token whose raw top-1
-        probability is below the threshold; exact there because it precedes the proposal.)
+        probability is below the threshold; exact there because it precedes the proposal.
+        With ``confidence_temperature`` T != 1 that probability is softmax(logits / T)'s
+        top-1, the token is still the argmax.)
+
+        ``trace`` (:class:`~specrt.runtime.trace.TraceWriter` or None): when given, the
+        loop hands it the draft's (token, confidence) of every draft step, the draft's
+        prediction of the pending token when the draft fed two or more tokens, and each
+        round's positions, counts and committed tokens; timings come from ``stats``.
         """
         m = self.manifest
         vocab, eos, max_ctx = m.vocab_size, m.eos_token_id, m.max_ctx
         k_max, threshold, budget = cfg.k_max, cfg.threshold, cfg.max_new_tokens
         target, draft, scratch = self.target, self.draft, self._scratch
+        inv_t = 1.0 / (cfg.confidence_temperature or 1.0)  # draft confidence calibration (1.0: off)
+        tr = trace
         sampling = cfg.temperature > 0.0
         if sampling:
             rng = np.random.Generator(np.random.PCG64(cfg.seed))
@@ -552,6 +590,8 @@ class Engine:
             reason = "stop"
         elif budget == 1 or len(seq) >= max_ctx:
             reason = "length"
+        if tr is not None:
+            tr.begin(prompt, cfg, first, stats)
         yield [first], reason
         while reason is None:
             seq_len = len(seq)
@@ -559,7 +599,12 @@ class Engine:
             cands: list[int] = []
             if n_max:
                 t0 = clock()
-                row = self._feed(draft, seq[draft_len:], draft_len)
+                if tr is None:
+                    row = self._feed(draft, seq[draft_len:], draft_len)
+                else:
+                    rows = self._feed_rows(draft, seq[draft_len:], draft_len)
+                    row = rows[-1]
+                    tr.pre = top1(rows[-2], vocab, scratch, inv_t) if len(rows) > 1 else None
                 draft_len = seq_len
                 stats.draft_calls += 1
                 while True:
@@ -567,10 +612,14 @@ class Engine:
                         q_row = warp(row, *wargs, out=q_rows[len(cands)])
                         tok = sample_token(q_row, rng, work[1])
                         cands.append(tok)
+                        if tr is not None:
+                            tr.draft.append((tok, float(q_row[tok])))
                         if q_row[tok] < threshold:  # propose x, then stop (see docstring)
                             break
                     else:
-                        tok, conf = top1(row, vocab, scratch)
+                        tok, conf = top1(row, vocab, scratch, inv_t)
+                        if tr is not None:
+                            tr.draft.append((tok, conf))
                         if conf < threshold:
                             break
                         cands.append(tok)
@@ -601,5 +650,7 @@ class Engine:
             _, draft_len = rollback_lengths(seq_len, draft_len, n_acc)
             if reason is None and (len(seq) - n_prompt >= budget or len(seq) >= max_ctx):
                 reason = "length"
+            if tr is not None:
+                tr.round(seq_len - n_prompt, len(cands), n_acc, new, stats)
             yield new, reason
         stats.new_tokens = len(seq) - n_prompt

@@ -25,7 +25,7 @@ class NumericsError(SpecRTError):
     """A model produced NaN or infinite logits."""
 
 
-def top1(logits_row: np.ndarray, vocab: int, scratch: np.ndarray | None = None) -> tuple[int, float]:
+def top1(logits_row: np.ndarray, vocab: int, scratch: np.ndarray | None = None, inv_temp: float = 1.0) -> tuple[int, float]:
     """Greedy token and its softmax probability from one logits row.
 
     Args:
@@ -34,9 +34,14 @@ def top1(logits_row: np.ndarray, vocab: int, scratch: np.ndarray | None = None) 
             ever formed in half precision).
         vocab: real vocab size; ids >= vocab (padding rows) are never returned.
         scratch: optional float32 ``[>= vocab]`` work buffer (avoids an allocation).
+        inv_temp: 1 / T of the *confidence* (draft calibration, :mod:`specrt.runtime.calibration`;
+            Guo et al. 2017, section 4.2): the probability returned is
+            softmax(logits[:vocab] / T)[token_id]. The token is the argmax whatever T is
+            (T > 0 does not change the order), so only the confidence changes. 1.0 (the
+            default) takes exactly the code path without scaling (bit-identical results).
 
     Returns:
-        ``(token_id, probability)`` where probability = softmax(logits[:vocab])[token_id],
+        ``(token_id, probability)`` where probability = softmax(logits[:vocab] / T)[token_id],
         computed in float32 or the logits' wider dtype, max-subtracted so it cannot
         overflow (logits of +-1e5 or more are fine).
 
@@ -51,10 +56,12 @@ def top1(logits_row: np.ndarray, vocab: int, scratch: np.ndarray | None = None) 
     if not np.isfinite(m):  # argmax returns the first NaN if there is one
         _raise_nonfinite(row)
     if scratch is None:
-        z = np.exp(row - m)
+        z = np.exp(row - m) if inv_temp == 1.0 else np.exp((row - m) * inv_temp)
     else:
         z = scratch[:vocab]
         np.subtract(row, m, out=z)
+        if inv_temp != 1.0:
+            np.multiply(z, inv_temp, out=z)
         np.exp(z, out=z)
     s = float(z.sum())
     if not np.isfinite(s):
