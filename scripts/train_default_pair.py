@@ -28,7 +28,7 @@ import math
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -201,6 +201,39 @@ def train(model, data, steps, batch, peak_lr, seed, log, name, teacher=None):
     log[f"{name}_final_train_loss"] = round(loss.item(), 4)
 
 
+def grow_depth(model, shallow_state: dict) -> None:
+    """Initialise ``model`` (n layers) from the state dict of a shallower model (m layers, n % m == 0).
+
+    Layer i of the deep model copies layer ``i // (n // m)`` of the shallow one; in every copy
+    but the first of each group, ``o_proj`` and ``down_proj`` are zeroed so that the block
+    adds nothing to the residual stream: the deep model starts with the shallow model's
+    exact function and training only improves on it (function-preserving growth, as in
+    Chen et al. 2016 "Net2Net" and Gong et al. 2019 "progressive stacking").
+    Raises ``ValueError`` when the layer counts do not divide.
+    """
+    n = model.config.num_hidden_layers
+    m = 1 + max(int(k.split(".")[2]) for k in shallow_state if k.startswith("model.layers."))
+    if n % m:
+        raise ValueError(f"cannot grow {m} layers to {n}: {n} is not a multiple of {m}")
+    rep = n // m
+    new = {}
+    for k, v in shallow_state.items():
+        if not k.startswith("model.layers."):
+            new[k] = v
+            continue
+        parts = k.split(".")
+        i = int(parts[2])
+        for j in range(rep):
+            parts[2] = str(i * rep + j)
+            w = v.clone()
+            if j and (k.endswith("o_proj.weight") or k.endswith("down_proj.weight")):
+                w.zero_()
+            new[".".join(parts)] = w
+    missing, unexpected = model.load_state_dict(new, strict=False)
+    if unexpected or [k for k in missing if "rotary" not in k and k != "lm_head.weight"]:
+        raise ValueError(f"growth left keys unmatched: missing {missing}, unexpected {unexpected}")
+
+
 def save(model, tok: Tokenizer, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.float16).save_pretrained(out, safe_serialization=True)
@@ -220,7 +253,14 @@ def main(argv=None) -> int:
     ap.add_argument("--stage", choices=["all", "data", "target", "draft"], default="all")
     ap.add_argument("--init-draft", type=Path, default=None, help="continue distilling from this saved draft (fp16 -> fp32)")
     ap.add_argument("--draft-lr", type=float, default=3e-3)
+    ap.add_argument("--target-layers", type=int, default=TARGET.layers, help="decoder layers of the target (default %(default)s)")
+    ap.add_argument("--grow-from", type=Path, default=None,
+                    help="initialise the target by depth growth from this fp32 state dict of a shallower target "
+                         "(each layer copied; the copies' o_proj and down_proj zeroed, so training starts from the "
+                         "shallower model's exact function)")
+    ap.add_argument("--target-lr", type=float, default=2e-3)
     args = ap.parse_args(argv)
+    target_size = replace(TARGET, layers=args.target_layers)
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
     log_path = args.out / "train_log.json"
@@ -233,7 +273,7 @@ def main(argv=None) -> int:
         vocab=VOCAB,
         seq=SEQ,
         batch=args.batch,
-        target_size=asdict(TARGET),
+        target_size=asdict(target_size),
         draft_size=asdict(DRAFT),
     )
     tok_path = args.work / "tokenizer.json"
@@ -254,19 +294,25 @@ def main(argv=None) -> int:
     log.update(tokens_train=int(len(train_data)), tokens_heldout=int(len(held)))
     windows = heldout_windows(held, 64)
 
-    target_ckpt = args.work / "target_fp32.pt"
+    target_ckpt = args.work / ("target_fp32.pt" if target_size == TARGET else f"target_fp32_L{target_size.layers}.pt")
     if args.stage in ("all", "target"):
         torch.manual_seed(args.seed)
-        target = LlamaForCausalLM(llama_config(TARGET, eos_id))
+        target = LlamaForCausalLM(llama_config(target_size, eos_id))
+        name = "target"
+        if args.grow_from is not None:
+            grow_depth(target, torch.load(args.grow_from))
+            name = "target_grown"
+            log["target_grown_from"] = str(args.grow_from)
+            log["target_loss_at_growth"] = round(eval_loss(target, windows), 4)
         log["target_params"] = sum(p.numel() for p in target.parameters())
-        train(target, train_data, args.target_steps, args.batch, 2e-3, args.seed, log, "target")
+        train(target, train_data, args.target_steps, args.batch, args.target_lr, args.seed, log, name)
         log["target_heldout_loss"] = round(eval_loss(target, windows), 4)
         torch.save(target.state_dict(), target_ckpt)
         save(target, tok, args.out / "target")
         args.out.mkdir(parents=True, exist_ok=True)
         log_path.write_text(json.dumps(log, indent=1))
     if args.stage in ("all", "draft"):
-        target = LlamaForCausalLM(llama_config(TARGET, eos_id))
+        target = LlamaForCausalLM(llama_config(target_size, eos_id))
         target.load_state_dict(torch.load(target_ckpt))
         target.eval()
         for p in target.parameters():
