@@ -653,4 +653,10 @@ class Engine:
             if tr is not None:
                 tr.round(seq_len - n_prompt, len(cands), n_acc, new, stats)
             yield new, reason
+        if tr is not None and not sampling and 0 < draft_len < len(seq) - 1 <= draft_len + draft.max_q:
+            # tracing only, after the last round (not in draft_calls/draft_seconds): the
+            # draft's predictions of the committed tokens it has not seen, so a replay knows
+            # every on-trajectory position (see specrt.runtime.trace)
+            rows = self._feed_rows(draft, seq[draft_len:-1], draft_len)
+            tr.tail(draft_len + 1 - n_prompt, [top1(r, vocab, scratch, inv_t) for r in rows])
         stats.new_tokens = len(seq) - n_prompt
