@@ -10,6 +10,11 @@ Interface (one model call, batch 1; q new tokens after L past ones)::
              new_key_i     float32 [1, q, n_kv_heads, head_dim]   (post-RoPE keys for RoPE families)
              new_value_i   float32 [1, q, n_kv_heads, head_dim]
 
+For the runtime's ``lazy-head`` verification the same forward is also exported in two
+parts (:class:`KVBodyModel`: the same inputs -> ``hidden`` float32 ``[1, q, hidden]`` after
+the final norm + the new KV rows; :class:`HeadModel`: ``hidden`` ``[1, r, hidden]`` ->
+``logits`` ``[1, r, vocab]``), so the vocabulary projection can run on fewer rows.
+
 Only the q new KV rows are returned, never the concatenation, so that the runtime can
 bind them straight into its preallocated buffer at offset L (in-place KV, no copies).
 The q new tokens attend causally to the L past rows and to each other.
@@ -104,6 +109,19 @@ class KVExportModel(nn.Module):
         return getattr(attn, names[0])(x).split(self._split, dim=-1)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
+        """``(logits [1, q, vocab] float32, *new_kv)``; see the module docstring."""
+        hidden, new_kv = self.body(input_ids, position_ids, *past)
+        return (self.head(hidden), *new_kv)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The vocabulary projection: final-norm hidden states ``[1, r, hidden]`` ->
+        logits ``[1, r, vocab]`` float32 (the checkpoint's own ``lm_head``)."""
+        return ArchSpec.get(self.hf, self.spec.lm_head)(hidden).float()
+
+    def body(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
+        """Everything but the vocabulary projection: ``(hidden [1, q, hidden], new_kv)``,
+        ``hidden`` after the final norm, ``new_kv`` the list of the q new key/value rows
+        per layer (key_0, value_0, key_1, ...)."""
         s = self.spec
         m = self.hf
         get = ArchSpec.get
@@ -144,5 +162,40 @@ class KVExportModel(nn.Module):
             ctx = torch.matmul(probs, v_all).transpose(1, 2).reshape(1, q_len, self.n_heads * self.head_dim)
             h = h + get(attn, s.o_proj)(ctx)
             h = h + get(layer, s.mlp)(get(layer, s.norm_mlp)(h))
-        logits = get(m, s.lm_head)(get(m, s.final_norm)(h))
-        return (logits.float(), *new_kv)
+        return get(m, s.final_norm)(h), new_kv
+
+
+class KVBodyModel(nn.Module):
+    """The lazy-head *body* graph of a :class:`KVExportModel`: the same inputs, outputs
+    ``hidden`` float32 ``[1, q, hidden]`` (after the final norm) and the q new KV rows per
+    layer, exactly as the full graph writes them. With :class:`HeadModel` it splits the
+    full graph at the vocabulary projection, so the runtime can project only the rows it
+    reads (``lazy-head`` verification).
+
+    Args:
+        full: the wrapper whose weights and wiring it reuses.
+    """
+
+    def __init__(self, full: KVExportModel):
+        super().__init__()
+        self.full = full
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
+        hidden, new_kv = self.full.body(input_ids, position_ids, *past)
+        return (hidden.float(), *new_kv)
+
+
+class HeadModel(nn.Module):
+    """The lazy-head *head* graph: ``hidden`` float32 ``[1, r, hidden]`` -> ``logits``
+    float32 ``[1, r, vocab]`` (the checkpoint's ``lm_head``, any r >= 1).
+
+    Args:
+        full: the wrapper whose ``lm_head`` it reuses.
+    """
+
+    def __init__(self, full: KVExportModel):
+        super().__init__()
+        self.full = full
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.full.head(hidden)

@@ -1,8 +1,9 @@
 """``specrt export``: a draft/target pair of local HF checkpoints -> an engine folder.
 
-Writes ``OUT/{draft.onnx, target.onnx, tokenizer.json, manifest.json}``; the manifest is
-written last (atomically), so a folder without one is a half-written export and the
-runtime refuses it.
+Writes ``OUT/{draft.onnx, target.onnx, tokenizer.json, manifest.json}`` (plus the lazy-head
+split of the target, ``target_body.onnx`` and ``target_head.onnx``, unless ``lazy_head`` is
+off); the manifest is written last (atomically), so a folder without one is a half-written
+export and the runtime refuses it.
 """
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from specrt.runtime.manifest import FORMAT_VERSION, Manifest, sha256_file
+from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, Manifest, sha256_file
 
-from .onnx_export import export_model
+from .onnx_export import BODY_FILE, HEAD_FILE, export_model
 
 
 class PairError(ValueError):
@@ -144,7 +145,14 @@ def _pad_id(target_dir: Path) -> int | None:
 
 
 def export_pair(
-    draft_dir: str | Path, target_dir: str | Path, out: str | Path, k_max: int = 8, max_ctx: int = 1024, log=print, tensorrt: str | None = None
+    draft_dir: str | Path,
+    target_dir: str | Path,
+    out: str | Path,
+    k_max: int = 8,
+    max_ctx: int = 1024,
+    log=print,
+    tensorrt: str | None = None,
+    lazy_head: bool = True,
 ) -> Manifest:
     """Check the pair, export both models, check parity, and write the manifest.
 
@@ -166,6 +174,11 @@ def export_pair(
         tensorrt: None (default), or ``fp32``/``fp16``/``bf16``: also build TensorRT plans
             where tensorrt and a GPU are present, else log that it skipped
             (:func:`specrt.export.trt_build.tensorrt_hook`; unverified on a GPU).
+        lazy_head: also write the target split at its vocabulary projection
+            (``target_body.onnx``: hidden states + new KV; ``target_head.onnx``: hidden ->
+            logits), parity-checked like the full graph and recorded in
+            ``manifest.extra["lazy_head"]``, for the runtime's ``lazy-head`` verification
+            strategy. False removes stale ones from ``out``.
 
     Returns:
         The written :class:`~specrt.runtime.manifest.Manifest`.
@@ -194,8 +207,13 @@ def export_pair(
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)  # half-written until the new one lands
     log(f"exporting target {target_dir} -> {out / 'target.onnx'}")
-    target = export_model(target_dir, out / "target.onnx", max_ctx, k_max)
+    if not lazy_head:
+        for name in (BODY_FILE, HEAD_FILE):
+            (out / name).unlink(missing_ok=True)
+    target = export_model(target_dir, out / "target.onnx", max_ctx, k_max, lazy_head=lazy_head)
     log(f"  parity (max |diff|): {max(target.entry.parity.values()):.2e}")
+    if target.lazy_head is not None:
+        log(f"  lazy-head graphs {BODY_FILE} + {HEAD_FILE}, parity (max |diff|): {max(target.lazy_head['parity'].values()):.2e}")
     log(f"exporting draft {draft_dir} -> {out / 'draft.onnx'}")
     draft = export_model(draft_dir, out / "draft.onnx", max_ctx, k_max)
     log(f"  parity (max |diff|): {max(draft.entry.parity.values()):.2e}")
@@ -218,7 +236,7 @@ def export_pair(
         max_ctx=max_ctx,
         k_min=1,
         k_max=k_max,
-        defaults={"k_max": min(k_max, 4), "threshold": 0.0},
+        defaults={"k_max": min(k_max, 4), "threshold": 0.0, "strategy": "full", "chunk_bound": 0.5},
         tools={
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -226,6 +244,7 @@ def export_pair(
             "onnx": onnx.__version__,
             "onnxruntime": onnxruntime.__version__,
         },
+        extra={LAZY_HEAD_KEY: target.lazy_head} if target.lazy_head is not None else {},
     )
     if tensorrt:
         from .trt_build import tensorrt_hook

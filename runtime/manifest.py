@@ -1,10 +1,13 @@
 """``manifest.json``: the versioned contract between ``specrt export`` and the runtime.
 
 An engine folder holds ``manifest.json``, ``draft.onnx``, ``target.onnx`` and
-``tokenizer.json``. The manifest records, per model, the dims the runtime needs to
-allocate KV buffers, the I/O names, the parity figures measured at export, and the
-SHA-256 of every file; plus the shared tokenizer hash, vocab size, special tokens,
-maximum context, the allowed k range and the default decoding settings.
+``tokenizer.json`` (and, unless exported with ``--no-lazy-head``, the target split at its
+vocabulary projection: ``target_body.onnx`` and ``target_head.onnx``, recorded in
+``extra["lazy_head"]``, see :func:`lazy_head_files`). The manifest records, per model,
+the dims the runtime needs to allocate KV buffers, the I/O names, the parity figures
+measured at export, and the SHA-256 of every file; plus the shared tokenizer hash, vocab
+size, special tokens, maximum context, the allowed k range and the default decoding
+settings.
 
 The runtime refuses a manifest whose ``format_version`` it does not know, and a pair
 whose vocab sizes or tokenizer hashes differ, with a message saying what to re-run.
@@ -56,6 +59,9 @@ class ModelEntry:
         vocab_hash: SHA-256 of the token -> id map of the tokenizer saved beside that
             checkpoint (empty in manifests written before it was recorded); the draft's
             and the target's must be equal.
+        matmul_params: weights of the decoder layers' matrix multiplications (embeddings,
+            norms, biases and LM head excluded), counted at export for the FLOPs figures
+            (:mod:`specrt.runtime.flops`); 0 in manifests written before it was recorded.
     """
 
     file: str
@@ -73,6 +79,7 @@ class ModelEntry:
     outputs: tuple[str, ...] = ()
     source: str = ""
     vocab_hash: str = ""
+    matmul_params: int = 0
 
     @staticmethod
     def io_names(n_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -119,6 +126,47 @@ class Manifest:
         tmp.write_text(self.to_json())
         tmp.replace(folder / MANIFEST)
         return folder / MANIFEST
+
+
+LAZY_HEAD_KEY = "lazy_head"  # key of the optional lazy-head record in Manifest.extra
+LAZY_HEAD_HINT = (
+    "this engine folder was exported without the lazy-head target (target_body.onnx + target_head.onnx); "
+    "re-run `specrt export --draft DRAFT_DIR --target TARGET_DIR --out {folder}` (lazy-head graphs are written "
+    "unless --no-lazy-head is given), or use strategy 'full' or 'chunked'"
+)
+
+
+def lazy_head_files(manifest: Manifest, folder: str | Path, verify_hashes: bool = True) -> tuple[dict, dict]:
+    """The lazy-head graphs of an engine folder, checked: ``(body, head)`` records of
+    ``manifest.extra["lazy_head"]``, each ``{"file", "sha256", "inputs", "outputs"}``.
+
+    The record is optional (format version 1 manifests without it stay loadable); the
+    export writes it unless ``--no-lazy-head``. Body: the target's inputs -> ``hidden``
+    float32 ``[1, q, hidden]`` + new KV; head: ``hidden`` ``[1, r, hidden]`` -> ``logits``
+    float32 ``[1, r, vocab]``.
+
+    Raises:
+        EngineError: no record (:data:`LAZY_HEAD_HINT`), a malformed one, a file missing, or
+            (``verify_hashes``) a file whose SHA-256 differs from the record.
+    """
+    folder = Path(folder)
+    rec = manifest.extra.get(LAZY_HEAD_KEY)
+    if rec is None:
+        raise EngineError(LAZY_HEAD_HINT.format(folder=folder))
+    hint = REEXPORT_HINT.format(folder=folder)
+    try:
+        parts = (dict(rec["body"]), dict(rec["head"]))
+        for part in parts:
+            str(part["file"]), str(part["sha256"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise EngineError(f"{folder / MANIFEST}: the lazy_head record is malformed ({e!r}); {hint}") from None
+    for part in parts:
+        p = folder / part["file"]
+        if not p.is_file():
+            raise EngineError(f"{p} is missing (the manifest lists it as the lazy-head target); {hint}")
+        if verify_hashes and sha256_file(p) != part["sha256"]:
+            raise EngineError(f"{p} does not match the SHA-256 recorded in the manifest (truncated or altered); {hint}")
+    return parts
 
 
 def _entry(d: dict, role: str, folder: Path) -> ModelEntry:
