@@ -237,6 +237,47 @@ def sample_residual(p_row: np.ndarray, q_row: np.ndarray, rng: np.random.Generat
     return sample_token(res, rng, None if work is None else work[1, :w])
 
 
+def accept_candidate(x: int, q_row: np.ndarray, p_row: np.ndarray, rng: np.random.Generator) -> bool:
+    """One acceptance test of speculative sampling: accept x with probability min(1, p(x)/q(x)).
+
+    Uses exactly one ``rng.random()`` draw, so verifying candidates one by one (in any
+    grouping of target passes) consumes the generator exactly as :func:`speculative_verify`.
+
+    Args:
+        x: the candidate id, sampled from ``q_row``.
+        q_row, p_row: float64 ``[W]`` warped draft and target distributions of its position.
+        rng: the call's generator.
+
+    Returns:
+        True when accepted. Written without a division: r * q(x) < p(x) with r ~ U[0, 1),
+        which always accepts when p(x) >= q(x) > 0.
+
+    Source: Leviathan et al. 2023, Algorithm 1 (acceptance step).
+    """
+    return rng.random() * q_row[x] < p_row[x]
+
+
+def final_token(p_row: np.ndarray, q_row: np.ndarray | None, rng: np.random.Generator, work: np.ndarray | None = None) -> int:
+    """The target's token that ends a round: after a rejection at this position (``q_row``
+    given) a sample from norm(max(0, p - q)) (:func:`sample_residual`); after all
+    candidates were accepted (``q_row`` None) the bonus token sampled from p.
+
+    Args:
+        p_row: float64 ``[W]`` warped target distribution of the position.
+        q_row: float64 ``[W]`` warped draft distribution of the rejected candidate, or None.
+        rng: the call's generator (one draw).
+        work: optional float64 ``[2, >= W]`` buffers.
+
+    Returns:
+        the token id.
+
+    Source: Leviathan et al. 2023, Algorithm 1 (rejection branch and the final sample).
+    """
+    if q_row is not None:
+        return sample_residual(p_row, q_row, rng, work)
+    return sample_token(p_row, rng, None if work is None else work[1])
+
+
 def speculative_verify(
     candidates: Sequence[int],
     q_probs: np.ndarray,
@@ -267,14 +308,13 @@ def speculative_verify(
     Source: Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2; in the
     style of gpt-fast's ``speculative_decode``. With p == q every candidate is accepted
     (r < 1 = p/q); with one-hot p and q (temperature 0, top_k = 1) it is greedy_verify.
+    It is :func:`accept_candidate` per candidate, then :func:`final_token`; the engine's
+    chunked and lazy-head strategies call those two directly in the same order.
     """
     for i, x in enumerate(candidates):
-        qx = q_probs[i][x]
         p_row = p_probs[i]
-        # accept with probability min(1, p(x)/q(x)); written without a division: r < 1
-        # always accepts when p(x) >= q(x) > 0
-        if rng.random() * qx < p_row[x]:
+        if accept_candidate(x, q_probs[i], p_row, rng):  # min(1, p(x)/q(x)), one draw
             continue
-        return i, sample_residual(p_row, q_probs[i], rng, work)
+        return i, final_token(p_row, q_probs[i], rng, work)
     n = len(candidates)
-    return n, sample_token(p_probs[n], rng, None if work is None else work[1])
+    return n, final_token(p_probs[n], None, rng, work)

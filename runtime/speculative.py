@@ -146,3 +146,95 @@ def rollback_lengths(seq_len_before: int, draft_len: int, n_accepted: int) -> tu
     """
     target_len = seq_len_before + n_accepted
     return target_len, min(draft_len, target_len)
+
+
+# ---- verification strategies ----------------------------------------------------------
+STRATEGIES = ("full", "chunked", "lazy-head")  # GenerationConfig.strategy values
+DEFAULT_CHUNK_BOUND = 0.5  # GenerationConfig.chunk_bound when the manifest has none
+
+
+def chunk_sizes(confidences: Sequence[float], bound: float) -> list[int]:
+    """Split n candidates into consecutive chunks from the draft's confidences.
+
+    A chunk grows candidate by candidate and ends at the first candidate at which the
+    product of the confidences since the chunk's start is <= ``bound`` (that candidate is
+    the chunk's last). The product estimates the chance that the target accepts every
+    candidate of the chunk so far (for a calibrated draft), so a chunk ends where running
+    further in the same target pass is more likely wasted than not; the next chunk is run
+    only when the previous one was accepted, and its product restarts at 1 (conditioned
+    on that acceptance). ``bound = 1`` gives one candidate per chunk; a bound below every
+    product gives one chunk (the ``full`` strategy).
+
+    Args:
+        confidences: n draft probabilities of the proposed candidates, floats in [0, 1]
+            (greedy: the draft's top-1 probability; sampling: the warped q(x) of the
+            sampled x).
+        bound: number in (0, 1] (:attr:`GenerationConfig.chunk_bound`).
+
+    Returns:
+        ``list[int]`` of chunk sizes, each >= 1, summing to n (``[]`` for n = 0).
+
+    Source: the rule asked for in issue 6 ("verify first up to the point where the
+    cumulative product of draft probabilities falls below a bound"); the product as
+    the expected acceptance of a prefix follows Leviathan et al. 2023, section 3.5
+    (acceptance of gamma tokens modelled as independent with rate alpha).
+    """
+    sizes: list[int] = []
+    size, prod = 0, 1.0
+    for c in confidences:
+        size += 1
+        prod *= c
+        if prod <= bound:
+            sizes.append(size)
+            size, prod = 0, 1.0
+    if size:
+        sizes.append(size)
+    return sizes
+
+
+def chunk_passes(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """Target passes of ``chunked`` verification, as ranges over ``[pending, c_1..c_n]``.
+
+    Pass j feeds tokens ``[lo, hi)`` of that list (``lo`` = 0 is the pending token) at KV
+    offset ``seq_len - 1 + lo``, and its logits row r is row ``lo + r`` of a full pass: it
+    verifies candidate c_{lo+r+1}, or gives the bonus token when ``lo + r == n``. So the
+    first pass is the pending token + chunk 1, each later pass is its chunk alone, and a
+    pass's last row verifies the next chunk's first candidate.
+
+    Args:
+        sizes: :func:`chunk_sizes` output (each >= 1, summing to n).
+
+    Returns:
+        ``[(lo, hi), ...]`` covering ``[0, n + 1)`` in order; ``[(0, 1)]`` for n = 0.
+    """
+    passes = []
+    lo, hi = 0, 1
+    for s in sizes:
+        hi += s
+        passes.append((lo, hi))
+        lo = hi
+    return passes or [(0, 1)]
+
+
+def head_blocks(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """Row blocks projected by the LM head in ``lazy-head`` verification.
+
+    Block j holds the logits rows that verify chunk j's candidates (row i verifies
+    c_{i+1}); the bonus row n joins the last block. Blocks after a rejection are never
+    projected.
+
+    Args:
+        sizes: :func:`chunk_sizes` output (each >= 1, summing to n).
+
+    Returns:
+        ``[(lo, hi), ...]`` row ranges covering ``[0, n + 1)`` in order; ``[(0, 1)]`` for n = 0.
+    """
+    blocks = []
+    lo = 0
+    for s in sizes:
+        blocks.append((lo, lo + s))
+        lo += s
+    if not blocks:
+        return [(0, 1)]
+    blocks[-1] = (blocks[-1][0], lo + 1)
+    return blocks
