@@ -21,6 +21,25 @@ With ``temperature > 0`` the same loop does exact speculative *sampling*
 each candidate from its warped distribution q, the target accepts it with probability
 min(1, p/q), samples a correction from norm(max(0, p - q)) at the first rejection, or a
 bonus token from p; the output follows the target's warped distribution exactly.
+
+Verification strategies (``GenerationConfig.strategy``; the output is the same in all):
+
+- ``full``: step 2 above, one target pass over all n + 1 positions;
+- ``chunked``: the candidates are split into chunks where the product of the draft's
+  confidences falls to ``chunk_bound`` (:func:`~specrt.runtime.speculative.chunk_sizes`);
+  the target runs [pending + chunk 1], then each next chunk at the offset after the
+  previous one only while everything so far was accepted
+  (:func:`~specrt.runtime.speculative.chunk_passes`), so the passes after a rejection never run;
+- ``lazy-head``: one pass of the target's body (all but the vocabulary projection,
+  ``target_body.onnx``) over the n + 1 positions, then the head (``target_head.onnx``)
+  block by block (:func:`~specrt.runtime.speculative.head_blocks`), stopping at the first
+  rejection, so the rejected tail is never projected.
+
+Both accept candidates in the same order and draw random numbers in the same order
+(:func:`~specrt.runtime.sampling.accept_candidate`, :func:`~specrt.runtime.sampling.final_token`),
+so a seed gives the same tokens whatever the strategy. A round without candidates is one
+q = 1 pass of the full target in every strategy. ``Stats`` counts the target FLOPs each
+strategy executed (:mod:`~specrt.runtime.flops`).
 """
 from __future__ import annotations
 
@@ -35,10 +54,22 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .errors import BackendError, InputError
-from .manifest import Manifest, load_manifest
-from .ort_backend import OrtModel, ThreadConfig
-from .sampling import check_sampling_params, sample_token, speculative_verify, warp
-from .speculative import argmax_token, draft_limit, greedy_verify, rollback_lengths, top1
+from .flops import body_flops, call_flops, flop_coefficients
+from .manifest import LAZY_HEAD_HINT, LAZY_HEAD_KEY, Manifest, load_manifest
+from .ort_backend import OrtLazyHead, OrtModel, ThreadConfig
+from .sampling import accept_candidate, check_sampling_params, final_token, sample_token, speculative_verify, warp
+from .speculative import (
+    DEFAULT_CHUNK_BOUND,
+    STRATEGIES,
+    argmax_token,
+    chunk_passes,
+    chunk_sizes,
+    draft_limit,
+    greedy_verify,
+    head_blocks,
+    rollback_lengths,
+    top1,
+)
 from .textstream import IncrementalText
 from .tokenizer import TextCodec
 
@@ -79,6 +110,17 @@ class GenerationConfig:
             the proposals (the argmax), so greedy output stays the target's; 1.0 is
             bit-identical to no calibration. Sampling ignores it (its threshold reads the
             warped q(x)). See :mod:`specrt.runtime.calibration`.
+        strategy: verification strategy, ``"full"``, ``"chunked"`` or ``"lazy-head"``
+            (module docstring); None = the manifest's ``defaults["strategy"]``, else
+            ``"full"``. The tokens are the same in all three (greedy, and sampled with one
+            seed); they differ in the target work done after a rejection. ``lazy-head``
+            needs an engine folder exported with the lazy-head target (the default of
+            ``specrt export``) and the ort-cpu backend.
+        chunk_bound: number in (0, 1]: a chunk (chunked) or head block (lazy-head) ends
+            at the candidate where the product of the draft's confidences since its start
+            is <= this (:func:`~specrt.runtime.speculative.chunk_sizes`; 1 = one candidate
+            per chunk); None = the manifest's ``defaults["chunk_bound"]``, else 0.5.
+            Ignored by ``full``.
     """
 
     max_new_tokens: int = 128
@@ -91,6 +133,8 @@ class GenerationConfig:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     confidence_temperature: float | None = None
+    strategy: str | None = None
+    chunk_bound: float | None = None
 
 
 MAX_STOPS = 16  # most stop strings per call
@@ -129,13 +173,20 @@ class Stats:
     """What one generation did (times in seconds, counts in tokens or passes).
 
     ``accepted_hist[m]`` counts verification passes that accepted m candidates.
+
+    Target work after prefill (the prefill is counted apart, in ``prefill_flops``):
+    ``target_calls`` model runs (one per round for full; one per chunk run for chunked;
+    the body runs for lazy-head, whose head runs are ``head_calls``), ``target_positions``
+    positions through the target's body, ``head_rows`` rows projected to logits, and
+    ``target_flops`` the FLOPs of all that (:func:`~specrt.runtime.flops.call_flops`;
+    ints, counted per model run, no allocation).
     """
 
     prompt_tokens: int = 0
     new_tokens: int = 0
     proposed: int = 0
     accepted: int = 0
-    passes: int = 0  # target passes after prefill (verification or plain decode)
+    passes: int = 0  # rounds after prefill (verification or plain decode; chunked may run several target calls per round)
     draft_calls: int = 0
     accepted_hist: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
@@ -143,6 +194,12 @@ class Stats:
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
     ttft_seconds: float = 0.0
+    target_calls: int = 0
+    head_calls: int = 0
+    target_positions: int = 0
+    head_rows: int = 0
+    target_flops: int = 0
+    prefill_flops: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -164,6 +221,17 @@ class Stats:
         """New tokens / total wall time of the call (prefill included)."""
         return self.new_tokens / self.total_seconds if self.total_seconds else math.nan
 
+    @property
+    def seconds_per_token(self) -> float:
+        """Total wall time of the call / new tokens (seconds per committed token, prefill included)."""
+        return self.total_seconds / self.new_tokens if self.new_tokens else math.nan
+
+    @property
+    def target_flops_per_token(self) -> float:
+        """Target FLOPs executed after prefill / tokens committed after prefill
+        (``new_tokens - 1``: the prefill commits the first); nan when there are none."""
+        return self.target_flops / (self.new_tokens - 1) if self.new_tokens > 1 else math.nan
+
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d.update(
@@ -171,6 +239,8 @@ class Stats:
             mean_accepted=self.mean_accepted,
             tokens_per_pass=self.tokens_per_pass,
             tokens_per_second=self.tokens_per_second,
+            seconds_per_token=self.seconds_per_token,
+            target_flops_per_token=self.target_flops_per_token,
         )
         return d
 
@@ -261,6 +331,22 @@ class _WarpedRows:
         return warp(self.logits[i], *self.args, out=self.out[i])
 
 
+class _LazySessions:
+    """The lazy-head (body, head) sessions of one loaded engine folder: loaded by ``load``
+    on first use, once, and shared by the Engine's forks (thread-safe)."""
+
+    __slots__ = ("_load", "_lock", "_sessions")
+
+    def __init__(self, load):
+        self._load, self._lock, self._sessions = load, threading.Lock(), None
+
+    def get(self) -> tuple:
+        with self._lock:
+            if self._sessions is None:
+                self._sessions = self._load()
+            return self._sessions
+
+
 class Engine:
     """A loaded engine folder: manifest, tokenizer, and both models on onnxruntime.
 
@@ -300,6 +386,12 @@ class Engine:
         self._scratch = np.empty(m.draft.vocab_size, np.float32)
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread id holding _lock (deadlock check in _rounds)
+        self._flops = flop_coefficients(m.target)
+        from .ort_backend import lazy_head_sessions
+
+        # lazy-head sessions: loaded when the strategy is first used (ort-cpu only)
+        self._lazy_sessions = _LazySessions(lambda: lazy_head_sessions(self.folder, m, threads, verify_hashes))
+        self._lazy: OrtLazyHead | None = None
 
     def fork(self) -> "Engine":
         """Another Engine over the same loaded models: the onnxruntime sessions (weights),
@@ -326,6 +418,7 @@ class Engine:
         new._lock = threading.Lock()
         new._owner = None
         new.__dict__.pop("_sample_bufs", None)
+        new._lazy = None  # its own body/head buffers over its own KV, sessions shared
         return new
 
     # ---- validation ------------------------------------------------------------------
@@ -336,7 +429,10 @@ class Engine:
             InputError: k_max outside 1..manifest k_max, threshold outside [0, 1],
                 max_new_tokens < 1, temperature < 0, top_k < 0, top_p outside (0, 1],
                 seed < 0, bad stop strings (:func:`check_stops`), confidence_temperature
-                outside [0.01, 100], wrong types.
+                outside [0.01, 100], strategy not one of full/chunked/lazy-head,
+                chunk_bound outside (0, 1], lazy-head for a folder exported without it,
+                wrong types.
+            BackendError: lazy-head on a backend other than ort-cpu.
         """
         m = self.manifest
         k = config.k_max if config.k_max is not None else m.defaults.get("k_max", m.k_max)
@@ -355,6 +451,17 @@ class Engine:
             ct = m.defaults.get("draft_confidence_temperature", 1.0)
         if isinstance(ct, bool) or not isinstance(ct, (int, float)) or not 0.01 <= ct <= 100.0:
             raise InputError(f"confidence_temperature={ct!r}; the draft confidence temperature must be a number in [0.01, 100] (1 = uncalibrated)")
+        st = config.strategy if config.strategy is not None else m.defaults.get("strategy", "full")
+        if not isinstance(st, str) or st not in STRATEGIES:
+            raise InputError(f"strategy={st!r}; strategy must be one of {', '.join(STRATEGIES)}")
+        cb = config.chunk_bound if config.chunk_bound is not None else m.defaults.get("chunk_bound", DEFAULT_CHUNK_BOUND)
+        if isinstance(cb, bool) or not isinstance(cb, (int, float, np.integer, np.floating)) or not 0.0 < cb <= 1.0:
+            raise InputError(f"chunk_bound={cb!r}; chunk_bound must be a number in (0, 1] (the draft-confidence product at which a chunk ends)")
+        if st == "lazy-head":
+            if self.backend != "ort-cpu":
+                raise BackendError(f"strategy 'lazy-head' runs on the ort-cpu backend only (this Engine uses {self.backend!r}); use 'full' or 'chunked'")
+            if LAZY_HEAD_KEY not in m.extra:
+                raise InputError(LAZY_HEAD_HINT.format(folder=self.folder))
         return replace(
             config,
             k_max=int(k),
@@ -366,6 +473,8 @@ class Engine:
             seed=None if config.seed is None else int(config.seed),
             stop=stop,
             confidence_temperature=float(ct),
+            strategy=st,
+            chunk_bound=float(cb),
         )
 
     def prompt_ids(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
@@ -509,6 +618,81 @@ class Engine:
             bufs = self._sample_bufs = (np.empty((k, v)), np.empty((k + 1, v)), np.empty((2, v)))
         return bufs
 
+    def _lazy_runner(self) -> OrtLazyHead:
+        """This Engine's lazy-head target over its target's KV buffers, made on first use
+        (the body/head sessions are loaded once per folder and shared with forks).
+
+        Raises:
+            EngineError: the folder lacks the lazy-head graphs, or they are altered.
+        """
+        lazy = self._lazy
+        if lazy is None:
+            body, head = self._lazy_sessions.get()
+            lazy = self._lazy = OrtLazyHead(body, head, self.target, self.manifest.target.hidden)
+        return lazy
+
+    def _prefill_flops(self, n: int) -> int:
+        """Target FLOPs of feeding n prompt tokens through the full graph in chunks of ``max_q``."""
+        step = self.target.max_q
+        return sum(call_flops(self._flops, min(step, n - i), i) for i in range(0, n, step))
+
+    def _verify_stepwise(self, pending: int, cands: list[int], confs: list[float], start: int, bound: float, lazy, stats: Stats, samp) -> tuple[int, int]:
+        """Chunked (``lazy`` None) or lazy-head verification of one round with n >= 1
+        candidates; stops at the first rejection, so no later target pass (chunked) or
+        head block (lazy-head) runs.
+
+        Args:
+            pending: the pending token; cands: c_1..c_n; confs: their draft confidences.
+            start: the target's KV length (the pending token's position).
+            bound: ``chunk_bound``.
+            lazy: the :class:`~specrt.runtime.ort_backend.OrtLazyHead`, or None (chunked).
+            stats: updated with calls, positions, head rows and FLOPs.
+            samp: None (greedy), or ``(rng, q_rows, p_rows, wargs, work)`` of the sampling path.
+
+        Returns:
+            ``(n_accepted, next_token)``, what :func:`~specrt.runtime.speculative.greedy_verify`
+            / :func:`~specrt.runtime.sampling.speculative_verify` return for the same logits
+            (the same random draws in the same order).
+        """
+        n = len(cands)
+        fc = self._flops
+        sizes = chunk_sizes(confs, bound)
+        toks = [pending, *cands]
+        if lazy is not None:
+            lazy.body(toks, start)
+            stats.target_calls += 1
+            stats.target_positions += n + 1
+            stats.target_flops += body_flops(fc, n + 1, start)
+            blocks = head_blocks(sizes)
+        else:
+            blocks = chunk_passes(sizes)
+        if samp is not None:
+            rng, q_rows, p_rows, wargs, work = samp
+        target, vocab = self.target, self.manifest.vocab_size
+        for lo, hi in blocks:
+            if lazy is not None:
+                rows = lazy.head(lo, hi - lo)
+                stats.head_calls += 1
+                stats.target_flops += (hi - lo) * fc.per_head_row
+            else:
+                rows = target.run(toks[lo:hi], start + lo)
+                stats.target_calls += 1
+                stats.target_positions += hi - lo
+                stats.target_flops += call_flops(fc, hi - lo, start + lo)
+            stats.head_rows += hi - lo
+            for r in range(lo, hi):  # row r verifies c_{r+1}; row n gives the bonus
+                if samp is None:
+                    t = argmax_token(rows[r - lo], vocab)
+                    if r == n or t != cands[r]:
+                        return r, t
+                else:
+                    p_row = warp(rows[r - lo], *wargs, out=p_rows[r])
+                    if r == n:
+                        return n, final_token(p_row, None, rng, work)
+                    if not accept_candidate(cands[r], q_rows[r], p_row, rng):
+                        return r, final_token(p_row, q_rows[r], rng, work)
+        raise AssertionError(f"verification blocks {blocks} do not cover rows 0..{n}")  # pragma: no cover
+
     def _rounds(self, prompt: list[int], cfg: GenerationConfig, stats: Stats, trace=None) -> Iterator[tuple[list[int], str | None]]:
         """Core loop under the Engine's lock: yields (newly committed tokens, finish reason
         or None) per round (:meth:`_rounds_locked`). Closing it early (a stop string, an
@@ -572,6 +756,11 @@ class Engine:
             q_rows, p_rows, work = self._sampling_buffers()
             wargs = (vocab, cfg.temperature, cfg.top_k, cfg.top_p)
             p_lazy = _WarpedRows(p_rows, wargs)
+        stepwise = cfg.strategy not in (None, "full")  # chunked / lazy-head (module docstring)
+        lazy = self._lazy_runner() if cfg.strategy == "lazy-head" else None
+        bound = cfg.chunk_bound if cfg.chunk_bound is not None else DEFAULT_CHUNK_BOUND
+        samp = (rng, q_rows, p_rows, wargs, work) if sampling else None
+        fc = self._flops
         clock = time.perf_counter
         stats.prompt_tokens = len(prompt)
         stats.accepted_hist = [0] * (k_max + 1)
@@ -579,6 +768,7 @@ class Engine:
         t_start = clock()
         seq = list(prompt)
         row = self._feed(target, seq, 0)
+        stats.prefill_flops = self._prefill_flops(len(seq))
         first = sample_token(warp(row, *wargs, out=p_rows[0]), rng, work[1]) if sampling else argmax_token(row, vocab)
         seq.append(first)
         t1 = clock()
@@ -597,6 +787,7 @@ class Engine:
             seq_len = len(seq)
             n_max = draft_limit(k_max, budget - (seq_len - n_prompt), seq_len, max_ctx) if cfg.speculative else 0
             cands: list[int] = []
+            confs: list[float] = []  # draft confidences of the candidates (chunk sizes)
             if n_max:
                 t0 = clock()
                 if tr is None:
@@ -612,6 +803,7 @@ class Engine:
                         q_row = warp(row, *wargs, out=q_rows[len(cands)])
                         tok = sample_token(q_row, rng, work[1])
                         cands.append(tok)
+                        confs.append(q_row[tok])
                         if tr is not None:
                             tr.draft.append((tok, float(q_row[tok])))
                         if q_row[tok] < threshold:  # propose x, then stop (see docstring)
@@ -623,6 +815,7 @@ class Engine:
                         if conf < threshold:
                             break
                         cands.append(tok)
+                        confs.append(conf)
                     if len(cands) == n_max or tok == eos:
                         break
                     row = draft.run((tok,), draft_len)[0]
@@ -630,12 +823,20 @@ class Engine:
                     stats.draft_calls += 1
                 stats.draft_seconds += clock() - t0
             t0 = clock()
-            logits = target.run([seq[-1], *cands], seq_len - 1)
-            if sampling:
-                p_lazy.logits = logits
-                n_acc, nxt = speculative_verify(cands, q_rows[: len(cands)], p_lazy, rng, work)
+            if stepwise and cands:
+                n_acc, nxt = self._verify_stepwise(seq[-1], cands, confs, seq_len - 1, bound, lazy, stats, samp)
             else:
-                n_acc, nxt = greedy_verify(cands, logits, vocab)
+                q = len(cands) + 1
+                logits = target.run([seq[-1], *cands], seq_len - 1)
+                if sampling:
+                    p_lazy.logits = logits
+                    n_acc, nxt = speculative_verify(cands, q_rows[: len(cands)], p_lazy, rng, work)
+                else:
+                    n_acc, nxt = greedy_verify(cands, logits, vocab)
+                stats.target_calls += 1
+                stats.target_positions += q
+                stats.head_rows += q
+                stats.target_flops += call_flops(fc, q, seq_len - 1)
             stats.target_seconds += clock() - t0
             stats.passes += 1
             stats.proposed += len(cands)

@@ -10,6 +10,9 @@ For a call with q new tokens after L committed rows, the binding is::
 so no KV data is copied on any step, and rolling back is only a smaller L on the next
 call: rows at and beyond L are never read. Binding a pointer costs a few microseconds;
 shapes change every step (L grows), so the binding is refreshed per call, nothing else.
+
+:class:`OrtLazyHead` runs the target's lazy-head split (body graph, then the vocabulary
+projection on the rows asked for) over the *same* KV buffers, bound the same way.
 """
 from __future__ import annotations
 
@@ -20,8 +23,8 @@ from typing import Sequence
 import numpy as np
 
 from .kv_layout import check_call
-from .errors import EngineError
-from .manifest import ModelEntry
+from .errors import EngineError, InputError
+from .manifest import Manifest, ModelEntry, lazy_head_files
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,40 @@ def _raw_binding(session, binding):
         return bind_in, bind_out, run
 
 
+def cpu_session(path: Path, threads: ThreadConfig, inputs: Sequence[str], outputs: Sequence[str]):
+    """An onnxruntime CPU session with the project's settings, its I/O names checked.
+
+    Args:
+        path: the ONNX file.
+        threads: :class:`ThreadConfig` (intra-op threads, spinning).
+        inputs, outputs: the I/O names the manifest records (order free).
+
+    Returns:
+        ``onnxruntime.InferenceSession``.
+
+    Raises:
+        EngineError: onnxruntime cannot load the file, or its I/O names differ.
+    """
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads.intra_op
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if threads.spinning else "0")
+    so.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise EngineError(f"{path}: onnxruntime cannot load this model ({type(e).__name__}: {str(e)[:300]})") from None
+    got_in = tuple(i.name for i in session.get_inputs())
+    got_out = tuple(o.name for o in session.get_outputs())
+    if set(got_in) != set(inputs) or set(got_out) != set(outputs):
+        raise EngineError(f"{path}: I/O names {got_in} -> {got_out} differ from the manifest's {tuple(inputs)} -> {tuple(outputs)}")
+    return session
+
+
 class OrtModel:
     """One exported model on onnxruntime with in-place KV (see module docstring).
 
@@ -112,23 +149,7 @@ class OrtModel:
     """
 
     def __init__(self, path: Path, entry: ModelEntry, max_ctx: int, max_q: int, threads: ThreadConfig = ThreadConfig()):
-        import onnxruntime as ort
-
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads.intra_op
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if threads.spinning else "0")
-        so.log_severity_level = 3
-        try:
-            self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        except Exception as e:  # onnxruntime raises its own exception types
-            raise EngineError(f"{path}: onnxruntime cannot load this model ({type(e).__name__}: {str(e)[:300]})") from None
-        got_in = tuple(i.name for i in self.session.get_inputs())
-        got_out = tuple(o.name for o in self.session.get_outputs())
-        if set(got_in) != set(entry.inputs) or set(got_out) != set(entry.outputs):
-            raise EngineError(f"{path}: I/O names {got_in} -> {got_out} differ from the manifest's {entry.inputs} -> {entry.outputs}")
+        self.session = cpu_session(path, threads, entry.inputs, entry.outputs)
         self._allocate(entry, max_ctx, max_q)
 
     def fork(self) -> "OrtModel":
@@ -205,3 +226,105 @@ class OrtModel:
         """Data pointers of the outputs of the last call (tests check they are the buffers')."""
         names = [new for _, new, _ in self._kv] + ["logits"]  # the order run() binds them in
         return {n: v.data_ptr() for n, v in zip(names, self._binding.get_outputs())}
+
+
+def lazy_head_sessions(folder: Path, manifest: Manifest, threads: ThreadConfig, verify_hashes: bool = True) -> tuple:
+    """``(body, head)`` onnxruntime CPU sessions of an engine folder's lazy-head target.
+
+    Raises:
+        EngineError: the folder was exported without them (the message says how to
+            re-export), a file is missing or altered, or it cannot be loaded
+            (:func:`~specrt.runtime.manifest.lazy_head_files`, :func:`cpu_session`).
+    """
+    body, head = lazy_head_files(manifest, folder, verify_hashes)
+    return (
+        cpu_session(Path(folder) / body["file"], threads, body["inputs"], body["outputs"]),
+        cpu_session(Path(folder) / head["file"], threads, head["inputs"], head["outputs"]),
+    )
+
+
+class OrtLazyHead:
+    """The target split at its vocabulary projection (``lazy-head`` verification), on the
+    KV buffers of the target's :class:`OrtModel`.
+
+    :meth:`body` runs the body graph exactly as :meth:`OrtModel.run` runs the full one
+    (same in-place binding of the *same* KV buffers, so full, chunked and lazy-head calls
+    can follow each other on one Engine) and leaves the final-norm hidden states in a
+    preallocated buffer; :meth:`head` projects a block of those rows to logits, into a
+    preallocated logits buffer at the same row offsets, so the rows a verification never
+    reads are never projected.
+
+    Args:
+        body_session, head_session: from :func:`lazy_head_sessions` (shareable by forks).
+        target: the target model whose KV buffers, positions and ``max_q`` it uses.
+        hidden: width of ``hidden`` (the target's ``hidden``).
+
+    Buffers (allocated here, once): ids int64 ``[1, max_q]``, hidden float32
+    ``[1, max_q, hidden]``, logits float32 ``[1, max_q, vocab]``.
+    """
+
+    def __init__(self, body_session, head_session, target: OrtModel, hidden: int):
+        self.body_session, self.head_session, self.target = body_session, head_session, target
+        self.max_q, self.vocab, self.hidden = target.max_q, target.vocab, hidden
+        self.ids = np.zeros((1, self.max_q), np.int64)
+        self.hidden_states = np.zeros((1, self.max_q, hidden), np.float32)
+        self.logits = np.zeros((1, self.max_q, self.vocab), np.float32)
+        self._body_binding = body_session.io_binding()
+        self._head_binding = head_session.io_binding()
+        self._bind_in, self._bind_out, self._run_body = _raw_binding(body_session, self._body_binding)
+        self._head_in, self._head_out, self._run_head = _raw_binding(head_session, self._head_binding)
+        self._kv = target._kv  # the target's (past name, new name, buffer base) triples: same buffers
+        self._ids_ptr = self.ids.ctypes.data
+        self._hidden_ptr = self.hidden_states.ctypes.data
+        self._logits_ptr = self.logits.ctypes.data
+        self._hidden_row, self._logits_row = 4 * hidden, 4 * self.vocab
+
+    def body(self, tokens: Sequence[int] | np.ndarray, start: int) -> None:
+        """Run the body over ``q = len(tokens)`` tokens at positions ``start .. start+q-1``:
+        reads the target's KV rows [0, start), writes rows [start, start+q) in place, and
+        the q hidden rows into rows [0, q) of the hidden buffer.
+
+        Raises:
+            InputError: q or start outside the buffers.
+        """
+        t = self.target
+        q = len(tokens)
+        check_call(q, start, self.max_q, t.max_ctx)
+        self.ids[0, :q] = tokens
+        bind_in, bind_out = self._bind_in, self._bind_out
+        h, d = t._kv_dims
+        bind_in("input_ids", np.int64, [1, q], self._ids_ptr)
+        bind_in("position_ids", np.int64, [1, q], t._pos_ptr + 8 * start)
+        past_shape = [1, start, h, d]
+        new_shape = [1, q, h, d]
+        off = start * t.row_bytes
+        for past_name, new_name, base in self._kv:
+            bind_in(past_name, np.float32, past_shape, base)
+            bind_out(new_name, np.float32, new_shape, base + off)
+        bind_out("hidden", np.float32, [1, q, self.hidden], self._hidden_ptr)
+        self._run_body()
+
+    def head(self, lo: int, r: int) -> np.ndarray:
+        """Project hidden rows [lo, lo+r) of the last :meth:`body` call to logits.
+
+        Args:
+            lo: first row (0 <= lo), r: rows (>= 1), lo + r <= the body call's q.
+
+        Returns:
+            float32 view ``[r, vocab]`` of rows [lo, lo+r) of the preallocated logits
+            buffer (valid until the next call).
+
+        Raises:
+            InputError: rows outside the buffers (0 <= lo, 1 <= r, lo + r <= max_q).
+        """
+        if lo < 0 or r < 1 or lo + r > self.max_q:
+            raise InputError(f"head call for rows [{lo}, {lo + r}): allowed 0 <= lo, r >= 1, lo + r <= max_q={self.max_q}")
+        self._head_in("hidden", np.float32, [1, r, self.hidden], self._hidden_ptr + lo * self._hidden_row)
+        self._head_out("logits", np.float32, [1, r, self.vocab], self._logits_ptr + lo * self._logits_row)
+        self._run_head()
+        return self.logits[0, lo : lo + r]
+
+    def output_pointers(self) -> dict[str, int]:
+        """Data pointers of the body's outputs in its last call (tests check they are the target's KV buffers)."""
+        names = [new for _, new, _ in self._kv] + ["hidden"]
+        return {n: v.data_ptr() for n, v in zip(names, self._body_binding.get_outputs())}
