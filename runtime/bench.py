@@ -5,8 +5,13 @@ prompt to prompt (A B C, B C A, ...), so machine noise lands on all of them alik
 Reported per configuration: tokens/s (total new tokens / total wall time), speedup over
 target-only (the same ratio, and the median and quartiles of per-prompt ratios),
 acceptance rate, mean accepted length, time to first token, the share of distinct
-4-grams in the outputs (a looping target inflates acceptance), and how many outputs
-equal the target-only output token for token.
+4-grams in the outputs (a looping target inflates acceptance), how many outputs equal
+the target-only output token for token, and the cost per committed token: wall time
+(``ms_per_token``, prefill included) and target FLOPs executed after prefill
+(``target_flops_per_token``, :mod:`specrt.runtime.flops`), with the target positions and
+head rows behind them. Rows may differ only in the verification strategy
+(``specrt bench --strategy full --strategy chunked --strategy lazy-head``): their outputs
+are equal, their costs are not.
 
 Sampled configurations (``temperature > 0``) are compared with target-only *sampling*
 with the same settings (the first config); their outputs are random draws, so
@@ -125,6 +130,10 @@ def run_bench(
                         hist=s.accepted_hist,
                         draft_seconds=s.draft_seconds,
                         target_seconds=s.target_seconds,
+                        target_calls=s.target_calls,
+                        target_positions=s.target_positions,
+                        head_rows=s.head_rows,
+                        target_flops=s.target_flops,
                     )
                 )
                 done += 1
@@ -146,6 +155,7 @@ def run_bench(
         proposed = sum(x["proposed"] for x in xs)
         accepted = sum(x["accepted"] for x in xs)
         passes = sum(x["passes"] for x in xs)
+        after_prefill = max(1, tok - len(xs))  # tokens committed by verification passes
         hist = np.sum([np.pad(x["hist"], (0, 65 - len(x["hist"]))) for x in xs], axis=0)
         last = int(np.nonzero(hist)[0].max()) + 1 if hist.any() else 1
         rows.append(
@@ -155,6 +165,8 @@ def run_bench(
                 threshold=c.config.threshold,
                 speculative=c.config.speculative,
                 temperature=c.config.temperature,
+                strategy=c.config.strategy,
+                chunk_bound=c.config.chunk_bound,
                 top_k=c.config.top_k,
                 top_p=c.config.top_p,
                 seed=c.config.seed,
@@ -168,6 +180,11 @@ def run_bench(
                 acceptance_rate=accepted / proposed if proposed else None,
                 mean_accepted=accepted / passes if passes else None,
                 tokens_per_pass=(tok - len(xs)) / passes if passes else None,
+                ms_per_token=1000 * sec / tok,
+                target_flops_per_token=sum(x["target_flops"] for x in xs) / after_prefill,
+                target_positions_per_token=sum(x["target_positions"] for x in xs) / after_prefill,
+                head_rows_per_token=sum(x["head_rows"] for x in xs) / after_prefill,
+                target_calls_per_pass=sum(x["target_calls"] for x in xs) / passes if passes else None,
                 ttft_ms_median=1000 * float(np.median([x["ttft"] for x in xs])),
                 draft_share=sum(x["draft_seconds"] for x in xs) / sec,
                 distinct_4gram=_mean_finite([distinct_4gram_share(x["tokens"]) for x in xs if x["repeat"] == 0]),
@@ -189,8 +206,13 @@ def run_bench(
 
 
 def format_table(result: dict) -> str:
-    """A fixed-width text table of ``run_bench``'s rows."""
-    head = f"{'config':<22}{'tok/s':>9}{'speedup':>9}{'med [q25,q75]':>20}{'accept':>8}{'acc/pass':>9}{'ttft ms':>9}{'4gram':>7}{'=target':>9}"
+    """A fixed-width text table of ``run_bench``'s rows (``MFLOP/tok``: target FLOPs
+    executed after prefill per token committed after prefill, in 1e6)."""
+    w = max(22, 2 + max(len(r["label"]) for r in result["rows"]))
+    head = (
+        f"{'config':<{w}}{'tok/s':>9}{'speedup':>9}{'med [q25,q75]':>20}{'accept':>8}{'acc/pass':>9}{'ms/tok':>8}"
+        f"{'MFLOP/tok':>10}{'ttft ms':>9}{'4gram':>7}{'=target':>9}"
+    )
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
@@ -198,7 +220,8 @@ def format_table(result: dict) -> str:
         spread = f"{r['speedup_per_prompt_median']:.2f} [{r['speedup_per_prompt_q25']:.2f},{r['speedup_per_prompt_q75']:.2f}]"
         eq = f"{r['equal_to_target']:>5}/{result['prompts']:<3}" if r.get("equal_to_target") is not None else f"{'-':>5} {'':<3}"
         lines.append(
-            f"{r['label']:<22}{r['tokens_per_second']:>9.1f}{r['speedup']:>8.2f}x{spread:>20}{acc:>8}{mal:>9}"
+            f"{r['label']:<{w}}{r['tokens_per_second']:>9.1f}{r['speedup']:>8.2f}x{spread:>20}{acc:>8}{mal:>9}"
+            f"{r['ms_per_token']:>8.2f}{r['target_flops_per_token'] / 1e6:>10.2f}"
             f"{r['ttft_ms_median']:>9.1f}{r['distinct_4gram']:>7.2f}{eq}"
         )
     lines.append(f"prompts {result['prompts']} x {result['repeats']} repeats, {result['max_new_tokens']} new tokens, peak RSS {result['peak_rss_mb']:.0f} MiB")

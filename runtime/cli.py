@@ -57,6 +57,26 @@ def _sampling_options(f):
     return f
 
 
+STRATEGY_CHOICE = click.Choice(["full", "chunked", "lazy-head"])
+
+
+def _strategy_options(f, multiple: bool = False):
+    """--strategy (repeatable for bench) and --chunk-bound; values are checked by Engine.resolve."""
+    f = click.option(
+        "--chunk-bound", type=float, default=None,
+        help="chunked/lazy-head: a chunk ends where the product of draft confidences is <= this, in (0, 1] (default: manifest, else 0.5)",
+    )(f)
+    if multiple:
+        return click.option(
+            "--strategy", "strategies", type=STRATEGY_CHOICE, multiple=True,
+            help="verification strategy to compare (repeatable: one row each; default: manifest, else full)",
+        )(f)
+    return click.option(
+        "--strategy", type=STRATEGY_CHOICE, default=None,
+        help="verification: full (one pass), chunked (stop passes at a rejection), lazy-head (stop the vocab projection at a rejection); default: manifest, else full",
+    )(f)
+
+
 def _engine(path: str, threads: int | None, spinning: bool, backend: str | None = None):
     from .generator import Engine
     from .ort_backend import ThreadConfig
@@ -77,7 +97,11 @@ def cli():
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="engine folder to write")
 @click.option("--k-max", type=click.IntRange(1, 64), default=8, show_default=True, help="largest number of candidates per verification")
 @click.option("--max-ctx", type=click.IntRange(2, 1 << 20), default=1024, show_default=True, help="context size (KV rows)")
-def export(draft, target, out, k_max, max_ctx):
+@click.option(
+    "--lazy-head/--no-lazy-head", default=True, show_default=True,
+    help="also write the target split at its vocabulary projection (target_body.onnx + target_head.onnx) for --strategy lazy-head",
+)
+def export(draft, target, out, k_max, max_ctx, lazy_head):
     """Export a draft/target pair to ONNX (IO-bound KV) with parity checks and a manifest."""
     try:
         from specrt.export.pipeline import export_pair
@@ -88,7 +112,7 @@ def export(draft, target, out, k_max, max_ctx):
     from specrt.export.pipeline import PairError
 
     try:
-        export_pair(draft, target, out, k_max=k_max, max_ctx=max_ctx, log=lambda m: click.echo(m, err=True))
+        export_pair(draft, target, out, k_max=k_max, max_ctx=max_ctx, log=lambda m: click.echo(m, err=True), lazy_head=lazy_head)
     except (PairError, UnsupportedModelError, ParityError, ValueError) as e:
         raise click.ClickException(str(e)) from None
 
@@ -103,11 +127,15 @@ def export(draft, target, out, k_max, max_ctx):
 @click.option("--stream", is_flag=True, help="print text as it is committed (UTF-8-safe pieces)")
 @click.option("--stop", "stops", multiple=True, help="stop string (repeatable, at most 16): the output ends before the first match")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="print statistics (JSON) to stderr")
+@_strategy_options
 @_sampling_options
 @_threads_option
 @_backend_option
 @_clean_errors
-def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, stream, stops, stats, temperature, top_k, top_p, seed, threads, spinning, backend):
+def generate(
+    engines, prompt, k_max, threshold, max_new_tokens, no_speculation, stream, stops, stats, strategy, chunk_bound,
+    temperature, top_k, top_p, seed, threads, spinning, backend,
+):
     """Generate a continuation of PROMPT (greedy: the target's own output; sampled: its distribution)."""
     from .generator import GenerationConfig
 
@@ -116,6 +144,7 @@ def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, 
     cfg = GenerationConfig(
         max_new_tokens=max_new_tokens, k_max=k_max, threshold=threshold, speculative=not no_speculation,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=tuple(stops),
+        strategy=strategy, chunk_bound=chunk_bound,
     )
     t_loaded = time.perf_counter()
     if stream:
@@ -151,14 +180,19 @@ def generate(engines, prompt, k_max, threshold, max_new_tokens, no_speculation, 
 @click.option("--threshold", "thresholds", type=float, multiple=True, help="thresholds to try (repeatable; default: manifest)")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts (interleaved)")
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="write the results as JSON here")
+@functools.partial(_strategy_options, multiple=True)
 @_sampling_options
 @_threads_option
 @_backend_option
 @_clean_errors
-def bench(engines, prompts_file, limit, max_new_tokens, k_values, thresholds, repeats, out_json, temperature, top_k, top_p, seed, threads, spinning, backend):
+def bench(
+    engines, prompts_file, limit, max_new_tokens, k_values, thresholds, repeats, out_json, strategies, chunk_bound,
+    temperature, top_k, top_p, seed, threads, spinning, backend,
+):
     """Target-only vs speculative decoding, interleaved on the same prompts; prints a table.
 
-    Sampling options apply to every row, the target-only baseline included."""
+    Sampling options apply to every row, the target-only baseline included. With
+    --strategy (repeatable) each k/threshold gets one row per verification strategy."""
     from .bench import BenchConfig, format_table, load_prompts, run_bench
     from .generator import GenerationConfig
 
@@ -171,8 +205,11 @@ def bench(engines, prompts_file, limit, max_new_tokens, k_values, thresholds, re
     configs = [BenchConfig("target-only", GenerationConfig(max_new_tokens=max_new_tokens, speculative=False, **samp))]
     for k in ks:
         for th in ths:
-            cfg = engine.resolve(GenerationConfig(max_new_tokens=max_new_tokens, k_max=k, threshold=th, **samp))
-            configs.append(BenchConfig(f"spec k={k} th={th:g}", cfg))
+            for st in strategies or (None,):
+                cfg = engine.resolve(
+                    GenerationConfig(max_new_tokens=max_new_tokens, k_max=k, threshold=th, strategy=st, chunk_bound=chunk_bound, **samp)
+                )
+                configs.append(BenchConfig(f"spec k={k} th={th:g}" + (f" {st}" if st else ""), cfg))
     with click.progressbar(length=len(prompts) * repeats * len(configs), label="bench", file=sys.stderr) as bar:
         last = [0]
 
