@@ -96,8 +96,12 @@ def run_bench(
     configs: Sequence[BenchConfig],
     repeats: int = 1,
     progress: Callable[[int, int], None] | None = None,
+    trace=None,
 ) -> dict:
     """Run every config on every prompt, interleaved; the first config is the baseline.
+
+    ``trace``: a :class:`~specrt.runtime.trace.TraceWriter` that records every measured
+    generation (the warm-up runs are not recorded).
 
     Returns:
         ``{"rows": [...], "per_prompt": {...}, "prompts": n, ...}`` (JSON-ready).
@@ -114,7 +118,7 @@ def run_bench(
         for i, ids in enumerate(ids_all):
             shift = (i + r) % n
             for c in list(configs[shift:]) + list(configs[:shift]):
-                res = engine.generate(ids, c.config)
+                res = engine.generate(ids, c.config, trace=trace)
                 s = res.stats
                 runs[c.label].append(
                     dict(

@@ -1,4 +1,4 @@
-"""``specrt`` command line (click): export | generate | bench | serve.
+"""``specrt`` command line (click): export | generate | bench | tune | serve.
 
 Errors the project raises (:class:`~specrt.runtime.errors.SpecRTError`) are printed as one
 line with a non-zero exit, never as a stack trace.
@@ -127,14 +127,19 @@ def export(draft, target, out, k_max, max_ctx, lazy_head):
 @click.option("--stream", is_flag=True, help="print text as it is committed (UTF-8-safe pieces)")
 @click.option("--stop", "stops", multiple=True, help="stop string (repeatable, at most 16): the output ends before the first match")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="print statistics (JSON) to stderr")
+@click.option(
+    "--confidence-temperature", type=float, default=None,
+    help="temperature of the draft's confidence in the threshold test (default: manifest, set by specrt tune --calibrate; 1 = raw)",
+)
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None, help="record every round (draft confidences, accepted length, timings) as a JSONL trace here")
 @_strategy_options
 @_sampling_options
 @_threads_option
 @_backend_option
 @_clean_errors
 def generate(
-    engines, prompt, k_max, threshold, max_new_tokens, no_speculation, stream, stops, stats, strategy, chunk_bound,
-    temperature, top_k, top_p, seed, threads, spinning, backend,
+    engines, prompt, k_max, threshold, max_new_tokens, no_speculation, stream, stops, stats, confidence_temperature, trace_file,
+    strategy, chunk_bound, temperature, top_k, top_p, seed, threads, spinning, backend,
 ):
     """Generate a continuation of PROMPT (greedy: the target's own output; sampled: its distribution)."""
     from .generator import GenerationConfig
@@ -144,12 +149,18 @@ def generate(
     cfg = GenerationConfig(
         max_new_tokens=max_new_tokens, k_max=k_max, threshold=threshold, speculative=not no_speculation,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=tuple(stops),
-        strategy=strategy, chunk_bound=chunk_bound,
+        strategy=strategy, chunk_bound=chunk_bound, confidence_temperature=confidence_temperature,
     )
     t_loaded = time.perf_counter()
+    tw = None
+    if trace_file:
+        from .trace import TraceWriter
+
+        engine.resolve(cfg)  # refuse a bad config before creating the file
+        tw = TraceWriter(trace_file, engine, note="specrt generate")
     if stream:
         first = None
-        st = engine.stream(prompt, cfg)
+        st = engine.stream(prompt, cfg, trace=tw)
         for piece in st:
             if first is None:
                 first = time.perf_counter() - t0
@@ -158,8 +169,10 @@ def generate(
         click.echo()
         res = st.result
     else:
-        res = engine.generate(prompt, cfg)
+        res = engine.generate(prompt, cfg, trace=tw)
         click.echo(res.text)
+    if tw is not None:
+        tw.close()
     if stats:
         d = res.stats.as_dict()
         d["finish_reason"] = res.finish_reason
@@ -180,13 +193,14 @@ def generate(
 @click.option("--threshold", "thresholds", type=float, multiple=True, help="thresholds to try (repeatable; default: manifest)")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts (interleaved)")
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="write the results as JSON here")
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None, help="record every measured generation's rounds as a JSONL trace here")
 @functools.partial(_strategy_options, multiple=True)
 @_sampling_options
 @_threads_option
 @_backend_option
 @_clean_errors
 def bench(
-    engines, prompts_file, limit, max_new_tokens, k_values, thresholds, repeats, out_json, strategies, chunk_bound,
+    engines, prompts_file, limit, max_new_tokens, k_values, thresholds, repeats, out_json, trace_file, strategies, chunk_bound,
     temperature, top_k, top_p, seed, threads, spinning, backend,
 ):
     """Target-only vs speculative decoding, interleaved on the same prompts; prints a table.
@@ -217,7 +231,16 @@ def bench(
             bar.update(done - last[0])
             last[0] = done
 
-        result = run_bench(engine, prompts, configs, repeats=repeats, progress=progress)
+        tw = None
+        if trace_file:
+            from .trace import TraceWriter
+
+            tw = TraceWriter(trace_file, engine, note="specrt bench")
+        try:
+            result = run_bench(engine, prompts, configs, repeats=repeats, progress=progress, trace=tw)
+        finally:
+            if tw is not None:
+                tw.close()
     result["command"] = " ".join(["specrt"] + sys.argv[1:])
     result["backend"] = engine.backend
     click.echo(format_table(result))
@@ -225,6 +248,146 @@ def bench(
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(out_json).write_text(json.dumps(result, indent=1))
         click.echo(f"wrote {out_json}", err=True)
+
+
+class _PhaseBars:
+    """One click progress bar per phase of ``specrt tune`` (``progress(label, done, total)``)."""
+
+    def __init__(self):
+        self.bar, self.label, self.last = None, None, 0
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        if label != self.label:
+            self.close()
+            self.bar = click.progressbar(length=total, label=f"{label:<9}", file=sys.stderr)
+            self.bar.__enter__()
+            self.label, self.last = label, 0
+        self.bar.update(done - self.last)
+        self.last = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar, self.label = None, None
+
+
+DEFAULT_TUNE_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.5)
+DEFAULT_TUNE_KS = (1, 2, 3, 4, 6, 8)
+
+
+@cli.command()
+@click.option("--engines", default=None, type=click.Path(), help=f"engine folder (default {DEFAULT_ENGINES}; with --from-trace: only where to write the defaults)")
+@click.option("--prompts", "prompts_file", type=click.Path(), default=None, help="validation JSONL, one {\"prompt\": ...} per line (not with --from-trace)")
+@click.option("--limit", type=click.IntRange(1), default=None, help="use the first N prompts")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--k-max", "k_values", type=int, multiple=True, help="k_max values to sweep (repeatable; default: 1 2 3 4 6 8 within the engine's range)")
+@click.option("--threshold", "thresholds", type=float, multiple=True, help="thresholds to sweep, in [0, 1] (repeatable; default: 0 0.1 0.2 0.3 0.5)")
+@click.option("--strategy", "strategies", type=STRATEGY_CHOICE, multiple=True, help="verification strategies to sweep (repeatable; default: every one the engine folder can run)")
+@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts in the sweep (interleaved)")
+@click.option("--confirm-repeats", type=click.IntRange(0), default=1, show_default=True, help="fresh interleaved passes of tuned vs best fixed-k vs target-only (0 = skip)")
+@click.option("--calibrate/--no-calibrate", default=False, show_default=True, help="fit the draft confidence temperature first (ECE before/after, reliability.png) and sweep with it")
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None, help="keep the wide trace (k_max = engine maximum, threshold 0) here")
+@click.option("--from-trace", "from_trace", type=click.Path(dir_okay=False), default=None, help="predict from this trace with the cost model instead of running the models (nothing measured)")
+@click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None, help="with --from-trace: per-call costs JSON (a tune.json's \"costs\"); default: the trace header's")
+@click.option("--cost-reps", type=click.IntRange(1), default=50, show_default=True, help="repetitions of the per-call cost measurement")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="tune_out", show_default=True, help="folder for tune.json and the PNG plots")
+@click.option("--write/--no-write", default=True, show_default=True, help="write the chosen defaults into the engine folder's manifest.json")
+@_threads_option
+@_backend_option
+@_clean_errors
+def tune(
+    engines, prompts_file, limit, max_new_tokens, k_values, thresholds, strategies, repeats, confirm_repeats, calibrate,
+    trace_file, from_trace, costs_file, cost_reps, out_dir, write, threads, spinning, backend,
+):
+    """Sweep threshold x k_max x strategy on validation prompts, pick the highest measured
+    tokens/s and write it into the engine's manifest (specrt generate then uses it)."""
+    from .errors import InputError
+    from .tune import chosen_defaults, format_table, plot_results, tune as run_tune, tune_from_trace, write_defaults
+
+    thresholds = thresholds or DEFAULT_TUNE_THRESHOLDS
+    for th in thresholds:
+        if not 0.0 <= th <= 1.0:
+            raise InputError(f"threshold={th!r} in the grid; thresholds must be numbers in [0, 1]")
+    out = Path(out_dir)
+    bars = _PhaseBars()
+    if from_trace:
+        if prompts_file or calibrate or strategies or trace_file:
+            raise InputError("--from-trace predicts from the trace alone; --prompts, --calibrate, --strategy and --trace need the models (drop them)")
+        costs = None
+        if costs_file:
+            from .trace import Costs
+
+            try:
+                raw = json.loads(Path(costs_file).read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise InputError(f"cannot read costs file {costs_file}: {e}") from None
+            costs = Costs.from_json(raw.get("costs", raw) if isinstance(raw, dict) else raw, str(costs_file))
+        result = tune_from_trace(from_trace, k_values or None, thresholds, costs)
+    else:
+        if not prompts_file:
+            raise InputError("--prompts VALIDATION.jsonl is required (or --from-trace FILE)")
+        from .bench import load_prompts
+        from .generator import GenerationConfig
+        from .tune import allowed_strategies
+
+        prompts = load_prompts(prompts_file, limit)
+        engine = _engine(engines or DEFAULT_ENGINES, threads, spinning, backend)
+        m = engine.manifest
+        ks = k_values or tuple(k for k in DEFAULT_TUNE_KS if m.k_min <= k <= m.k_max)
+        if not strategies:  # every strategy this folder/backend can run
+            strategies = []
+            for st in allowed_strategies():
+                try:
+                    engine.generate(prompts[0]["prompt"], GenerationConfig(max_new_tokens=2, strategy=st))
+                    strategies.append(st)
+                except SpecRTError as e:
+                    click.echo(f"strategy {st} left out: {e}", err=True)
+        try:
+            result = run_tune(
+                engine, prompts, ks, thresholds, strategies, max_new_tokens=max_new_tokens, repeats=repeats,
+                confirm_repeats=confirm_repeats, calibrate=calibrate, trace_path=trace_file, cost_reps=cost_reps,
+                progress=bars, log=lambda s: (bars.close(), click.echo(s, err=True)),
+            )
+        finally:
+            bars.close()
+        result["prompts_file"] = str(prompts_file)
+    result["command"] = " ".join(["specrt"] + sys.argv[1:])
+    out.mkdir(parents=True, exist_ok=True)
+    defaults = chosen_defaults(result)
+    result["chosen_defaults"] = defaults
+    target = engines or (None if from_trace else DEFAULT_ENGINES)
+    if write and target:
+        if from_trace:
+            from .manifest import load_manifest
+            from .trace import manifest_identity
+
+            if manifest_identity(load_manifest(target, verify_hashes=False))["pair_sha256"] != result.get("pair_sha256"):
+                raise InputError(f"the trace {from_trace} was recorded on another pair than {target} (pair_sha256 differs); not writing its defaults there")
+        extra = {"tune": {k: result.get(k) for k in ("prompts_file", "prompts", "max_new_tokens", "measured", "trace", "command")}}
+        extra["tune"].update(chosen=defaults, tokens_per_second=result["best"].get("tokens_per_second"),
+                             speedup=result["best"].get("speedup"), confirm=result.get("confirm"), unix_time=time.time())
+        if result.get("calibration"):
+            cal = result["calibration"]
+            extra["calibration"] = {k: cal[k] for k in ("temperature", "n", "prompts", "acceptance", "ece_before", "ece_after", "ece_after_heldout", "nll_before", "nll_after", "n_bins")}
+        write_defaults(target, defaults, extra)
+        result["wrote_manifest"] = str(Path(target) / "manifest.json")
+    (out / "tune.json").write_text(json.dumps(result, indent=1))
+    click.echo(format_table(result))
+    if result.get("calibration"):
+        from .calibration import CalibrationReport
+
+        click.echo(CalibrationReport(**result["calibration"]).summary())
+    try:
+        paths = plot_results(result, out)
+        if result.get("calibration"):
+            from .calibration import CalibrationReport, plot_reliability
+
+            plot_reliability(CalibrationReport(**result["calibration"]), out / "reliability.png")
+            paths.append(str(out / "reliability.png"))
+        click.echo("plots: " + ", ".join(paths), err=True)
+    except ImportError:
+        click.echo("matplotlib is missing: install specrt[tune] for the plots (the JSON results are written)", err=True)
+    click.echo(f"wrote {out / 'tune.json'}" + (f"; defaults {defaults} -> {result['wrote_manifest']}" if result.get("wrote_manifest") else "; manifest not changed"), err=True)
 
 
 @cli.command()
