@@ -114,12 +114,17 @@ def test_binary_nll():
 # ---- on an engine ------------------------------------------------------------------------------
 @pytest.mark.parametrize("temperature", [0.3, 0.5, 2.0])
 def test_calibrated_threshold_keeps_greedy_output(engine, temperature):
+    """Every strategy (chunked sizes its chunks from the same calibrated confidences)."""
+    from specrt.runtime.tune import allowed_strategies
+
     for prompt in PROMPTS:
         ids = engine.prompt_ids(prompt)
         base = engine.generate(ids, GenerationConfig(max_new_tokens=40, speculative=False))
-        for th in (0.1, 0.3, 0.6, 0.9):
-            spec = engine.generate(ids, GenerationConfig(max_new_tokens=40, k_max=4, threshold=th, confidence_temperature=temperature))
-            assert spec.tokens == base.tokens, (prompt, th)
+        for strategy in allowed_strategies():
+            for th in (0.1, 0.3, 0.6, 0.9):
+                cfg = GenerationConfig(max_new_tokens=40, k_max=4, threshold=th, confidence_temperature=temperature, strategy=strategy)
+                spec = engine.generate(ids, cfg)
+                assert spec.tokens == base.tokens, (prompt, strategy, th)
 
 
 def test_temperature_changes_only_the_confidence(engine):

@@ -142,6 +142,15 @@ def test_replay_equals_real_run(engine, wide):
             else:
                 assert th > 0
     assert exact_calls >= 15
+    # the other verification strategies accept exactly the same candidates
+    from specrt.runtime.tune import allowed_strategies
+
+    th = _thresholds(views)[2]
+    for strategy in allowed_strategies():
+        for k in (3, 8):
+            want = real_run(engine, GenerationConfig(max_new_tokens=N, k_max=k, threshold=th, strategy=strategy))
+            got = replay(views, k, th)
+            assert got.accepted_hist == want["hist"] and got.passes == want["passes"], (strategy, k)
 
 
 def test_replay_with_calibrated_confidence(engine, tmp_path):
