@@ -434,7 +434,8 @@ def plot_reliability(report: CalibrationReport, path) -> None:
         cnt = np.array(rel["count"], dtype=float)
         ok = cnt > 0
         ax.bar(centers[ok], acc[ok], width=width * 0.95, color="tab:blue", edgecolor="k", label="acceptance rate")
-        ax.bar(centers[ok], (mc - acc)[ok], bottom=acc[ok], width=width * 0.95, color="tab:red", alpha=0.3, label="gap to mean confidence")
+        ax.bar(centers[ok], (mc - acc)[ok], bottom=acc[ok], width=width * 0.95, color="none", edgecolor="tab:red", hatch="//",
+               label="gap to the bin's mean confidence")
         ax.plot([0, 1], [0, 1], "k--", lw=1)
         ax2 = ax.twinx()
         ax2.step(edges, np.append(cnt / cnt.sum(), 0), where="post", color="gray", lw=1)

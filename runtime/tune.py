@@ -508,6 +508,8 @@ def plot_results(result: dict, out_dir: str | Path) -> list[str]:
             pred = [(r.get("predicted") or {}).get("speedup") for r in rs]
             if all(p is not None for p in pred):
                 ax.plot(th, pred, "--", color=col, alpha=0.7, label=None if measured else f"k_max {k} (predicted)")
+        if measured:
+            ax.plot([], [], "k--", alpha=0.7, label="cost model")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xlabel(f"draft confidence threshold (T = {result['confidence_temperature']:.3g})")
         ax.set_ylabel("speedup over target-only")
