@@ -390,7 +390,8 @@ class Engine:
         from .ort_backend import lazy_head_sessions
 
         # lazy-head sessions: loaded when the strategy is first used (ort-cpu only)
-        self._lazy_sessions = _LazySessions(lambda: lazy_head_sessions(self.folder, m, threads, verify_hashes))
+        folder = self.folder  # (the loader keeps no reference to the Engine)
+        self._lazy_sessions = _LazySessions(lambda: lazy_head_sessions(folder, m, threads, verify_hashes))
         self._lazy: OrtLazyHead | None = None
 
     def fork(self) -> "Engine":
