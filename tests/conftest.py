@@ -13,7 +13,8 @@ DEFAULT_ENGINES = REPO / "engines" / "default"
 
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
-    """(draft_dir, target_dir, engine_dir) for a random 2-layer target and 1-layer draft."""
+    """(draft_dir, target_dir, engine_dir) for a random 2-layer target and 1-layer draft
+    (exported without the lazy-head graphs: the folder of the lazy-head error tests)."""
     pytest.importorskip("torch")
     from specrt.export.pipeline import export_pair
 
@@ -21,7 +22,7 @@ def tiny_pair(tmp_path_factory):
     tok = make_tokenizer()
     save_llama(root / "target", tok, seed=1, hidden=64, layers=2)
     save_llama(root / "draft", tok, seed=2, hidden=32, layers=1, heads=2, kv_heads=1, inter=64)
-    export_pair(root / "draft", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None)
+    export_pair(root / "draft", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None, lazy_head=False)
     return root / "draft", root / "target", root / "engine"
 
 
