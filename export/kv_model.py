@@ -181,6 +181,7 @@ class KVBodyModel(nn.Module):
         self.full = full
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
+        """``(hidden [1, q, hidden] float32, *new_kv)``."""
         hidden, new_kv = self.full.body(input_ids, position_ids, *past)
         return (hidden.float(), *new_kv)
 
@@ -198,4 +199,5 @@ class HeadModel(nn.Module):
         self.full = full
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``logits [1, r, vocab]`` float32 for ``hidden [1, r, hidden]``."""
         return self.full.head(hidden)
