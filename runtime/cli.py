@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from .errors import SpecRTError
+from .errors import InputError, SpecRTError
 
 DEFAULT_ENGINES = "engines/default"
 
@@ -101,8 +101,25 @@ def cli():
     "--lazy-head/--no-lazy-head", default=True, show_default=True,
     help="also write the target split at its vocabulary projection (target_body.onnx + target_head.onnx) for --strategy lazy-head",
 )
-def export(draft, target, out, k_max, max_ctx, lazy_head):
+@click.option(
+    "--defaults", "defaults_file", type=click.Path(exists=True, dir_okay=False), default=None,
+    help="JSON object of decoding defaults to write into the manifest (k_max, threshold, strategy, chunk_bound, "
+    "draft_confidence_temperature), e.g. the chosen_defaults of a specrt tune run",
+)
+def export(draft, target, out, k_max, max_ctx, lazy_head, defaults_file):
     """Export a draft/target pair to ONNX (IO-bound KV) with parity checks and a manifest."""
+    chosen = None
+    if defaults_file:  # checked before the (minutes-long) export
+        from .tune import check_defaults
+
+        try:
+            raw = json.loads(Path(defaults_file).read_text())
+        except (OSError, ValueError) as e:
+            raise click.ClickException(f"--defaults {defaults_file}: not a readable JSON file ({e})") from None
+        try:
+            chosen = check_defaults(raw, k_max, where=f"--defaults {defaults_file}")
+        except InputError as e:
+            raise click.ClickException(str(e)) from None
     try:
         from specrt.export.pipeline import export_pair
     except ImportError as e:
@@ -115,6 +132,10 @@ def export(draft, target, out, k_max, max_ctx, lazy_head):
         export_pair(draft, target, out, k_max=k_max, max_ctx=max_ctx, log=lambda m: click.echo(m, err=True), lazy_head=lazy_head)
     except (PairError, UnsupportedModelError, ParityError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    if chosen:
+        from .tune import write_defaults
+
+        click.echo(f"defaults {write_defaults(out, chosen)} (from {defaults_file})", err=True)
 
 
 @cli.command()

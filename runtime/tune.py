@@ -135,6 +135,53 @@ def measure_costs(engine, widths: Sequence[int], past: int, reps: int = 50, seed
 
 
 # ---- manifest ------------------------------------------------------------------------------------
+DEFAULT_KEYS = ("k_max", "threshold", "strategy", "chunk_bound", "draft_confidence_temperature")
+
+
+def check_defaults(defaults: object, k_max: int, where: str = "defaults") -> dict:
+    """Validate a decoding-defaults mapping before it goes into a manifest.
+
+    Args:
+        defaults: a dict with any of :data:`DEFAULT_KEYS` (e.g. the ``chosen_defaults`` of a
+            ``tune.json``): ``k_max`` int in 1..``k_max``, ``threshold`` in [0, 1],
+            ``strategy`` one of :data:`~specrt.runtime.speculative.STRATEGIES`,
+            ``chunk_bound`` in (0, 1], ``draft_confidence_temperature`` in [0.01, 100].
+        k_max: the engine's largest k_max.
+        where: the source named in error messages (a file name).
+
+    Returns:
+        a new dict with the same keys, values as int/float/str.
+
+    Raises:
+        InputError: not a dict, an unknown key, or a value outside its range (the message
+            names the key, the value and what is allowed).
+    """
+    from .speculative import STRATEGIES
+
+    if not isinstance(defaults, dict):
+        raise InputError(f"{where}: expected a JSON object of decoding defaults, got {type(defaults).__name__}")
+    out = {}
+    for key, v in defaults.items():
+        num = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if key == "k_max":
+            ok = isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= k_max
+            allowed = f"an integer in 1..{k_max}, the range this engine was built for"
+        elif key == "threshold":
+            ok, allowed = num and 0.0 <= v <= 1.0, "a number in [0, 1]"
+        elif key == "strategy":
+            ok, allowed = v in STRATEGIES, "one of " + ", ".join(STRATEGIES)
+        elif key == "chunk_bound":
+            ok, allowed = num and 0.0 < v <= 1.0, "a number in (0, 1]"
+        elif key == "draft_confidence_temperature":
+            ok, allowed = num and 0.01 <= v <= 100.0, "a number in [0.01, 100]"
+        else:
+            raise InputError(f"{where}: unknown default {key!r}; allowed keys: {', '.join(DEFAULT_KEYS)}")
+        if not ok:
+            raise InputError(f"{where}: {key}={v!r}; {key} must be {allowed}")
+        out[key] = v if key == "strategy" else (int(v) if key == "k_max" else float(v))
+    return out
+
+
 def write_defaults(folder: str | Path, defaults: dict, extra: dict | None = None) -> dict:
     """Update ``defaults`` (and top-level keys of ``extra``) in ``folder/manifest.json``.
 

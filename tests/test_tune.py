@@ -218,3 +218,47 @@ def test_tune_api_refuses_an_empty_prompt_set(noisy_pair):
 
     with pytest.raises(InputError, match="empty prompt set"):
         tune(Engine(noisy_pair[1]), [], [1], [0.0])
+
+
+def test_check_defaults_ranges():
+    from specrt.runtime.tune import check_defaults
+
+    ok = check_defaults({"k_max": 3, "threshold": 0.3, "strategy": "chunked", "chunk_bound": 1, "draft_confidence_temperature": 0.25}, 8)
+    assert ok == {"k_max": 3, "threshold": 0.3, "strategy": "chunked", "chunk_bound": 1.0, "draft_confidence_temperature": 0.25}
+    bad = [
+        ({"k_max": 9}, "k_max=9; k_max must be an integer in 1..8"),
+        ({"k_max": True}, "k_max=True"),
+        ({"threshold": 1.5}, "threshold=1.5; threshold must be a number in [0, 1]"),
+        ({"strategy": "eager"}, "strategy='eager'; strategy must be one of full, chunked, lazy-head"),
+        ({"chunk_bound": 0}, "chunk_bound=0; chunk_bound must be a number in (0, 1]"),
+        ({"draft_confidence_temperature": 0}, "draft_confidence_temperature=0"),
+        ({"k": 2}, "unknown default 'k'; allowed keys: k_max, threshold"),
+        ([1, 2], "expected a JSON object"),
+    ]
+    for d, needle in bad:
+        with pytest.raises(InputError, match=None) as e:
+            check_defaults(d, 8, where="x.json")
+        assert needle in str(e.value) and "x.json" in str(e.value)
+
+
+def test_export_defaults_file_goes_into_the_manifest(tiny_pair, tmp_path):
+    """`specrt export --defaults FILE` writes the tuned defaults (what `make export` does with
+    models/tuned_defaults.json); a bad file is refused before anything is exported."""
+    draft, target, _ = tiny_pair
+    good = tmp_path / "d.json"
+    good.write_text(json.dumps({"k_max": 3, "threshold": 0.2, "strategy": "chunked", "draft_confidence_temperature": 0.5}))
+    out = tmp_path / "eng"
+    r = CliRunner().invoke(cli, ["export", "--draft", str(draft), "--target", str(target), "--out", str(out),
+                                 "--k-max", "4", "--max-ctx", "64", "--no-lazy-head", "--defaults", str(good)])
+    assert r.exit_code == 0, r.output
+    m = load_manifest(out)
+    assert m.defaults["k_max"] == 3 and m.defaults["threshold"] == 0.2 and m.defaults["strategy"] == "chunked"
+    assert m.defaults["draft_confidence_temperature"] == 0.5
+    cfg = Engine(out).resolve(GenerationConfig())
+    assert (cfg.k_max, cfg.threshold, cfg.strategy, cfg.confidence_temperature) == (3, 0.2, "chunked", 0.5)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"k_max": 8}))
+    r = CliRunner().invoke(cli, ["export", "--draft", str(draft), "--target", str(target), "--out", str(tmp_path / "eng2"),
+                                 "--k-max", "4", "--no-lazy-head", "--defaults", str(bad)])
+    assert r.exit_code != 0 and "k_max=8; k_max must be an integer in 1..4" in r.output
+    assert not (tmp_path / "eng2").exists()
