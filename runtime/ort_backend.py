@@ -131,6 +131,26 @@ def cpu_session(path: Path, threads: ThreadConfig, inputs: Sequence[str], output
     return session
 
 
+def _bind_step(bind_in, bind_out, kv, kv_dims, row_bytes: int, ids_ptr: int, pos_ptr: int, q: int, start: int) -> None:
+    """Bind one call's inputs and KV in place (shared by :class:`OrtModel` and :class:`OrtLazyHead`).
+
+    ``input_ids`` [1, q] from ``ids_ptr``; ``position_ids`` [1, q] from row ``start`` of the
+    int64 positions buffer at ``pos_ptr``; per layer, ``past_*`` [1, start, h, d] at the
+    buffer base (rows [0, start)) and ``new_*`` [1, q, h, d] at base + start * ``row_bytes``
+    (rows [start, start+q)), float32. ``kv`` holds (past name, new name, buffer base)
+    triples, ``kv_dims`` (h, d). The caller binds its own output (logits or hidden).
+    """
+    h, d = kv_dims
+    bind_in("input_ids", np.int64, [1, q], ids_ptr)
+    bind_in("position_ids", np.int64, [1, q], pos_ptr + 8 * start)
+    past_shape = [1, start, h, d]
+    new_shape = [1, q, h, d]
+    off = start * row_bytes
+    for past_name, new_name, base in kv:
+        bind_in(past_name, np.float32, past_shape, base)
+        bind_out(new_name, np.float32, new_shape, base + off)
+
+
 class OrtModel:
     """One exported model on onnxruntime with in-place KV (see module docstring).
 
@@ -208,17 +228,8 @@ class OrtModel:
         q = len(tokens)
         check_call(q, start, self.max_q, self.max_ctx)
         self.ids[0, :q] = tokens
-        bind_in, bind_out = self._bind_in, self._bind_out
-        h, d = self._kv_dims
-        bind_in("input_ids", np.int64, [1, q], self._ids_ptr)
-        bind_in("position_ids", np.int64, [1, q], self._pos_ptr + 8 * start)
-        past_shape = [1, start, h, d]
-        new_shape = [1, q, h, d]
-        off = start * self.row_bytes
-        for past_name, new_name, base in self._kv:
-            bind_in(past_name, np.float32, past_shape, base)
-            bind_out(new_name, np.float32, new_shape, base + off)
-        bind_out("logits", np.float32, [1, q, self.vocab], self._logits_ptr)
+        _bind_step(self._bind_in, self._bind_out, self._kv, self._kv_dims, self.row_bytes, self._ids_ptr, self._pos_ptr, q, start)
+        self._bind_out("logits", np.float32, [1, q, self.vocab], self._logits_ptr)
         self._run()
         return self.logits[0, :q]
 
@@ -291,17 +302,8 @@ class OrtLazyHead:
         q = len(tokens)
         check_call(q, start, self.max_q, t.max_ctx)
         self.ids[0, :q] = tokens
-        bind_in, bind_out = self._bind_in, self._bind_out
-        h, d = t._kv_dims
-        bind_in("input_ids", np.int64, [1, q], self._ids_ptr)
-        bind_in("position_ids", np.int64, [1, q], t._pos_ptr + 8 * start)
-        past_shape = [1, start, h, d]
-        new_shape = [1, q, h, d]
-        off = start * t.row_bytes
-        for past_name, new_name, base in self._kv:
-            bind_in(past_name, np.float32, past_shape, base)
-            bind_out(new_name, np.float32, new_shape, base + off)
-        bind_out("hidden", np.float32, [1, q, self.hidden], self._hidden_ptr)
+        _bind_step(self._bind_in, self._bind_out, self._kv, t._kv_dims, t.row_bytes, self._ids_ptr, t._pos_ptr, q, start)
+        self._bind_out("hidden", np.float32, [1, q, self.hidden], self._hidden_ptr)
         self._run_body()
 
     def head(self, lo: int, r: int) -> np.ndarray:
