@@ -27,10 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture or one of its config options cannot be exported."""
+from specrt.runtime.errors import UnsupportedModelError  # noqa: F401  (in the SpecRTError tree)
 
 
 @dataclass(frozen=True)

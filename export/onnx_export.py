@@ -18,12 +18,9 @@ import torch
 from specrt.runtime.manifest import ModelEntry, sha256_file
 
 from .kv_model import HeadModel, KVBodyModel, KVExportModel
+from specrt.runtime.errors import ParityError  # noqa: F401  (in the SpecRTError tree)
 
 PARITY_TOL = 1e-4  # max |logit difference| allowed, fp32
-
-
-class ParityError(RuntimeError):
-    """The exported ONNX model disagrees with PyTorch beyond tolerance."""
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,11 @@ import copy
 from pathlib import Path
 
 import numpy as np
+from specrt.runtime.errors import PrecisionError  # noqa: F401  (in the SpecRTError tree)
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 FP32_OPS = frozenset({"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Softmax", "Cos", "Sin", "Exp", "Log", "LayerNormalization", "RMSNormalization"})
 SHAPE_ONLY = frozenset({"Shape", "Size"})  # read only their input's shape: never cast it
-
-
-class PrecisionError(ValueError):
-    """The graph holds something the rewrite does not handle (subgraphs, unknown types)."""
 
 
 def _low_type(precision: str) -> int:

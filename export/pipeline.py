@@ -17,10 +17,7 @@ from pathlib import Path
 from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, Manifest, sha256_file
 
 from .onnx_export import BODY_FILE, HEAD_FILE, export_model
-
-
-class PairError(ValueError):
-    """The draft and target cannot form a pair (different tokenizers or vocabularies)."""
+from specrt.runtime.errors import PairError  # noqa: F401  (in the SpecRTError tree)
 
 
 def vocab_map(tokenizer_json: Path) -> dict[str, int]:

@@ -36,16 +36,13 @@ from pathlib import Path
 from typing import Callable
 
 from specrt.runtime.manifest import Manifest, ModelEntry, load_manifest, sha256_file
-from specrt.runtime.profiles import PAST_MIN, ProfileConfig, ProfileSet, profiles_for
+from specrt.runtime.backends.profiles import PAST_MIN, ProfileConfig, ProfileSet, profiles_for
 
 from .onnx_precision import PRECISIONS, write_variant
+from specrt.runtime.errors import TrtBuildError  # noqa: F401  (in the SpecRTError tree)
 
 PREFILL_Q = 256  # = specrt.runtime.generator.PREFILL_CHUNK (not imported: keeps export light)
 RECORD_VERSION = 1
-
-
-class TrtBuildError(RuntimeError):
-    """TensorRT could not parse an ONNX file or build a plan; the message has its errors."""
 
 
 @dataclass(frozen=True)
@@ -85,11 +82,11 @@ def tensorrt_unavailable(trt=None, cuda_rt=None) -> str | None:
             importlib.import_module("tensorrt")
         except ImportError as e:
             return f"the tensorrt Python package is not installed ({e})"
-    from specrt.runtime.cuda_mem import gpu_count
+    from specrt.runtime.backends.cuda_mem import gpu_count
 
     if cuda_rt is None:
         try:
-            from specrt.runtime.cuda_mem import load_cuda_runtime
+            from specrt.runtime.backends.cuda_mem import load_cuda_runtime
 
             cuda_rt = load_cuda_runtime()
         except Exception as e:  # noqa: BLE001 - BackendError: report, do not crash
@@ -160,7 +157,7 @@ def build_plans(folder: str | Path, manifest: Manifest, cfg: TrtBuildConfig = Tr
         is missing and ``trt`` is None.
     """
     if trt is None:
-        from specrt.runtime.trt_backend import load_tensorrt
+        from specrt.runtime.backends.trt import load_tensorrt
 
         trt = load_tensorrt()
     folder = Path(folder)
@@ -263,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.engines)
         manifest = load_manifest(folder)
         if args.skip_if_built:
-            from specrt.runtime.trt_backend import load_tensorrt
+            from specrt.runtime.backends.trt import load_tensorrt
 
             if plans_up_to_date(folder, manifest, cfg, str(getattr(load_tensorrt(), "__version__", "unknown"))):
                 print(f"TensorRT plans: up to date in {folder}", file=sys.stderr)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 from .manifest import ModelEntry
 
+__all__ = ["FlopCoefficients", "flop_coefficients", "body_flops", "call_flops"]
+
 
 @dataclass(frozen=True)
 class FlopCoefficients:

@@ -16,11 +16,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import EngineError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "KV_LAYOUT",
+    "REEXPORT_HINT",
+    "sha256_file",
+    "ModelEntry",
+    "Manifest",
+    "LAZY_HEAD_KEY",
+    "LAZY_HEAD_HINT",
+    "lazy_head_files",
+    "load_manifest",
+    "write_defaults",
+]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -117,6 +133,7 @@ class Manifest:
     pad_token_id: int | None = None  # the target's pad token (recorded; batch-1 decoding never pads)
 
     def to_json(self) -> str:
+        """The manifest as indented JSON text (the dataclass fields, in order)."""
         return json.dumps(asdict(self), indent=1, sort_keys=False)
 
     def write(self, folder: Path) -> Path:
@@ -240,3 +257,43 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
         if verify_hashes and sha256_file(p) != digest:
             raise EngineError(f"{p} does not match the SHA-256 recorded in the manifest (truncated or altered); {hint}")
     return m
+
+
+def write_defaults(folder: str | Path, defaults: dict, extra: dict | None = None) -> dict:
+    """Update ``defaults`` (and top-level keys of ``extra``) in ``folder/manifest.json``.
+
+    The file is rewritten atomically (a temporary file in the same folder, then
+    ``os.replace``); every other field, the file hashes included, is kept as it was, so the
+    hash checks still pass. The result is loaded again (without rehashing the models); if
+    that fails the previous file is put back.
+
+    Args:
+        folder: the engine folder.
+        defaults: keys to set in ``defaults`` (e.g. k_max, threshold, strategy,
+            draft_confidence_temperature).
+        extra: keys to set in ``extra`` (e.g. ``"tune"``, ``"calibration"`` records).
+
+    Returns:
+        the new ``defaults`` dict.
+
+    Raises:
+        EngineError: the folder has no readable manifest, or the new one does not load.
+    """
+    folder = Path(folder)
+    path = folder / MANIFEST
+    load_manifest(folder, verify_hashes=False)  # refuse a broken folder before touching it
+    old_text = path.read_text()
+    raw = json.loads(old_text)
+    raw.setdefault("defaults", {}).update(defaults)
+    if extra:
+        raw.setdefault("extra", {}).update(extra)
+    tmp = folder / (MANIFEST + ".tune.tmp")
+    tmp.write_text(json.dumps(raw, indent=1))
+    os.replace(tmp, path)
+    try:
+        load_manifest(folder, verify_hashes=False)
+    except EngineError:
+        tmp.write_text(old_text)
+        os.replace(tmp, path)
+        raise
+    return raw["defaults"]

@@ -3,8 +3,9 @@
 Names follow Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
 Decoding" (ICML), Algorithm 1, and Chen et al. 2023, "Accelerating Large Language Model
 Decoding with Speculative Sampling" (arXiv:2302.01318), Algorithm 2: ``q`` is the draft's
-distribution, ``p`` the target's. One verification, in the style of gpt-fast's
-``speculative_decode``::
+distribution, ``p`` the target's. One verification (the loop is
+:func:`specrt.runtime.decode.verify`, shared with greedy decoding; this module gives it
+:class:`SampledAcceptor`), in the style of gpt-fast's ``speculative_decode``::
 
     for i, x in enumerate(candidates):          # x was sampled from q_i
         accept x with probability min(1, p_i(x) / q_i(x))
@@ -25,12 +26,12 @@ Randomness comes only from the ``numpy.random.Generator`` passed in (the engine 
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
-from .errors import InputError
+from .config import check_sampling_params
 from .speculative import _raise_nonfinite
+
+__all__ = ["warp", "sample_token", "residual", "sample_residual", "accept_candidate", "final_token", "SampledAcceptor", "RESIDUAL_EPS"]
 
 # A residual max(0, p - q) whose total mass is at most this is numerical noise: rejection
 # only happens where q(x) > p(x), so in exact arithmetic the residual mass equals
@@ -40,31 +41,6 @@ from .speculative import _raise_nonfinite
 RESIDUAL_EPS = 1e-12
 
 _TOP_P_FIRST = 64  # top-p looks at this many largest probabilities first, then 4x, ...
-
-
-def check_sampling_params(temperature, top_k, top_p, seed=None) -> None:
-    """Validate sampling parameters; raise with the value and the allowed range.
-
-    Args:
-        temperature: finite number >= 0 (0 = greedy).
-        top_k: integer >= 0 (0 = off; values >= vocab keep every token).
-        top_p: number in (0, 1] (1 = off).
-        seed: None (fresh entropy) or an integer >= 0.
-
-    Raises:
-        InputError: any value outside those ranges, or of the wrong type (bool is not a number here).
-    """
-    t = temperature
-    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not (0.0 <= t < np.inf):
-        raise InputError(f"temperature={t!r}; temperature must be a finite number >= 0 (0 = greedy)")
-    k = top_k
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
-        raise InputError(f"top_k={k!r}; top_k must be an integer >= 0 (0 = off)")
-    tp = top_p
-    if isinstance(tp, bool) or not isinstance(tp, (int, float, np.integer, np.floating)) or not (0.0 < tp <= 1.0):
-        raise InputError(f"top_p={tp!r}; top_p must be a number in (0, 1] (1 = off)")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise InputError(f"seed={seed!r}; seed must be None or an integer >= 0")
 
 
 def warp(
@@ -240,8 +216,8 @@ def sample_residual(p_row: np.ndarray, q_row: np.ndarray, rng: np.random.Generat
 def accept_candidate(x: int, q_row: np.ndarray, p_row: np.ndarray, rng: np.random.Generator) -> bool:
     """One acceptance test of speculative sampling: accept x with probability min(1, p(x)/q(x)).
 
-    Uses exactly one ``rng.random()`` draw, so verifying candidates one by one (in any
-    grouping of target passes) consumes the generator exactly as :func:`speculative_verify`.
+    Uses exactly one ``rng.random()`` draw, so verifying candidates one by one consumes
+    the generator the same way whatever the grouping of target passes.
 
     Args:
         x: the candidate id, sampled from ``q_row``.
@@ -278,43 +254,76 @@ def final_token(p_row: np.ndarray, q_row: np.ndarray | None, rng: np.random.Gene
     return sample_token(p_row, rng, None if work is None else work[1])
 
 
-def speculative_verify(
-    candidates: Sequence[int],
-    q_probs: np.ndarray,
-    p_probs,
-    rng: np.random.Generator,
-    work: np.ndarray | None = None,
-) -> tuple[int, int]:
-    """Accept or reject draft candidates by speculative sampling; early stop at the first rejection.
+class SampledAcceptor:
+    """Exact speculative sampling for :func:`specrt.runtime.decode.verify` and the decode
+    loop: owns the call's random generator and the float64 q/p rows it warps into.
+
+    One generation uses one acceptor. Draws, in order: one per draft step (the proposal
+    x ~ q), one per examined candidate (accept with probability min(1, p(x)/q(x))), one for
+    the correction (norm(max(0, p - q))) or bonus token (p); so the tokens depend on the
+    seed and the settings, never on how target rows were grouped into passes.
 
     Args:
-        candidates: the n draft tokens x_1..x_n, x_i sampled from ``q_probs[i]``.
-        q_probs: float64 ``[n, W]`` warped draft distributions the candidates came from.
-        p_probs: float64 ``[n+1, W]`` warped target distributions for the positions of
-            [pending, x_1, ..., x_n] (row i predicts the token after position i); or any
-            object whose ``[i]`` gives row i (the engine passes rows that are warped on
-            first access: rows after the first rejection are never read).
-        rng: the call's ``numpy.random.Generator``: one draw per examined candidate, plus
-            one for the correction or bonus token.
-        work: optional float64 ``[2, >= W]`` buffers (avoids allocations).
+        vocab: real vocabulary size; rows are warped to this width.
+        k_max: most candidates per round (sizes the q rows; p rows are k_max + 1).
+        temperature, top_k, top_p: the warp (:func:`warp`), applied to q and p alike.
+        seed: seed of ``numpy.random.Generator(PCG64(seed))``; None = fresh entropy.
+        rng: a generator to use instead of seeding one (tests script the draws).
 
-    Returns:
-        ``(n_accepted, next_token)``: m = the number of leading candidates accepted (each
-        x_i with probability min(1, p_i(x_i) / q_i(x_i))), and the target's token at
-        row m: sampled from norm(max(0, p_m - q_m)) after a rejection (from p_m when that
-        residual is numerically zero, see :func:`sample_residual`), or the bonus token
-        sampled from p_n when all n were accepted.
+    Attributes:
+        greedy: False; propose_below: True (see :func:`specrt.runtime.speculative.propose`).
+        rng: the generator.
+        q_rows: float64 ``[k_max, vocab]`` warped draft distributions of the round's candidates.
+        p_rows: float64 ``[k_max + 1, vocab]`` warped target distributions of the rows read.
 
-    Source: Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2; in the
-    style of gpt-fast's ``speculative_decode``. With p == q every candidate is accepted
-    (r < 1 = p/q); with one-hot p and q (temperature 0, top_k = 1) it is greedy_verify.
-    It is :func:`accept_candidate` per candidate, then :func:`final_token`; the engine's
-    chunked and lazy-head strategies call those two directly in the same order.
+    Source: Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2.
     """
-    for i, x in enumerate(candidates):
-        p_row = p_probs[i]
-        if accept_candidate(x, q_probs[i], p_row, rng):  # min(1, p(x)/q(x)), one draw
-            continue
-        return i, final_token(p_row, q_probs[i], rng, work)
-    n = len(candidates)
-    return n, final_token(p_probs[n], None, rng, work)
+
+    greedy = False
+    propose_below = True
+
+    def __init__(self, vocab: int, k_max: int, temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, rng=None):
+        check_sampling_params(temperature, top_k, top_p, seed)
+        self.rng = rng if rng is not None else np.random.Generator(np.random.PCG64(seed))
+        self.q_rows = np.empty((k_max, vocab))
+        self.p_rows = np.empty((k_max + 1, vocab))
+        self.work = np.empty((2, vocab))  # residual and running-sum buffers
+        args = (vocab, temperature, top_k, top_p)
+        self._warp = lambda row, out: warp(row, *args, out=out)
+
+    @classmethod
+    def over_probabilities(cls, q_rows: np.ndarray, rng) -> "SampledAcceptor":
+        """An acceptor whose candidates came from the given draft distributions and whose
+        target rows are *already* probabilities (not logits): Algorithm 1 on explicit p
+        and q, as in the unit tests of the acceptance rule.
+
+        Args:
+            q_rows: float64 ``[n, W]`` draft distributions of the candidates.
+            rng: the generator (or a scripted stand-in with ``random()``).
+        """
+        n, w = q_rows.shape
+        acc = cls(w, max(n, 1), 1.0, rng=rng)
+        acc.q_rows[:n] = q_rows
+        acc._warp = lambda row, out: np.copyto(out, row) or out
+        return acc
+
+    def draft(self, row: np.ndarray, i: int) -> tuple[int, float]:
+        """Candidate ``i``: x ~ q from a draft logits row (q kept in ``q_rows[i]``); returns
+        (x, q(x)), the confidence the threshold rule reads. One draw."""
+        q = self._warp(row, self.q_rows[i])
+        x = sample_token(q, self.rng, self.work[1])
+        return x, float(q[x])
+
+    def accept(self, r: int, x: int, row: np.ndarray) -> bool:
+        """Warp target row r into ``p_rows[r]`` and accept x with probability
+        min(1, p(x)/q(x)) (:func:`accept_candidate`, one draw)."""
+        return accept_candidate(x, self.q_rows[r], self._warp(row, self.p_rows[r]), self.rng)
+
+    def correction(self, r: int, row: np.ndarray) -> int:
+        """After rejecting candidate r: a sample from norm(max(0, p_r - q_r)) (one draw)."""
+        return final_token(self.p_rows[r], self.q_rows[r], self.rng, self.work)
+
+    def bonus(self, r: int, row: np.ndarray) -> int:
+        """No candidate to check at row r (all accepted, the first token, a target-only
+        step): a sample from the warped p_r (one draw)."""
+        return final_token(self._warp(row, self.p_rows[r]), None, self.rng, self.work)

@@ -6,23 +6,36 @@ Decoding" (ICML), Algorithm 1: ``q`` is the draft (approximation) model's distri
 decoding the acceptance rule degenerates to "candidate == argmax p", which makes the
 output identical to the target's own greedy output (Leviathan et al. 2023, section 3.3).
 
-Sequence bookkeeping used by the generator (``S`` = prompt + committed tokens; the last
+Sequence bookkeeping used by the decode loop (``S`` = prompt + committed tokens; the last
 token of ``S`` is *pending*: committed, but not yet in the target's KV cache)::
 
     target KV holds S[:-1]          (length len(S) - 1)
     draft  KV holds S[:draft_len]   (draft_len <= len(S) - 1 between rounds)
+
+The greedy acceptor (:class:`GreedyAcceptor`) lives here; the sampled one in
+:mod:`specrt.runtime.sampling`; the acceptance loop that drives either is
+:func:`specrt.runtime.decode.verify`.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
-from .errors import SpecRTError
+from .errors import NumericsError
 
-
-class NumericsError(SpecRTError):
-    """A model produced NaN or infinite logits."""
+__all__ = [
+    "top1",
+    "argmax_token",
+    "draft_limit",
+    "propose",
+    "commit",
+    "rollback_lengths",
+    "chunk_sizes",
+    "chunk_passes",
+    "head_blocks",
+    "GreedyAcceptor",
+]
 
 
 def top1(logits_row: np.ndarray, vocab: int, scratch: np.ndarray | None = None, inv_temp: float = 1.0) -> tuple[int, float]:
@@ -88,29 +101,6 @@ def _raise_nonfinite(row: np.ndarray) -> None:
     raise NumericsError(f"model produced non-finite logits ({n_nan} NaN, {n_inf} inf of {row.size}); refusing to emit a token")
 
 
-def greedy_verify(candidates: Sequence[int], target_logits: np.ndarray, vocab: int) -> tuple[int, int]:
-    """Verify draft candidates against the target's logits, left to right, greedy.
-
-    Args:
-        candidates: the n draft tokens c_1..c_n.
-        target_logits: ``[n+1, V]`` target logits for the positions of
-            [pending, c_1, ..., c_n]; row i predicts the token after position i.
-        vocab: real vocab size.
-
-    Returns:
-        ``(n_accepted, next_token)``: the length m of the longest prefix with
-        c_{i+1} == argmax p_i, and the target's token at row m: the correction at the
-        first mismatch, or the bonus token when all n were accepted. Rows after the first
-        mismatch are never read (early stop).
-    """
-    for i, c in enumerate(candidates):
-        t = argmax_token(target_logits[i], vocab)
-        if t != c:
-            return i, t
-    n = len(candidates)
-    return n, argmax_token(target_logits[n], vocab)
-
-
 def draft_limit(k_max: int, remaining: int, seq_len: int, max_ctx: int) -> int:
     """Most candidates a round may draft so that nothing overshoots.
 
@@ -128,6 +118,64 @@ def draft_limit(k_max: int, remaining: int, seq_len: int, max_ctx: int) -> int:
         n_max >= 0 (0 means: run the target alone for this round).
     """
     return max(0, min(k_max, remaining - 1, max_ctx - seq_len - 1))
+
+
+def propose(steps: Iterable[tuple[int, float]], n_max: int, threshold: float, eos: int, propose_below: bool = False) -> tuple[list[int], list[float]]:
+    """Confidence-threshold drafting: the candidates of one round from the draft's steps.
+
+    Pulls ``(token, confidence)`` steps one at a time (the decode loop's iterator runs one
+    draft call per step, so a step that is not pulled is never computed; the replay's
+    iterator reads recorded steps) and stops:
+
+    * greedy (``propose_below`` False): *before* a step whose confidence is below
+      ``threshold`` (the token is not proposed; exact, since it precedes the proposal);
+    * sampling (``propose_below`` True): *after* a step whose warped q(x) is below it (the
+      token is still proposed: dropping x when q(x) is small would make the proposals
+      follow q restricted to {q >= threshold}, not q, and the ratio p/q would then bias the
+      output; stopping after x only shortens the round, a decision from the draft's own
+      information, so the output stays exactly p);
+    * at ``n_max`` candidates, or after proposing ``eos``.
+
+    Args:
+        steps: iterable of (token id, confidence in [0, 1]).
+        n_max: most candidates (:func:`draft_limit`); 0 proposes nothing and pulls no step.
+        threshold: in [0, 1]; 0 = fixed ``n_max``.
+        eos: the EOS id.
+        propose_below: the sampling rule (above).
+
+    Returns:
+        ``(candidates, confidences)``: lists of equal length <= n_max.
+
+    Source: confidence-threshold drafting as Hugging Face assisted generation's
+    ``assistant_confidence_threshold``; Leviathan et al. 2023, Algorithm 1 (the proposals).
+    """
+    cands: list[int] = []
+    confs: list[float] = []
+    if n_max <= 0:
+        return cands, confs
+    for tok, conf in steps:
+        below = conf < threshold
+        if below and not propose_below:
+            break
+        cands.append(tok)
+        confs.append(conf)
+        if below or len(cands) == n_max or tok == eos:
+            break
+    return cands, confs
+
+
+def commit(candidates: Sequence[int], n_accepted: int, token: int, eos: int) -> tuple[list[int], bool]:
+    """Tokens one round commits: the accepted candidates, then the target's token
+    (correction or bonus), cut after the first EOS.
+
+    Returns:
+        ``(tokens, ended)``: ``ended`` is True when EOS is among them.
+    """
+    new = list(candidates[:n_accepted])
+    new.append(token)
+    if eos in new:
+        return new[: new.index(eos) + 1], True
+    return new, False
 
 
 def rollback_lengths(seq_len_before: int, draft_len: int, n_accepted: int) -> tuple[int, int]:
@@ -149,9 +197,6 @@ def rollback_lengths(seq_len_before: int, draft_len: int, n_accepted: int) -> tu
 
 
 # ---- verification strategies ----------------------------------------------------------
-STRATEGIES = ("full", "chunked", "lazy-head")  # GenerationConfig.strategy values
-DEFAULT_CHUNK_BOUND = 0.5  # GenerationConfig.chunk_bound when the manifest has none
-
 
 def chunk_sizes(confidences: Sequence[float], bound: float) -> list[int]:
     """Split n candidates into consecutive chunks from the draft's confidences.
@@ -169,7 +214,7 @@ def chunk_sizes(confidences: Sequence[float], bound: float) -> list[int]:
         confidences: n draft probabilities of the proposed candidates, floats in [0, 1]
             (greedy: the draft's top-1 probability; sampling: the warped q(x) of the
             sampled x).
-        bound: number in (0, 1] (:attr:`GenerationConfig.chunk_bound`).
+        bound: number in (0, 1] (``GenerationConfig.chunk_bound``).
 
     Returns:
         ``list[int]`` of chunk sizes, each >= 1, summing to n (``[]`` for n = 0).
@@ -238,3 +283,49 @@ def head_blocks(sizes: Sequence[int]) -> list[tuple[int, int]]:
         return [(0, 1)]
     blocks[-1] = (blocks[-1][0], lo + 1)
     return blocks
+
+
+# ---- the greedy acceptor ---------------------------------------------------------------
+class GreedyAcceptor:
+    """Greedy proposal and acceptance (Leviathan et al. 2023, section 3.3: with one-hot p
+    and q the acceptance rule is "candidate == argmax p", so the output is the target's own
+    greedy output). Used by :func:`specrt.runtime.decode.verify` and the decode loop.
+
+    Args:
+        vocab: real vocabulary size (ids >= vocab, padding rows, are never chosen).
+        draft_width: width of the draft's logits rows (sizes the float32 scratch buffer).
+        inv_temp: 1 / T of the draft's *confidence* (calibration; never changes the token).
+
+    Attributes:
+        greedy: True (traces record the draft's top-1 only for greedy runs).
+        propose_below: False: a draft token below the threshold is not proposed.
+    """
+
+    greedy = True
+    propose_below = False
+    __slots__ = ("vocab", "inv_temp", "scratch", "_last")
+
+    def __init__(self, vocab: int, draft_width: int, inv_temp: float = 1.0):
+        self.vocab, self.inv_temp = vocab, inv_temp
+        self.scratch = np.empty(draft_width, np.float32)  # top1's softmax work buffer, reused
+        self._last = -1
+
+    def draft(self, row: np.ndarray, i: int) -> tuple[int, float]:
+        """Candidate ``i`` of a round and its confidence from a draft logits row: the
+        argmax and its softmax(logits / T) probability (:func:`top1`)."""
+        return top1(row, self.vocab, self.scratch, self.inv_temp)
+
+    def accept(self, r: int, x: int, row: np.ndarray) -> bool:
+        """Does target row r (the position before candidate x) choose x?"""
+        self._last = t = argmax_token(row, self.vocab)
+        return t == x
+
+    def correction(self, r: int, row: np.ndarray) -> int:
+        """The target's token at row r after it rejected its candidate (the argmax that
+        :meth:`accept` just computed for this row)."""
+        return self._last
+
+    def bonus(self, r: int, row: np.ndarray) -> int:
+        """The target's token at row r when there is no candidate to check (all accepted,
+        the prefill's first token, or a target-only step): the argmax."""
+        return argmax_token(row, self.vocab)

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+__all__ = ["REPLACEMENT", "IncrementalText"]
+
 REPLACEMENT = "\ufffd"
 
 

@@ -11,6 +11,8 @@ from typing import Sequence
 
 from .errors import EngineError, InputError
 
+__all__ = ["TextCodec"]
+
 
 class TextCodec:
     """Encode prompts and decode outputs.

@@ -465,7 +465,7 @@ def log(msg: str) -> None:
 def main(argv=None) -> int:
     a = parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from specrt.runtime.bench import load_prompts
+    from specrt.runtime.lab.bench import load_prompts
     from specrt.runtime.manifest import load_manifest
     from specrt.runtime.tokenizer import TextCodec
 

@@ -82,7 +82,7 @@ step pytest_gpu 150 "$PY" -m pytest -q -m gpu tests/test_trt.py -p no:cacheprovi
 step backend_equality 90 "$PY" - "$WORK/engine" "$WORK/equality.json" <<'EOF'
 import json, sys, time
 from specrt.runtime.backends import backend_status
-from specrt.runtime.generator import Engine, GenerationConfig
+from specrt import Engine, GenerationConfig
 folder, out = sys.argv[1], sys.argv[2]
 prompts = ["def add(a, b):", "for i in range(10):\n", "class Stack:\n    def __init__(self):\n"]
 res = {}
@@ -113,7 +113,7 @@ print(json.dumps({b: {k: v for k, v in r.items() if k != "rows"} for b, r in res
 EOF
 
 for b in ort-cuda tensorrt; do
-  step "bench_$b" 60 "$PY" -m specrt.runtime.cli bench --engines "$WORK/engine" --prompts data/humaneval_dev.jsonl \
+  step "bench_$b" 60 "$PY" -m specrt.cli bench --engines "$WORK/engine" --prompts data/humaneval_dev.jsonl \
     --limit 5 --max-new-tokens 64 --k-max 4 --backend "$b" --out "$WORK/bench_$b.json"
 done
 

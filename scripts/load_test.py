@@ -75,7 +75,7 @@ def start_server(args) -> tuple[subprocess.Popen, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "specrt.runtime.cli", "serve", "--engines", args.engines, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", args.engines, "--host", "127.0.0.1", "--port", str(port),
            "--workers", str(args.workers), "--max-queue", str(max(args.concurrency, 1) + 8), "--log-level", "warning"]
     if args.threads:
         cmd += ["--threads", str(args.threads)]

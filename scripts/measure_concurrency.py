@@ -26,8 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args(argv)
 
-    from specrt.runtime.generator import Engine, GenerationConfig
-    from specrt.runtime.ort_backend import ThreadConfig
+    from specrt import Engine, GenerationConfig
+    from specrt.runtime.backends.ort import ThreadConfig
 
     engine = Engine(args.engines, threads=ThreadConfig(intra_op=args.intra_op))
     prompts = ["def add(a, b):", "for i in range(10):\n", "class Foo:\n", "import os\n"]

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from specrt.runtime.manifest import load_manifest
-from specrt.runtime.ort_backend import OrtModel, ThreadConfig
+from specrt.runtime.backends.ort import OrtModel, ThreadConfig
 
 
 def main(argv=None) -> int:

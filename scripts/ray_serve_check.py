@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """End-to-end check of the Ray Serve scale-out on this machine (loopback only, bounded).
 
-Starts a local Ray (``--num-cpus``), deploys :func:`specrt.runtime.ray_serve.specrt_deployment`
+Starts a local Ray (``--num-cpus``), deploys :func:`specrt.runtime.serve.ray_serve.specrt_deployment`
 with ``--replicas`` replicas on 127.0.0.1, then checks through Ray's HTTP proxy that
 non-streamed and streamed completions (greedy and seeded sampling) equal the local
 ``Engine.generate``, that ``--concurrent`` parallel clients all get correct answers, that a
@@ -58,8 +58,8 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from specrt.runtime.generator import Engine, GenerationConfig
-    from specrt.runtime.ray_serve import specrt_deployment
+    from specrt import Engine, GenerationConfig
+    from specrt.runtime.serve.ray_serve import specrt_deployment
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -71,7 +71,7 @@ def make_call(rng: random.Random, engine, i: int, cover: int = 0):
     mark of the shapes it has run, so RSS steps up the first time a longer context occurs
     (then stays flat); that is not a leak, and the reference point should come after it.
     """
-    from specrt.runtime.generator import GenerationConfig
+    from specrt import GenerationConfig
 
     m = engine.manifest
     import numpy as np
@@ -125,8 +125,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from specrt.runtime.errors import SpecRTError
-    from specrt.runtime.generator import Engine
-    from specrt.runtime.ort_backend import ThreadConfig
+    from specrt import Engine
+    from specrt.runtime.backends.ort import ThreadConfig
 
     t0 = time.perf_counter()
     engine = Engine(args.engines, threads=ThreadConfig(intra_op=args.threads))

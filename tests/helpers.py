@@ -193,3 +193,24 @@ def pad_vocab(model, n_pad: int, boost: float = 10.0, seed: int = 0):
         w = model.get_output_embeddings().weight
         w[v:] = boost * w[idx]
     return model
+
+
+# ---- the acceptance loop on explicit logits / probabilities (unit tests of Algorithm 1) ----
+def greedy_verify(cands, logits, vocab):
+    """decode.verify with the greedy acceptor over one block of target logits [n+1, V]."""
+    from specrt.runtime.decode import verify
+    from specrt.runtime.speculative import GreedyAcceptor
+
+    return verify(list(cands), [(0, logits)], GreedyAcceptor(vocab, logits.shape[-1]))
+
+
+def speculative_verify(cands, q_rows, p_rows, rng, work=None):
+    """decode.verify with the sampled acceptor over explicit draft (q [n, W]) and target
+    (p [n+1, W]) probabilities, one block (Leviathan et al. 2023, Algorithm 1)."""
+    import numpy as np
+
+    from specrt.runtime.decode import verify
+    from specrt.runtime.sampling import SampledAcceptor
+
+    acc = SampledAcceptor.over_probabilities(np.asarray(q_rows, np.float64).reshape(len(cands), -1) if len(cands) else np.zeros((1, np.shape(p_rows)[-1])), rng)
+    return verify(list(cands), [(0, p_rows)], acc)

@@ -30,7 +30,7 @@ from specrt.export.arch import REGISTRY, UnsupportedModelError, spec_for  # noqa
 from specrt.export.onnx_export import PARITY_TOL, load_hf, parity_check  # noqa: E402
 from specrt.export.pipeline import PairError, export_pair, vocab_hash  # noqa: E402
 from specrt.runtime.errors import EngineError  # noqa: E402
-from specrt.runtime.generator import Engine, GenerationConfig  # noqa: E402
+from specrt import Engine, GenerationConfig  # noqa: E402
 from specrt.runtime.manifest import load_manifest  # noqa: E402
 
 FAMILIES = ["llama", "mistral", "qwen2", "phi3", "gpt2"]

@@ -56,15 +56,15 @@ def test_pyspy_breakdown_parses_native_and_python_stacks(tmp_path):
         sys.path.remove(str(REPO / "scripts" / "bench_workers"))
     line = sw._raw_run_line()
     assert line is not None
-    ob = "/x/runtime/ort_backend.py"
-    base = "<module> (w.py:1);_profiled_section (w.py:5);Engine._rounds (/x/runtime/generator.py:390)"
+    ob = "/x/runtime/backends/ort.py"
+    base = "<module> (w.py:1);_profiled_section (w.py:5);one_round (/x/runtime/decode.py:190)"
     raw = tmp_path / "raw.txt"
     raw.write_text(
         "\n".join(
             [
-                f"{base};OrtModel.run (/x/runtime/ort_backend.py:170);_raw_binding.<locals>.run ({ob}:{line});pthread_cond_signal (libc.so.6) 30",
-                f"{base};OrtModel.run (/x/runtime/ort_backend.py:170);_raw_binding.<locals>.run ({ob}:{line});0x7f01 (onnxruntime/capi/x.so) 50",
-                f"{base};OrtModel.run (/x/runtime/ort_backend.py:168);_raw_binding.<locals>.bind_in ({ob}:63) 10",
+                f"{base};OrtModel.run (/x/runtime/backends/ort.py:170);_raw_binding.<locals>.run ({ob}:{line});pthread_cond_signal (libc.so.6) 30",
+                f"{base};OrtModel.run (/x/runtime/backends/ort.py:170);_raw_binding.<locals>.run ({ob}:{line});0x7f01 (onnxruntime/capi/x.so) 50",
+                f"{base};OrtModel.run (/x/runtime/backends/ort.py:168);_raw_binding.<locals>.bind_in ({ob}:63) 10",
                 f"{base};top1 (/x/runtime/speculative.py:46) 5",
                 f"{base} 5",
                 "<module> (w.py:1);load (w.py:3) 99",  # outside the marker: ignored

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrt.runtime.calibration import (
+from specrt.runtime.lab.calibration import (
     binary_nll,
     bin_index,
     calibrate,
@@ -18,9 +18,10 @@ from specrt.runtime.calibration import (
     top1_confidences,
 )
 from specrt.runtime.errors import InputError
-from specrt.runtime.generator import Engine, GenerationConfig
+from specrt import Engine, GenerationConfig
 from specrt.runtime.speculative import top1
-from specrt.runtime.trace import TraceWriter, load_trace, position_views
+from specrt.runtime.lab.replay import position_views
+from specrt.runtime.lab.trace import TraceWriter, load_trace
 
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "x", "import os\n"]
 
@@ -115,12 +116,12 @@ def test_binary_nll():
 @pytest.mark.parametrize("temperature", [0.3, 0.5, 2.0])
 def test_calibrated_threshold_keeps_greedy_output(engine, temperature):
     """Every strategy (chunked sizes its chunks from the same calibrated confidences)."""
-    from specrt.runtime.tune import allowed_strategies
+    from specrt.runtime.config import STRATEGIES
 
     for prompt in PROMPTS:
         ids = engine.prompt_ids(prompt)
         base = engine.generate(ids, GenerationConfig(max_new_tokens=40, speculative=False))
-        for strategy in allowed_strategies():
+        for strategy in STRATEGIES:
             for th in (0.1, 0.3, 0.6, 0.9):
                 cfg = GenerationConfig(max_new_tokens=40, k_max=4, threshold=th, confidence_temperature=temperature, strategy=strategy)
                 spec = engine.generate(ids, cfg)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specrt.runtime.generator import Engine, GenerationConfig
+from specrt import Engine, GenerationConfig
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = REPO / "engines" / "default"

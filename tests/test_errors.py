@@ -9,10 +9,10 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from specrt.runtime.bench import load_prompts
-from specrt.runtime.cli import cli
+from specrt.runtime.lab.bench import load_prompts
+from specrt.cli import cli
 from specrt.runtime.errors import EngineError, InputError, SpecRTError
-from specrt.runtime.generator import Engine, GenerationConfig
+from specrt import Engine, GenerationConfig
 
 
 @pytest.fixture(scope="module")

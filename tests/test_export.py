@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specrt.runtime.manifest import load_manifest
-from specrt.runtime.ort_backend import OrtModel
+from specrt.runtime.backends.ort import OrtModel
 
 
 @pytest.mark.parametrize("past", [0, 1, 37])

@@ -8,8 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
-from specrt.runtime.generator import Engine, GenerationConfig
-from specrt.runtime.speculative import draft_limit, greedy_verify, rollback_lengths
+from helpers import greedy_verify, speculative_verify  # noqa: F401  (the acceptance loop on explicit rows)
+from specrt import Engine, GenerationConfig
+from specrt.runtime.speculative import draft_limit, rollback_lengths
 
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "x", "class Foo:\n    def __init__(self, x):\n        self.x = x\n" * 3]
 

@@ -21,11 +21,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from specrt.runtime.cli import cli
+from helpers import greedy_verify, speculative_verify  # noqa: F401  (the acceptance loop on explicit rows)
+from specrt.cli import cli
 from specrt.runtime.errors import BackendError, EngineError, InputError, SpecRTError
-from specrt.runtime.generator import MAX_STOPS, Engine, GenerationConfig, Stream, check_stops
+from specrt import Engine, GenerationConfig, Stream
+from specrt.runtime.config import MAX_STOPS, check_stops
 from specrt.runtime.sampling import warp
-from specrt.runtime.speculative import NumericsError, argmax_token, greedy_verify, top1
+from specrt.runtime.errors import NumericsError
+from specrt.runtime.speculative import argmax_token, top1
 from specrt.runtime.textstream import IncrementalText
 
 FFFD = "\ufffd"
@@ -677,8 +680,9 @@ def test_fork_shares_sessions_not_buffers(engine):
     assert f.generate("x", GenerationConfig(max_new_tokens=5)).tokens
     st.close()
 
-    class NoFork:
-        pass
+    class NoFork:  # a backend whose models cannot share weights (as TensorRT's)
+        def fork(self):
+            raise BackendError("backend 'x' cannot fork a model; load another Engine")
 
     g = engine.fork()
     g.target = NoFork()

@@ -24,8 +24,8 @@ def test_runtime_runs_without_torch(tiny_pair):
         else:
             raise SystemExit('torch import was not blocked')
         from click.testing import CliRunner
-        from specrt.runtime.cli import cli
-        from specrt.runtime.generator import Engine, GenerationConfig
+        from specrt.cli import cli
+        from specrt import Engine, GenerationConfig
         e = Engine({str(engine_dir)!r})
         r = e.generate('def add(a, b):', GenerationConfig(max_new_tokens=12, k_max=4))
         assert len(r.tokens) == 12, r.tokens

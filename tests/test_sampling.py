@@ -17,20 +17,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from specrt.runtime.bench import BenchConfig, format_table, run_bench
-from specrt.runtime.cli import cli
+from helpers import greedy_verify, speculative_verify  # noqa: F401  (the acceptance loop on explicit rows)
+from specrt.runtime.lab.bench import BenchConfig, format_table, run_bench
+from specrt.cli import cli
 from specrt.runtime.errors import InputError
-from specrt.runtime.generator import Engine, GenerationConfig
-from specrt.runtime.sampling import (
-    RESIDUAL_EPS,
-    check_sampling_params,
-    residual,
-    sample_residual,
-    sample_token,
-    speculative_verify,
-    warp,
-)
-from specrt.runtime.speculative import NumericsError, greedy_verify
+from specrt import Engine, GenerationConfig
+from specrt.runtime.sampling import RESIDUAL_EPS, residual, sample_residual, sample_token, warp
+from specrt.runtime.errors import NumericsError
 
 V = 16  # real vocab of the small pair (id 0 is EOS)
 N_RUNS = 20_000  # seeded runs per histogram
@@ -209,6 +202,7 @@ def test_speculative_sampling_matches_target_distribution(engine, baselines, cas
     tv3, p3 = goodness_of_fit(spec3, exact_first_tokens(engine, prompt, 3, kw))
     tvb, pb = goodness_of_fit(base2, exact_first_tokens(engine, prompt, 2, kw))
     MEASURED[case] = dict(tv_spec_vs_base_2tok=tv, p_spec_vs_base_2tok=p, tv_spec_vs_exact_3tok=tv3, p_spec_vs_exact_3tok=p3, p_base_vs_exact_2tok=pb)
+    print(f"{case:<40} " + "  ".join(f"{k}={v:.4g}" for k, v in MEASURED[case].items()))  # the figures (pytest -s)
     assert tv < 0.02 and p > 1e-3, MEASURED[case]
     assert p3 > 1e-3 and pb > 1e-3, MEASURED[case]
 
@@ -235,12 +229,6 @@ def test_threshold_case_really_stops_and_continues(engine):
     finally:
         engine.target.run = orig
     assert drafted[1] > 30 and drafted[2] > 30, drafted
-
-
-def test_print_measured():
-    """Prints the figures of the distribution tests (run with -s to see them)."""
-    for case, d in MEASURED.items():
-        print(f"{case:<40} " + "  ".join(f"{k}={v:.4g}" for k, v in d.items()))
 
 
 # ---- end-to-end properties ------------------------------------------------------------
@@ -465,9 +453,15 @@ def test_warp_degenerate_cases_and_buffers():
         warp(row, 4, 1.0, top_p=0.0)
 
 
-def test_check_sampling_params_accepts_numpy_scalars():
-    check_sampling_params(np.float32(0.5), np.int64(3), np.float64(0.9), np.uint32(7))
-    check_sampling_params(0, 0, 1, None)
+def test_numpy_scalar_settings_resolve_to_the_same_values_and_tokens(engine):
+    """numpy scalars are accepted, resolved to Python numbers of equal value, and sample
+    exactly what the same Python numbers sample."""
+    np_cfg = GenerationConfig(max_new_tokens=np.int64(6), temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.9), seed=np.uint32(7))
+    py_cfg = GenerationConfig(max_new_tokens=6, temperature=0.5, top_k=3, top_p=0.9, seed=7)
+    r = engine.resolve(np_cfg)
+    got = (r.max_new_tokens, r.temperature, r.top_k, r.top_p, r.seed)
+    assert got == (6, 0.5, 3, 0.9, 7) and [type(x) for x in got] == [int, float, int, float, int]
+    assert engine.generate(PROMPT_A, np_cfg).tokens == engine.generate(PROMPT_A, py_cfg).tokens
 
 
 def test_sample_token_inverse_cdf_and_zero_weights():
@@ -526,6 +520,9 @@ def test_speculative_verify_early_stop_reads_no_later_rows():
         def __getitem__(self, i):
             self.read.append(i)
             return self.rows[i]
+
+        def __len__(self):
+            return len(self.rows)
 
     rows = Rows(np.array([P, P, P, P]))
     q = np.array([Q, Q, Q])

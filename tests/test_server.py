@@ -21,8 +21,8 @@ pytest.importorskip("uvicorn", reason="the [serve] extra (fastapi, uvicorn) is n
 
 from click.testing import CliRunner  # noqa: E402
 
-from specrt.runtime.cli import cli  # noqa: E402
-from specrt.runtime.generator import Engine, GenerationConfig  # noqa: E402
+from specrt.cli import cli  # noqa: E402
+from specrt import Engine, GenerationConfig  # noqa: E402
 
 HOST = "127.0.0.1"
 
@@ -39,7 +39,7 @@ class Server:
 
     def __init__(self, engines, *args: str):
         self.port = free_port()
-        cmd = [sys.executable, "-m", "specrt.runtime.cli", "serve", "--engines", str(engines), "--host", HOST,
+        cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", str(engines), "--host", HOST,
                "--port", str(self.port), "--log-level", "warning", "--threads", "1", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 120
@@ -423,9 +423,9 @@ def test_runtime_imports_and_serve_refuses_cleanly_without_the_extra(tiny_pair):
                     raise ImportError('blocked by test: ' + name)
         sys.meta_path.insert(0, Block())
         from click.testing import CliRunner
-        from specrt.runtime.cli import cli
-        from specrt.runtime import server
-        from specrt.runtime.generator import Engine
+        from specrt.cli import cli
+        from specrt.runtime.serve import server
+        from specrt import Engine
         res = CliRunner().invoke(cli, ['serve', '--engines', {str(tiny_pair[2])!r}, '--port', '0'])
         assert res.exit_code == 1, res.output
         assert "serving needs the [serve] extra" in res.output and "Traceback" not in res.output, res.output

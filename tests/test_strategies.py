@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from specrt.runtime.cli import cli
+from helpers import greedy_verify, speculative_verify  # noqa: F401  (the acceptance loop on explicit rows)
+from specrt.cli import cli
 from specrt.runtime.errors import BackendError, EngineError, InputError
 from specrt.runtime.flops import body_flops, call_flops, flop_coefficients
-from specrt.runtime.generator import Engine, GenerationConfig
+from specrt import Engine, GenerationConfig
 from specrt.runtime.manifest import ModelEntry, load_manifest
-from specrt.runtime.sampling import accept_candidate, final_token, speculative_verify
+from specrt.runtime.sampling import accept_candidate, final_token
 from specrt.runtime.speculative import chunk_passes, chunk_sizes, head_blocks
 
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "x", "class Foo:\n    def __init__(self, x):\n        self.x = x\n" * 3]
@@ -62,7 +63,7 @@ class CallLog:
         self.lazy = None
 
     def watch_lazy(self):
-        lazy = self.engine._lazy_runner()
+        lazy = self.engine.target.split_head()
         ob, oh = lazy.body, lazy.head
 
         def body(tokens, start):
@@ -289,7 +290,7 @@ def test_strategies_mix_on_one_engine_and_share_the_kv_buffers(noisy):
     want = engine.generate(ids, GenerationConfig(max_new_tokens=40, speculative=False)).tokens
     for strategy in ("lazy-head", "full", "chunked", "lazy-head", "chunked", "full"):
         assert engine.generate(ids, GenerationConfig(max_new_tokens=40, k_max=4, strategy=strategy, chunk_bound=0.8)).tokens == want
-    lazy, t = engine._lazy_runner(), engine.target
+    lazy, t = engine.target.split_head(), engine.target
     assert lazy.target is t and lazy._kv is t._kv
     lazy.body([1, 2, 3], 17)
     ptrs = lazy.output_pointers()
@@ -299,18 +300,20 @@ def test_strategies_mix_on_one_engine_and_share_the_kv_buffers(noisy):
     # a fork: its own buffers (its own target KV), the same sessions, the same tokens
     fork = engine.fork()
     assert fork.generate(ids, GenerationConfig(max_new_tokens=40, k_max=4, strategy="lazy-head")).tokens == want
-    fl = fork._lazy_runner()
+    fl = fork.target.split_head()
     assert fl is not lazy and fl.target is fork.target and fl.body_session is lazy.body_session
     assert fl.hidden_states.ctypes.data != lazy.hidden_states.ctypes.data
 
 
 def test_lazy_head_sessions_load_on_first_use(noisy_pair):
     engine = Engine(noisy_pair[1])
-    assert engine._lazy is None and engine._lazy_sessions._sessions is None
+    heads = engine.target._head_sessions
+    assert engine.target._split is None and heads._sessions is None
     engine.generate("x", GenerationConfig(max_new_tokens=5, strategy="chunked"))
-    assert engine._lazy_sessions._sessions is None
+    assert heads._sessions is None
     engine.generate("x", GenerationConfig(max_new_tokens=5, strategy="lazy-head"))
-    assert engine._lazy is not None
+    assert engine.target._split is not None and heads._sessions is not None
+    assert engine.fork().target._head_sessions is heads  # forks share the loaded sessions
 
 
 # ---- errors ---------------------------------------------------------------------------
@@ -394,12 +397,20 @@ def test_missing_or_altered_lazy_head_file(noisy, tmp_path):
         assert needle in str(e.value) and "re-run `specrt export" in str(e.value)
 
 
-def test_lazy_head_needs_the_ort_cpu_backend(noisy):
+def test_lazy_head_needs_a_backend_with_a_body_head_split(noisy):
+    """lazy-head is a capability (SplitsHead), not a backend name: a target model without
+    split_head() is refused with the reason, the other strategies still resolve."""
     _, _, engine = noisy
+
+    class NoSplit:  # a Model without the optional capability
+        max_q, max_ctx, vocab = engine.target.max_q, engine.target.max_ctx, engine.target.vocab
+        run, fork, close = engine.target.run, engine.target.fork, engine.target.close
+
     other = copy.copy(engine)
-    other.backend = "ort-cuda"
-    with pytest.raises(BackendError, match="'lazy-head' runs on the ort-cpu backend only"):
+    other.target, other.backend = NoSplit(), "ort-cuda"
+    with pytest.raises(BackendError, match="'lazy-head' needs a backend with a body/head split; 'ort-cuda' has none") as e:
         other.resolve(GenerationConfig(strategy="lazy-head"))
+    assert e.value.param == "strategy"
     assert other.resolve(GenerationConfig(strategy="chunked")).strategy == "chunked"
 
 
@@ -515,7 +526,7 @@ def test_lazy_head_graphs_match_full_pytorch_forward(noisy, past, q):
     ref = out.logits[0, past:].numpy()
     if past:
         engine.target.run(ids[:past], 0)
-    lazy = engine._lazy_runner()
+    lazy = engine.target.split_head()
     lazy.body(ids[past:], past)
     one_block = lazy.head(0, q).copy()
     per_row = np.stack([lazy.head(i, 1)[0].copy() for i in range(q)])

@@ -8,18 +8,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from specrt.runtime.cli import cli
+from specrt.cli import cli
 from specrt.runtime.errors import InputError
-from specrt.runtime.generator import Engine, GenerationConfig
-from specrt.runtime.trace import (
-    Costs,
-    TraceWriter,
-    check_replayable,
-    load_trace,
-    manifest_identity,
-    position_views,
-    replay,
-)
+from specrt import Engine, GenerationConfig
+from specrt.runtime.lab.replay import check_replayable, position_views, replay
+from specrt.runtime.lab.trace import Costs, TraceWriter, load_trace, manifest_identity
 
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "x", "class Foo:\n    def __init__(self, x):\n        self.x = x\n" * 2, "import os\n"]
 N = 40
@@ -143,10 +136,10 @@ def test_replay_equals_real_run(engine, wide):
                 assert th > 0
     assert exact_calls >= 15
     # the other verification strategies accept exactly the same candidates
-    from specrt.runtime.tune import allowed_strategies
+    from specrt.runtime.config import STRATEGIES
 
     th = _thresholds(views)[2]
-    for strategy in allowed_strategies():
+    for strategy in STRATEGIES:
         for k in (3, 8):
             want = real_run(engine, GenerationConfig(max_new_tokens=N, k_max=k, threshold=th, strategy=strategy))
             got = replay(views, k, th)

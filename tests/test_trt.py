@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 import fake_gpu
-from specrt.runtime.cuda_mem import CudaRuntime
+from specrt.runtime.backends.cuda_mem import CudaRuntime
 from specrt.runtime.errors import BackendError, EngineError, InputError
-from specrt.runtime.kv_layout import ALIGN, KVLayout, align_up
+from specrt.runtime.backends.kv_layout import ALIGN, KVLayout, align_up
 from specrt.runtime.manifest import FORMAT_VERSION, load_manifest
-from specrt.runtime.profiles import (
+from specrt.runtime.backends.profiles import (
     DimRange,
     Profile,
     ProfileConfig,
@@ -291,7 +291,7 @@ def test_build_plans_call_sequence_and_manifest_record(engine_copy):
 
 
 def test_manifest_with_trt_record_serves_unchanged_on_ort_cpu(engine_copy, tiny_pair):
-    from specrt.runtime.generator import Engine, GenerationConfig
+    from specrt import Engine, GenerationConfig
 
     log = []
     _build(engine_copy, fake_gpu.FakeTRT(log, fake_gpu.FakeCuda(log)), precision="fp32")
@@ -350,7 +350,7 @@ def test_build_skips_plainly_without_tensorrt(engine_copy, capsys):
 
 
 def _trt_model(folder, role, pad=0, log=None, max_q=PREFILL):
-    from specrt.runtime.trt_backend import TrtModel
+    from specrt.runtime.backends.trt import TrtModel
 
     log = [] if log is None else log
     cuda = fake_gpu.FakeCuda(log)
@@ -407,7 +407,7 @@ def test_trt_model_call_sequence(engine_copy, pad):
 
 @pytest.mark.parametrize("role, pad", [("target", 0), ("draft", 0), ("target", 1)])
 def test_trt_model_matches_ort_model(engine_copy, role, pad):
-    from specrt.runtime.ort_backend import OrtModel
+    from specrt.runtime.backends.ort import OrtModel
 
     model, m, _ = _trt_model(engine_copy, role, pad=pad)
     entry = getattr(m, role)
@@ -432,7 +432,7 @@ def test_trt_model_refuses_before_any_tensorrt_call(engine_copy):
 
 
 def test_trt_model_refuses_a_plan_from_another_build(engine_copy):
-    from specrt.runtime.trt_backend import TrtModel
+    from specrt.runtime.backends.trt import TrtModel
 
     model, m, log = _trt_model(engine_copy, "target")
     other = target_profiles(ProfileConfig(k_max=m.k_max - 1, max_ctx=m.max_ctx, prefill_q=PREFILL))
@@ -455,13 +455,13 @@ def test_cuda_errors_name_the_call():
 
 @pytest.mark.parametrize("pad", [0, 1])
 def test_engine_on_tensorrt_stand_in_equals_ort_cpu(engine_copy, tiny_pair, monkeypatch, pad):
-    from specrt.runtime.generator import Engine, GenerationConfig
+    from specrt import Engine, GenerationConfig
 
     log = []
     _build(engine_copy, fake_gpu.FakeTRT(log, fake_gpu.FakeCuda(log)), precision="fp32", past_pad=pad)
     fake_gpu.install(monkeypatch)  # sys.modules: tensorrt, cuda.bindings.runtime
     trt_engine = Engine(engine_copy, backend="tensorrt")
-    assert trt_engine.backend == "tensorrt" and Engine(engine_copy).backend == "tensorrt"  # default when usable
+    assert trt_engine.backend == "tensorrt" and Engine(engine_copy).backend == "ort-cpu"  # ort-cpu unless named
     cpu = Engine(tiny_pair[2], backend="ort-cpu")
     long_prompt = "class Foo:\n    def __init__(self, x):\n        self.x = x\n" * 8
     for prompt in ("def add(a, b):", long_prompt):
@@ -477,8 +477,8 @@ def test_engine_on_tensorrt_stand_in_equals_ort_cpu(engine_copy, tiny_pair, monk
 
 
 def test_ort_cuda_model_code_path_on_cpu_equals_ort_model(tiny_pair):
-    from specrt.runtime.ort_backend import OrtModel
-    from specrt.runtime.ort_cuda_backend import OrtCudaModel
+    from specrt.runtime.backends.ort import OrtModel
+    from specrt.runtime.backends.ort_cuda import OrtCudaModel
 
     folder = tiny_pair[2]
     m = load_manifest(folder)
@@ -498,8 +498,8 @@ def test_gpu_backends_refused_clearly_without_a_gpu(tiny_pair):
     from click.testing import CliRunner
 
     from specrt.runtime.backends import backend_status, resolve_backend
-    from specrt.runtime.cli import cli
-    from specrt.runtime.generator import Engine
+    from specrt.cli import cli
+    from specrt import Engine
 
     status = backend_status(load_manifest(tiny_pair[2]))
     assert status["ort-cpu"] is None
@@ -530,7 +530,7 @@ def _need(backend: str, folder=None):
 
 @pytest.mark.gpu
 def test_gpu_ort_cuda_matches_ort_cpu(tiny_pair):
-    from specrt.runtime.generator import Engine, GenerationConfig
+    from specrt import Engine, GenerationConfig
 
     _need("ort-cuda")
     gpu, cpu = Engine(tiny_pair[2], backend="ort-cuda"), Engine(tiny_pair[2], backend="ort-cpu")
@@ -543,7 +543,7 @@ def test_gpu_ort_cuda_matches_ort_cpu(tiny_pair):
 @pytest.mark.parametrize("pad", [0, 1])
 def test_gpu_tensorrt_fp32_plans_match_ort_cpu(engine_copy, tiny_pair, pad):
     from specrt.export.trt_build import TrtBuildConfig, build_plans, tensorrt_unavailable
-    from specrt.runtime.generator import Engine, GenerationConfig
+    from specrt import Engine, GenerationConfig
 
     reason = tensorrt_unavailable()
     if reason:
@@ -563,7 +563,7 @@ def test_gpu_tensorrt_fp32_plans_match_ort_cpu(engine_copy, tiny_pair, pad):
 @pytest.mark.gpu
 def test_gpu_tensorrt_fp16_plans_build_and_run(engine_copy):
     from specrt.export.trt_build import TrtBuildConfig, build_plans, tensorrt_unavailable
-    from specrt.runtime.generator import Engine, GenerationConfig
+    from specrt import Engine, GenerationConfig
 
     reason = tensorrt_unavailable()
     if reason:

@@ -9,11 +9,13 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from specrt.runtime.cli import cli
+from specrt.cli import cli
 from specrt.runtime.errors import InputError
-from specrt.runtime.generator import Engine, GenerationConfig
+from specrt import Engine, GenerationConfig
 from specrt.runtime.manifest import load_manifest
-from specrt.runtime.tune import allowed_strategies, check_grid, write_defaults
+from specrt.runtime.config import STRATEGIES
+from specrt.runtime.lab.tune import check_grid
+from specrt.runtime.manifest import write_defaults
 
 PROMPTS = ['{"prompt": "def add(a, b):"}', '{"prompt": "for i in range(10):\\n"}']
 
@@ -102,7 +104,7 @@ def test_tune_reports_everything(tuned):
 
 def test_tune_from_trace_runs_without_models(tuned, tmp_path, monkeypatch):
     _, _, result, _, wide = tuned
-    from specrt.runtime import ort_backend
+    from specrt.runtime.backends import ort as ort_backend
 
     def no_models(*a, **k):
         raise AssertionError("tune --from-trace loaded a model")
@@ -169,10 +171,10 @@ def test_write_defaults_is_atomic_and_keeps_the_rest(folder):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["--threshold", "1.5"], "threshold=1.5 in the grid; thresholds must be numbers in [0, 1]"),
-        (["--threshold", "-0.1"], "threshold=-0.1 in the grid; thresholds must be numbers in [0, 1]"),
-        (["--k-max", "9"], "k_max=9 in the grid; k_max must be an integer in 1..8"),
-        (["--k-max", "0"], "k_max=0 in the grid; k_max must be an integer in 1..8"),
+        (["--threshold", "1.5"], "threshold=1.5; threshold must be a number in [0, 1]"),
+        (["--threshold", "-0.1"], "threshold=-0.1; threshold must be a number in [0, 1]"),
+        (["--k-max", "9"], "k_max=9; k_max must be an integer in 1..8"),
+        (["--k-max", "0"], "k_max=0; k_max must be an integer in 1..8"),
     ],
 )
 def test_bad_grid(folder, prompts, extra, needle, tmp_path):
@@ -199,29 +201,29 @@ def test_bad_inputs(folder, prompts, tmp_path, tuned):
     assert f"{empty}: no prompts" in err(["--engines", str(folder), "--prompts", str(empty)])
     assert "--prompts VALIDATION.jsonl is required" in err(["--engines", str(folder)])
     assert "--from-trace predicts from the trace alone" in err(["--from-trace", str(tuned[4]), "--prompts", str(prompts)])
-    assert "k_max=9 in the grid" in err(["--from-trace", str(tuned[4]), "--k-max", "9"])
+    assert "k_max=9; k_max must be an integer in 1..8" in err(["--from-trace", str(tuned[4]), "--k-max", "9"])
     costs = tmp_path / "c.json"
     costs.write_text('{"draft_s_per_call": 0}')
     assert "malformed costs" in err(["--from-trace", str(tuned[4]), "--costs", str(costs)])
 
 
 def test_check_grid_and_strategies():
-    assert "full" in allowed_strategies()
-    with pytest.raises(InputError, match="strategy='fast'; this runtime's strategies are"):
+    assert "full" in STRATEGIES
+    with pytest.raises(InputError, match="strategy='fast'; strategy must be one of full, chunked, lazy-head"):
         check_grid([1], [0.0], ["fast"], (1, 8))
     with pytest.raises(InputError, match="empty sweep grid"):
         check_grid([], [0.0], ["full"], (1, 8))
 
 
 def test_tune_api_refuses_an_empty_prompt_set(noisy_pair):
-    from specrt.runtime.tune import tune
+    from specrt.runtime.lab.tune import tune
 
     with pytest.raises(InputError, match="empty prompt set"):
         tune(Engine(noisy_pair[1]), [], [1], [0.0])
 
 
 def test_check_defaults_ranges():
-    from specrt.runtime.tune import check_defaults
+    from specrt.runtime.config import check_defaults
 
     ok = check_defaults({"k_max": 3, "threshold": 0.3, "strategy": "chunked", "chunk_bound": 1, "draft_confidence_temperature": 0.25}, 8)
     assert ok == {"k_max": 3, "threshold": 0.3, "strategy": "chunked", "chunk_bound": 1.0, "draft_confidence_temperature": 0.25}

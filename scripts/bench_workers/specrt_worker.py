@@ -3,7 +3,7 @@
 Runs in the main venv. Besides ``run`` it answers three analysis operations, used by
 ``scripts/bench_compare.py`` on its target-only worker:
 
-- ``sweep``: ``specrt.runtime.bench.run_bench`` over k_max x threshold (interleaved with
+- ``sweep``: ``specrt.runtime.lab.bench.run_bench`` over k_max x threshold (interleaved with
   target-only inside this process): acceptance rate, speedup, accepted-length histograms;
 - ``costs``: per-call latency of the draft (q=1) and the target (q=1..k_max+1) at a fixed
   past length, interleaved and repeated as ``scripts/measure_costs.py`` does;
@@ -27,14 +27,14 @@ from _protocol import error_text, serve, set_thread_env  # noqa: E402
 
 def _load(init: dict):
     set_thread_env(int(init["threads"]))
-    from specrt.runtime.generator import Engine
-    from specrt.runtime.ort_backend import ThreadConfig
+    from specrt import Engine
+    from specrt.runtime.backends.base import ThreadConfig
 
     return Engine(init["engines"], threads=ThreadConfig(intra_op=int(init["threads"]), spinning=bool(init.get("spinning", False))))
 
 
 def _config(init: dict, max_new_tokens: int):
-    from specrt.runtime.generator import GenerationConfig
+    from specrt import GenerationConfig
 
     v = init["variant"]
     return GenerationConfig(max_new_tokens=max_new_tokens, k_max=v.get("k_max"), threshold=v.get("threshold"), speculative=bool(v["speculative"]))
@@ -44,7 +44,7 @@ def setup(init: dict):
     import numpy as np
     import onnxruntime as ort
 
-    from specrt.runtime.generator import GenerationConfig
+    from specrt import GenerationConfig
 
     t0 = time.perf_counter()
     engine = _load(init)
@@ -66,7 +66,7 @@ def setup(init: dict):
         return res.tokens, seconds, s.ttft_seconds, extra
 
     def sweep(msg):
-        from specrt.runtime.bench import BenchConfig, run_bench
+        from specrt.runtime.lab.bench import BenchConfig, run_bench
 
         n = int(msg["max_new_tokens"])
         configs = [BenchConfig("target-only", GenerationConfig(max_new_tokens=n, speculative=False))]
@@ -129,7 +129,7 @@ def _category_cprofile(key) -> str:
     filename, _, name = key
     if "run_with_iobinding" in name:
         return "onnxruntime run_with_iobinding"
-    if "bind_input" in name or "bind_output" in name or (filename.endswith("ort_backend.py") and name in ("bind_in", "bind_out")):
+    if "bind_input" in name or "bind_output" in name or (filename.endswith("backends/ort.py") and name in ("bind_in", "bind_out")):
         return "binding (bind_input/bind_output)"
     if "numpy" in name or "/numpy/" in filename:
         return "numpy"
@@ -142,7 +142,7 @@ def cprofile_breakdown(engine, msg: dict) -> dict:
     import cProfile
     import pstats
 
-    from specrt.runtime.generator import GenerationConfig
+    from specrt import GenerationConfig
 
     cfg = GenerationConfig(max_new_tokens=int(msg["max_new_tokens"]), k_max=msg.get("k_max"), threshold=msg.get("threshold"), speculative=True)
     prompts = msg["prompts"]
@@ -188,8 +188,8 @@ def cprofile_breakdown(engine, msg: dict) -> dict:
 
 
 def _raw_run_line() -> int | None:
-    """Line of ``raw_run(raw, None)`` in ort_backend.py (where run_with_iobinding is called)."""
-    import specrt.runtime.ort_backend as ob
+    """Line of ``raw_run(raw, None)`` in backends/ort.py (where run_with_iobinding is called)."""
+    import specrt.runtime.backends.ort as ob
 
     for no, line in enumerate(Path(ob.__file__).read_text().splitlines(), 1):
         if "raw_run(raw, None)" in line:
@@ -220,7 +220,7 @@ def pyspy_breakdown(raw_file: str, marker: str = "_profiled_section") -> dict:
     """Split py-spy raw (collapsed) stacks of the main thread.
 
     Only stacks inside ``marker`` count. The innermost Python frame decides the category:
-    the line of ort_backend.py that calls ``run_with_iobinding`` = onnxruntime, the bind
+    the line of backends/ort.py that calls ``run_with_iobinding`` = onnxruntime, the bind
     closures = binding, numpy / speculative.py = numpy, the rest = Python. With ``--native``
     stacks, time inside ``run_with_iobinding`` is split further by the innermost native
     frame: libc thread synchronisation (pthread_cond_signal/wait, futex: handing work to the
@@ -248,9 +248,9 @@ def pyspy_breakdown(raw_file: str, marker: str = "_profiled_section") -> dict:
         short = name.split(".")[-1]
         below = frames[py_idx + 1:]
         native = native or bool(below)
-        if file.endswith("ort_backend.py") and lno == run_line:
+        if file.endswith("backends/ort.py") and lno == run_line:
             c = _native_category(below[-1]) if below else "onnxruntime run_with_iobinding"
-        elif file.endswith("ort_backend.py") and short in ("bind_in", "bind_out"):
+        elif file.endswith("backends/ort.py") and short in ("bind_in", "bind_out"):
             c = "binding (bind_input/bind_output)"
         elif "/numpy/" in file or any("numpy" in f for f in below[-1:]):
             c = "numpy"
@@ -282,7 +282,7 @@ def _profiled_section(engine, prompts, cfg) -> int:
 
 
 def pyspy_main(settings_file: str) -> int:
-    from specrt.runtime.generator import GenerationConfig
+    from specrt import GenerationConfig
 
     s = json.loads(Path(settings_file).read_text())
     engine = _load(s)

@@ -33,7 +33,24 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
+
+__all__ = [
+    "DEFAULT_BINS",
+    "top1_confidences",
+    "bin_index",
+    "reliability",
+    "expected_calibration_error",
+    "binary_nll",
+    "log_grid",
+    "TemperatureFit",
+    "fit_temperature",
+    "TeacherForced",
+    "teacher_forced",
+    "CalibrationReport",
+    "calibrate",
+    "plot_reliability",
+]
 
 DEFAULT_BINS = 15  # Guo et al. 2017 use M = 15
 T_LO, T_HI = 0.05, 20.0  # search range of the temperature (within the runtime's [0.01, 100])
@@ -265,7 +282,7 @@ def teacher_forced(engine, prompts: Sequence[Sequence[int]], outputs: Sequence[S
     run (a top-1 tie could flip; nothing else differs).
 
     Args:
-        engine: a loaded :class:`~specrt.runtime.generator.Engine` (its draft model and
+        engine: a loaded :class:`~specrt.runtime.engine.Engine` (its draft model and
             KV buffers are used; do not run a generation on it at the same time).
         prompts: token ids per prompt.
         outputs: the target's greedy output per prompt (e.g. ``Engine.generate(...).tokens``).

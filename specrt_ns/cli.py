@@ -1,7 +1,10 @@
 """``specrt`` command line (click): export | generate | bench | tune | serve.
 
-Errors the project raises (:class:`~specrt.runtime.errors.SpecRTError`) are printed as one
-line with a non-zero exit, never as a stack trace.
+The CLI sits above both stages (:mod:`specrt.export` is imported only by ``specrt export``;
+the runtime never imports it). Its choices and defaults come from the runtime's declarations
+(:mod:`specrt.runtime.config`, :mod:`specrt.runtime.backends`). Errors the project raises
+(:class:`~specrt.runtime.errors.SpecRTError`) are printed as one line with a non-zero exit,
+never as a stack trace.
 """
 from __future__ import annotations
 
@@ -13,7 +16,12 @@ from pathlib import Path
 
 import click
 
-from .errors import InputError, SpecRTError
+from .runtime.backends import BACKENDS, DEFAULT_BACKEND
+from .runtime.backends.base import ThreadConfig
+from .runtime.config import STRATEGIES, check_threshold, field_default
+from .runtime.errors import InputError, SpecRTError
+
+__all__ = ["cli", "main"]
 
 DEFAULT_ENGINES = "engines/default"
 
@@ -32,7 +40,7 @@ def _clean_errors(fn):
 
 
 def _threads_option(f):
-    f = click.option("--threads", type=click.IntRange(1, 256), default=None, help="onnxruntime intra-op threads per session (default: 2)")(f)
+    f = click.option("--threads", type=click.IntRange(1, 256), default=None, help=f"onnxruntime intra-op threads per session (default: {ThreadConfig().intra_op})")(f)
     f = click.option("--spinning/--no-spinning", default=False, show_default=True, help="let onnxruntime pool threads spin while idle")(f)
     return f
 
@@ -40,24 +48,25 @@ def _threads_option(f):
 def _backend_option(f):
     return click.option(
         "--backend",
-        type=click.Choice(["ort-cpu", "ort-cuda", "tensorrt"]),
+        type=click.Choice(BACKENDS),
         default=None,
-        help="model backend (default: the first usable of tensorrt, ort-cuda, ort-cpu; GPU backends unverified, see docs/GPU.md)",
+        help=f"model backend (default: {DEFAULT_BACKEND}; the GPU backends are unverified on a GPU, see docs/GPU.md)",
     )(f)
 
 
 def _sampling_options(f):
     """--temperature/--top-k/--top-p/--seed; values are checked by Engine.resolve (InputError)."""
     f = click.option("--seed", type=int, default=None, help="sampling seed (same seed, same tokens; default: fresh entropy)")(f)
-    f = click.option("--top-p", type=float, default=1.0, show_default=True, help="nucleus mass in (0, 1] (1 = off)")(f)
-    f = click.option("--top-k", type=int, default=0, show_default=True, help="keep the k most probable tokens (0 = off)")(f)
+    f = click.option("--top-p", type=float, default=field_default("top_p"), show_default=True, help="nucleus mass in (0, 1] (1 = off)")(f)
+    f = click.option("--top-k", type=int, default=field_default("top_k"), show_default=True, help="keep the k most probable tokens (0 = off)")(f)
     f = click.option(
-        "--temperature", type=float, default=0.0, show_default=True, help="0 = greedy; > 0 = exact speculative sampling (temperature, then top-k, then top-p)"
+        "--temperature", type=float, default=field_default("temperature"), show_default=True,
+        help="0 = greedy; > 0 = exact speculative sampling (temperature, then top-k, then top-p)",
     )(f)
     return f
 
 
-STRATEGY_CHOICE = click.Choice(["full", "chunked", "lazy-head"])
+STRATEGY_CHOICE = click.Choice(STRATEGIES)
 
 
 def _strategy_options(f, multiple: bool = False):
@@ -78,8 +87,7 @@ def _strategy_options(f, multiple: bool = False):
 
 
 def _engine(path: str, threads: int | None, spinning: bool, backend: str | None = None):
-    from .generator import Engine
-    from .ort_backend import ThreadConfig
+    from .runtime.engine import Engine
 
     tc = ThreadConfig(intra_op=threads or ThreadConfig().intra_op, spinning=spinning)
     return Engine(path, threads=tc, backend=backend)
@@ -110,7 +118,7 @@ def export(draft, target, out, k_max, max_ctx, lazy_head, defaults_file):
     """Export a draft/target pair to ONNX (IO-bound KV) with parity checks and a manifest."""
     chosen = None
     if defaults_file:  # checked before the (minutes-long) export
-        from .tune import check_defaults
+        from .runtime.config import check_defaults
 
         try:
             raw = json.loads(Path(defaults_file).read_text())
@@ -121,19 +129,15 @@ def export(draft, target, out, k_max, max_ctx, lazy_head, defaults_file):
         except InputError as e:
             raise click.ClickException(str(e)) from None
     try:
-        from specrt.export.pipeline import export_pair
+        from .export.pipeline import export_pair
     except ImportError as e:
         raise click.ClickException(f"export needs the [export] extra (torch, transformers, onnx): pip install 'specrt[export]' ({e})") from None
-    from specrt.export.arch import UnsupportedModelError
-    from specrt.export.onnx_export import ParityError
-    from specrt.export.pipeline import PairError
-
     try:
         export_pair(draft, target, out, k_max=k_max, max_ctx=max_ctx, log=lambda m: click.echo(m, err=True), lazy_head=lazy_head)
-    except (PairError, UnsupportedModelError, ParityError, ValueError) as e:
+    except SpecRTError as e:
         raise click.ClickException(str(e)) from None
     if chosen:
-        from .tune import write_defaults
+        from .runtime.manifest import write_defaults
 
         click.echo(f"defaults {write_defaults(out, chosen)} (from {defaults_file})", err=True)
 
@@ -143,7 +147,7 @@ def export(draft, target, out, k_max, max_ctx, lazy_head, defaults_file):
 @click.option("--prompt", required=True, help="prompt text")
 @click.option("--k-max", type=int, default=None, help="most draft candidates per verification (default: manifest)")
 @click.option("--threshold", type=float, default=None, help="draft confidence threshold in [0, 1] (default: manifest)")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--max-new-tokens", type=int, default=field_default("max_new_tokens"), show_default=True)
 @click.option("--no-speculation", is_flag=True, help="run the target alone (baseline)")
 @click.option("--stream", is_flag=True, help="print text as it is committed (UTF-8-safe pieces)")
 @click.option("--stop", "stops", multiple=True, help="stop string (repeatable, at most 16): the output ends before the first match")
@@ -163,7 +167,7 @@ def generate(
     strategy, chunk_bound, temperature, top_k, top_p, seed, threads, spinning, backend,
 ):
     """Generate a continuation of PROMPT (greedy: the target's own output; sampled: its distribution)."""
-    from .generator import GenerationConfig
+    from .runtime.config import GenerationConfig
 
     t0 = time.perf_counter()
     engine = _engine(engines, threads, spinning, backend)
@@ -175,7 +179,7 @@ def generate(
     t_loaded = time.perf_counter()
     tw = None
     if trace_file:
-        from .trace import TraceWriter
+        from .runtime.lab.trace import TraceWriter
 
         engine.resolve(cfg)  # refuse a bad config before creating the file
         tw = TraceWriter(trace_file, engine, note="specrt generate")
@@ -202,14 +206,14 @@ def generate(
             d["time_to_first_text_s"] = first  # command start to the first printed piece
         d["load_s"] = t_loaded - t0
         d["load_plus_ttft_s"] = d["load_s"] + res.stats.ttft_seconds  # command start to first token
-        click.echo(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in d.items()}), err=True)
+        click.echo(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in d.items()}, allow_nan=False), err=True)
 
 
 @cli.command()
 @click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(), help="engine folder")
 @click.option("--prompts", "prompts_file", required=True, type=click.Path(), help="JSONL file, one {\"prompt\": ...} per line")
 @click.option("--limit", type=click.IntRange(1), default=None, help="use the first N prompts")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True)
 @click.option("--k-max", "k_values", type=int, multiple=True, help="k_max values to try (repeatable; default: manifest)")
 @click.option("--threshold", "thresholds", type=float, multiple=True, help="thresholds to try (repeatable; default: manifest)")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts (interleaved)")
@@ -228,8 +232,8 @@ def bench(
 
     Sampling options apply to every row, the target-only baseline included. With
     --strategy (repeatable) each k/threshold gets one row per verification strategy."""
-    from .bench import BenchConfig, format_table, load_prompts, run_bench
-    from .generator import GenerationConfig
+    from .runtime.config import GenerationConfig
+    from .runtime.lab.bench import BenchConfig, format_table, load_prompts, run_bench
 
     prompts = load_prompts(prompts_file, limit)
     engine = _engine(engines, threads, spinning, backend)
@@ -254,7 +258,7 @@ def bench(
 
         tw = None
         if trace_file:
-            from .trace import TraceWriter
+            from .runtime.lab.trace import TraceWriter
 
             tw = TraceWriter(trace_file, engine, note="specrt bench")
         try:
@@ -300,7 +304,7 @@ DEFAULT_TUNE_KS = (1, 2, 3, 4, 6, 8)
 @click.option("--engines", default=None, type=click.Path(), help=f"engine folder (default {DEFAULT_ENGINES}; with --from-trace: only where to write the defaults)")
 @click.option("--prompts", "prompts_file", type=click.Path(), default=None, help="validation JSONL, one {\"prompt\": ...} per line (not with --from-trace)")
 @click.option("--limit", type=click.IntRange(1), default=None, help="use the first N prompts")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True)
 @click.option("--k-max", "k_values", type=int, multiple=True, help="k_max values to sweep (repeatable; default: 1 2 3 4 6 8 within the engine's range)")
 @click.option("--threshold", "thresholds", type=float, multiple=True, help="thresholds to sweep, in [0, 1] (repeatable; default: 0 0.1 0.2 0.3 0.5)")
 @click.option("--strategy", "strategies", type=STRATEGY_CHOICE, multiple=True, help="verification strategies to sweep (repeatable; default: every one the engine folder can run)")
@@ -322,13 +326,11 @@ def tune(
 ):
     """Sweep threshold x k_max x strategy on validation prompts, pick the highest measured
     tokens/s and write it into the engine's manifest (specrt generate then uses it)."""
-    from .errors import InputError
-    from .tune import chosen_defaults, format_table, plot_results, tune as run_tune, tune_from_trace, write_defaults
+    from .runtime.lab.tune import chosen_defaults, tune as run_tune, tune_from_trace
 
     thresholds = thresholds or DEFAULT_TUNE_THRESHOLDS
     for th in thresholds:
-        if not 0.0 <= th <= 1.0:
-            raise InputError(f"threshold={th!r} in the grid; thresholds must be numbers in [0, 1]")
+        check_threshold(th)
     out = Path(out_dir)
     bars = _PhaseBars()
     if from_trace:
@@ -336,7 +338,7 @@ def tune(
             raise InputError("--from-trace predicts from the trace alone; --prompts, --calibrate, --strategy and --trace need the models (drop them)")
         costs = None
         if costs_file:
-            from .trace import Costs
+            from .runtime.lab.trace import Costs
 
             try:
                 raw = json.loads(Path(costs_file).read_text())
@@ -347,9 +349,8 @@ def tune(
     else:
         if not prompts_file:
             raise InputError("--prompts VALIDATION.jsonl is required (or --from-trace FILE)")
-        from .bench import load_prompts
-        from .generator import GenerationConfig
-        from .tune import allowed_strategies
+        from .runtime.config import GenerationConfig
+        from .runtime.lab.bench import load_prompts
 
         prompts = load_prompts(prompts_file, limit)
         engine = _engine(engines or DEFAULT_ENGINES, threads, spinning, backend)
@@ -357,7 +358,7 @@ def tune(
         ks = k_values or tuple(k for k in DEFAULT_TUNE_KS if m.k_min <= k <= m.k_max)
         if not strategies:  # every strategy this folder/backend can run
             strategies = []
-            for st in allowed_strategies():
+            for st in STRATEGIES:
                 try:
                     engine.generate(prompts[0]["prompt"], GenerationConfig(max_new_tokens=2, strategy=st))
                     strategies.append(st)
@@ -378,37 +379,52 @@ def tune(
     result["chosen_defaults"] = defaults
     target = engines or (None if from_trace else DEFAULT_ENGINES)
     if write and target:
-        if from_trace:
-            from .manifest import load_manifest
-            from .trace import manifest_identity
-
-            if manifest_identity(load_manifest(target, verify_hashes=False))["pair_sha256"] != result.get("pair_sha256"):
-                raise InputError(f"the trace {from_trace} was recorded on another pair than {target} (pair_sha256 differs); not writing its defaults there")
-        extra = {"tune": {k: result.get(k) for k in ("prompts_file", "prompts", "max_new_tokens", "measured", "trace", "command")}}
-        extra["tune"].update(chosen=defaults, tokens_per_second=result["best"].get("tokens_per_second"),
-                             speedup=result["best"].get("speedup"), confirm=result.get("confirm"), unix_time=time.time())
-        if result.get("calibration"):
-            cal = result["calibration"]
-            extra["calibration"] = {k: cal[k] for k in ("temperature", "n", "prompts", "acceptance", "ece_before", "ece_after", "ece_after_heldout", "nll_before", "nll_after", "n_bins")}
-        write_defaults(target, defaults, extra)
-        result["wrote_manifest"] = str(Path(target) / "manifest.json")
+        _write_tune_defaults(result, defaults, target, from_trace)
     (out / "tune.json").write_text(json.dumps(result, indent=1))
+    _print_tune_report(result, out)
+    click.echo(f"wrote {out / 'tune.json'}" + (f"; defaults {defaults} -> {result['wrote_manifest']}" if result.get("wrote_manifest") else "; manifest not changed"), err=True)
+
+
+def _write_tune_defaults(result: dict, defaults: dict, target: str, from_trace: str | None) -> None:
+    """Write a tune result's chosen defaults (and its summary in ``extra``) into ``target``'s manifest.
+
+    Raises:
+        InputError: a trace recorded on another pair than ``target``.
+    """
+    from .runtime.lab.trace import manifest_identity
+    from .runtime.manifest import load_manifest, write_defaults
+
+    if from_trace and manifest_identity(load_manifest(target, verify_hashes=False))["pair_sha256"] != result.get("pair_sha256"):
+        raise InputError(f"the trace {from_trace} was recorded on another pair than {target} (pair_sha256 differs); not writing its defaults there")
+    extra = {"tune": {k: result.get(k) for k in ("prompts_file", "prompts", "max_new_tokens", "measured", "trace", "command")}}
+    extra["tune"].update(chosen=defaults, tokens_per_second=result["best"].get("tokens_per_second"),
+                         speedup=result["best"].get("speedup"), confirm=result.get("confirm"), unix_time=time.time())
+    if result.get("calibration"):
+        cal = result["calibration"]
+        extra["calibration"] = {k: cal[k] for k in ("temperature", "n", "prompts", "acceptance", "ece_before", "ece_after", "ece_after_heldout", "nll_before", "nll_after", "n_bins")}
+    write_defaults(target, defaults, extra)
+    result["wrote_manifest"] = str(Path(target) / "manifest.json")
+
+
+def _print_tune_report(result: dict, out: Path) -> None:
+    """The tune table, the calibration summary and the plots (when matplotlib is there)."""
+    from .runtime.lab.tune import format_table, plot_results
+
     click.echo(format_table(result))
     if result.get("calibration"):
-        from .calibration import CalibrationReport
+        from .runtime.lab.calibration import CalibrationReport
 
         click.echo(CalibrationReport(**result["calibration"]).summary())
     try:
         paths = plot_results(result, out)
         if result.get("calibration"):
-            from .calibration import CalibrationReport, plot_reliability
+            from .runtime.lab.calibration import CalibrationReport, plot_reliability
 
             plot_reliability(CalibrationReport(**result["calibration"]), out / "reliability.png")
             paths.append(str(out / "reliability.png"))
         click.echo("plots: " + ", ".join(paths), err=True)
     except ImportError:
         click.echo("matplotlib is missing: install specrt[tune] for the plots (the JSON results are written)", err=True)
-    click.echo(f"wrote {out / 'tune.json'}" + (f"; defaults {defaults} -> {result['wrote_manifest']}" if result.get("wrote_manifest") else "; manifest not changed"), err=True)
 
 
 @cli.command()
@@ -425,8 +441,7 @@ def tune(
 @_clean_errors
 def serve(engines, host, port, workers, max_queue, model_name, log_level, round_delay, threads, spinning, backend):
     """Serve ENGINES over HTTP: OpenAI-compatible /v1/completions (SSE streaming), /metrics (docs/SERVING.md)."""
-    from .ort_backend import ThreadConfig
-    from .server import serve as run_server
+    from .runtime.serve.server import serve as run_server
 
     tc = ThreadConfig(intra_op=threads or ThreadConfig().intra_op, spinning=spinning)
     run_server(engines, host=host, port=port, workers=workers, max_queue=max_queue, threads=tc, backend=backend,

@@ -29,8 +29,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import InputError
-from .generator import Engine, GenerationConfig
+from ..config import GenerationConfig
+from ..engine import Engine
+from ..errors import InputError
+
+__all__ = ["BenchConfig", "load_prompts", "run_bench", "format_table", "distinct_4gram_share", "peak_rss_mb"]
 
 
 @dataclass(frozen=True)
@@ -100,104 +103,21 @@ def run_bench(
 ) -> dict:
     """Run every config on every prompt, interleaved; the first config is the baseline.
 
-    ``trace``: a :class:`~specrt.runtime.trace.TraceWriter` that records every measured
+    ``trace``: a :class:`~specrt.runtime.lab.trace.TraceWriter` that records every measured
     generation (the warm-up runs are not recorded).
 
     Returns:
-        ``{"rows": [...], "per_prompt": {...}, "prompts": n, ...}`` (JSON-ready).
+        ``{"rows": [...], "prompts": n, ...}`` (JSON-ready; one row per config,
+        :func:`_row`).
     """
-    n = len(configs)
-    runs: dict[str, list[dict]] = {c.label: [] for c in configs}
-    total = len(prompts) * repeats * n
-    done = 0
-    ids_all = [engine.prompt_ids(p["prompt"]) for p in prompts]
-    # warm-up (first-call allocations in onnxruntime), not measured
-    for c in configs:
-        engine.generate(ids_all[0], replace(c.config, max_new_tokens=4))
-    for r in range(repeats):
-        for i, ids in enumerate(ids_all):
-            shift = (i + r) % n
-            for c in list(configs[shift:]) + list(configs[:shift]):
-                res = engine.generate(ids, c.config, trace=trace)
-                s = res.stats
-                runs[c.label].append(
-                    dict(
-                        prompt=i,
-                        repeat=r,
-                        tokens=res.tokens,
-                        new_tokens=s.new_tokens,
-                        seconds=s.total_seconds,
-                        ttft=s.ttft_seconds,
-                        proposed=s.proposed,
-                        accepted=s.accepted,
-                        passes=s.passes,
-                        hist=s.accepted_hist,
-                        draft_seconds=s.draft_seconds,
-                        target_seconds=s.target_seconds,
-                        target_calls=s.target_calls,
-                        target_positions=s.target_positions,
-                        head_rows=s.head_rows,
-                        target_flops=s.target_flops,
-                    )
-                )
-                done += 1
-                if progress:
-                    progress(done, total)
-    base = configs[0].label
-    base_tokens = {x["prompt"]: x["tokens"] for x in runs[base] if x["repeat"] == 0}
-    base_time = {}
-    for x in runs[base]:
+    runs = _measure(engine, prompts, configs, repeats, progress, trace)
+    base = runs[configs[0].label]
+    base_tokens = {x["prompt"]: x["tokens"] for x in base if x["repeat"] == 0}
+    base_time: dict = {}
+    for x in base:
         base_time.setdefault((x["prompt"], x["repeat"]), x["seconds"])
-    rows = []
-    for c in configs:
-        xs = runs[c.label]
-        tok = sum(x["new_tokens"] for x in xs)
-        sec = sum(x["seconds"] for x in xs)
-        base_sec = sum(x["seconds"] for x in runs[base])
-        base_tok = sum(x["new_tokens"] for x in runs[base])
-        per_prompt = np.array([base_time[(x["prompt"], x["repeat"])] / x["seconds"] * x["new_tokens"] / max(1, len(base_tokens[x["prompt"]])) for x in xs])
-        proposed = sum(x["proposed"] for x in xs)
-        accepted = sum(x["accepted"] for x in xs)
-        passes = sum(x["passes"] for x in xs)
-        after_prefill = max(1, tok - len(xs))  # tokens committed by verification passes
-        hist = np.sum([np.pad(x["hist"], (0, 65 - len(x["hist"]))) for x in xs], axis=0)
-        last = int(np.nonzero(hist)[0].max()) + 1 if hist.any() else 1
-        rows.append(
-            dict(
-                label=c.label,
-                k_max=c.config.k_max,
-                threshold=c.config.threshold,
-                speculative=c.config.speculative,
-                temperature=c.config.temperature,
-                strategy=c.config.strategy,
-                chunk_bound=c.config.chunk_bound,
-                top_k=c.config.top_k,
-                top_p=c.config.top_p,
-                seed=c.config.seed,
-                tokens=tok,
-                seconds=sec,
-                tokens_per_second=tok / sec,
-                speedup=(tok / sec) / (base_tok / base_sec),
-                speedup_per_prompt_median=float(np.median(per_prompt)),
-                speedup_per_prompt_q25=float(np.percentile(per_prompt, 25)),
-                speedup_per_prompt_q75=float(np.percentile(per_prompt, 75)),
-                acceptance_rate=accepted / proposed if proposed else None,
-                mean_accepted=accepted / passes if passes else None,
-                tokens_per_pass=(tok - len(xs)) / passes if passes else None,
-                ms_per_token=1000 * sec / tok,
-                target_flops_per_token=sum(x["target_flops"] for x in xs) / after_prefill,
-                target_positions_per_token=sum(x["target_positions"] for x in xs) / after_prefill,
-                head_rows_per_token=sum(x["head_rows"] for x in xs) / after_prefill,
-                target_calls_per_pass=sum(x["target_calls"] for x in xs) / passes if passes else None,
-                ttft_ms_median=1000 * float(np.median([x["ttft"] for x in xs])),
-                draft_share=sum(x["draft_seconds"] for x in xs) / sec,
-                distinct_4gram=_mean_finite([distinct_4gram_share(x["tokens"]) for x in xs if x["repeat"] == 0]),
-                equal_to_target=(
-                    None if c.config.temperature > 0 else sum(x["tokens"] == base_tokens[x["prompt"]] for x in xs if x["repeat"] == 0)
-                ),
-                accepted_hist=hist[:last].tolist(),
-            )
-        )
+    base_rate = sum(x["new_tokens"] for x in base) / sum(x["seconds"] for x in base)
+    rows = [_row(c, runs[c.label], base_tokens, base_time, base_rate) for c in configs]
     return dict(
         engines=str(engine.folder),
         prompts=len(prompts),
@@ -206,6 +126,68 @@ def run_bench(
         peak_rss_mb=peak_rss_mb(),
         python=sys.version.split()[0],
         rows=rows,
+    )
+
+
+def _measure(engine: Engine, prompts, configs, repeats: int, progress, trace) -> dict[str, list[dict]]:
+    """Every (repeat, prompt, config) generation, the config order rotated per prompt; per
+    config label, one dict of figures per generation."""
+    n = len(configs)
+    runs: dict[str, list[dict]] = {c.label: [] for c in configs}
+    total, done = len(prompts) * repeats * n, 0
+    ids_all = [engine.prompt_ids(p["prompt"]) for p in prompts]
+    for c in configs:  # warm-up (first-call allocations in onnxruntime), not measured
+        engine.generate(ids_all[0], replace(c.config, max_new_tokens=4))
+    for r in range(repeats):
+        for i, ids in enumerate(ids_all):
+            shift = (i + r) % n
+            for c in list(configs[shift:]) + list(configs[:shift]):
+                res = engine.generate(ids, c.config, trace=trace)
+                s = res.stats
+                runs[c.label].append(dict(
+                    prompt=i, repeat=r, tokens=res.tokens, new_tokens=s.new_tokens, seconds=s.total_seconds, ttft=s.ttft_seconds,
+                    proposed=s.proposed, accepted=s.accepted, passes=s.passes, hist=s.accepted_hist, draft_seconds=s.draft_seconds,
+                    target_seconds=s.target_seconds, target_calls=s.target_calls, target_positions=s.target_positions,
+                    head_rows=s.head_rows, target_flops=s.target_flops,
+                ))
+                done += 1
+                if progress:
+                    progress(done, total)
+    return runs
+
+
+def _row(c: BenchConfig, xs: list[dict], base_tokens: dict, base_time: dict, base_rate: float) -> dict:
+    """One table row: the config's generations summed and compared with the baseline's."""
+    tok = sum(x["new_tokens"] for x in xs)
+    sec = sum(x["seconds"] for x in xs)
+    per_prompt = np.array([base_time[(x["prompt"], x["repeat"])] / x["seconds"] * x["new_tokens"] / max(1, len(base_tokens[x["prompt"]])) for x in xs])
+    proposed = sum(x["proposed"] for x in xs)
+    accepted = sum(x["accepted"] for x in xs)
+    passes = sum(x["passes"] for x in xs)
+    after_prefill = max(1, tok - len(xs))  # tokens committed by verification passes
+    hist = np.sum([np.pad(x["hist"], (0, 65 - len(x["hist"]))) for x in xs], axis=0)
+    last = int(np.nonzero(hist)[0].max()) + 1 if hist.any() else 1
+    cfg = c.config
+    return dict(
+        label=c.label, k_max=cfg.k_max, threshold=cfg.threshold, speculative=cfg.speculative, temperature=cfg.temperature,
+        strategy=cfg.strategy, chunk_bound=cfg.chunk_bound, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed,
+        tokens=tok, seconds=sec, tokens_per_second=tok / sec, speedup=(tok / sec) / base_rate,
+        speedup_per_prompt_median=float(np.median(per_prompt)),
+        speedup_per_prompt_q25=float(np.percentile(per_prompt, 25)),
+        speedup_per_prompt_q75=float(np.percentile(per_prompt, 75)),
+        acceptance_rate=accepted / proposed if proposed else None,
+        mean_accepted=accepted / passes if passes else None,
+        tokens_per_pass=(tok - len(xs)) / passes if passes else None,
+        ms_per_token=1000 * sec / tok,
+        target_flops_per_token=sum(x["target_flops"] for x in xs) / after_prefill,
+        target_positions_per_token=sum(x["target_positions"] for x in xs) / after_prefill,
+        head_rows_per_token=sum(x["head_rows"] for x in xs) / after_prefill,
+        target_calls_per_pass=sum(x["target_calls"] for x in xs) / passes if passes else None,
+        ttft_ms_median=1000 * float(np.median([x["ttft"] for x in xs])),
+        draft_share=sum(x["draft_seconds"] for x in xs) / sec,
+        distinct_4gram=_mean_finite([distinct_4gram_share(x["tokens"]) for x in xs if x["repeat"] == 0]),
+        equal_to_target=None if cfg.temperature > 0 else sum(x["tokens"] == base_tokens[x["prompt"]] for x in xs if x["repeat"] == 0),
+        accepted_hist=hist[:last].tolist(),
     )
 
 

@@ -1,26 +1,43 @@
-"""Backend selection: which model class serves an engine folder on this machine.
+"""Backends: which :class:`~specrt.runtime.backends.base.Model` class serves an engine folder.
 
-======== ============================================== =======================================
-name     model class                                    needs
-======== ============================================== =======================================
-ort-cpu  :class:`~specrt.runtime.ort_backend.OrtModel`   onnxruntime (always available)
-ort-cuda :class:`~.ort_cuda_backend.OrtCudaModel`        onnxruntime-gpu and an NVIDIA GPU
-tensorrt :class:`~.trt_backend.TrtModel`                 tensorrt, cuda-python, a GPU and the
-                                                        plans in the manifest's extra
-======== ============================================== =======================================
+======== ============================================ =========================================
+name     model class                                  needs
+======== ============================================ =========================================
+ort-cpu  :class:`~.ort.OrtModel`                      onnxruntime (always available)
+ort-cuda :class:`~.ort_cuda.OrtCudaModel`             onnxruntime-gpu and an NVIDIA GPU
+tensorrt :class:`~.trt.TrtModel`                      tensorrt >= 10, cuda-python, a GPU and the
+                                                      plans in the manifest's extra
+======== ============================================ =========================================
 
-The default is the first available of tensorrt, ort-cuda, ort-cpu. The GPU backends have
-not been run on a GPU yet (docs/GPU.md).
+The default is ``ort-cpu``, the only backend that has run on real hardware; a GPU backend
+is used only when asked for by name (``--backend``, ``Engine(backend=...)``), and then
+refused with the reason when this machine cannot run it. The GPU backends have not been run
+on a GPU yet (docs/GPU.md); they are tested against a stand-in (tests/fake_gpu.py).
 """
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
-from .errors import BackendError, EngineError
-from .manifest import Manifest, sha256_file
+from ..errors import BackendError, EngineError
+from ..manifest import Manifest, sha256_file
+from .base import HeadSplit, Model, SplitsHead, ThreadConfig
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_BACKEND",
+    "Model",
+    "HeadSplit",
+    "SplitsHead",
+    "ThreadConfig",
+    "backend_status",
+    "resolve_backend",
+    "load_models",
+    "gpu_present",
+]
 
 BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt")
+DEFAULT_BACKEND = "ort-cpu"  # used unless a backend is named
 TRT_KEY = "tensorrt"  # key of the TensorRT record in Manifest.extra
 
 
@@ -47,7 +64,7 @@ def backend_status(manifest: Manifest | None = None) -> dict[str, str | None]:
 
     Cheap: no model is loaded, nothing is allocated.
     """
-    from .ort_cuda_backend import ort_cuda_available
+    from .ort_cuda import ort_cuda_available
 
     status: dict[str, str | None] = {"ort-cpu": None}
     gpu = gpu_present()
@@ -65,24 +82,15 @@ def backend_status(manifest: Manifest | None = None) -> dict[str, str | None]:
     return status
 
 
-def default_backend(manifest: Manifest | None = None) -> str:
-    """First usable of tensorrt, ort-cuda, ort-cpu."""
-    status = backend_status(manifest)
-    for name in ("tensorrt", "ort-cuda", "ort-cpu"):
-        if status[name] is None:
-            return name
-    return "ort-cpu"  # pragma: no cover - ort-cpu is always usable
-
-
 def resolve_backend(name: str | None, manifest: Manifest | None = None) -> str:
-    """The backend to use: ``name``, or :func:`default_backend` when None.
+    """The backend to use: ``name``, or :data:`DEFAULT_BACKEND` (ort-cpu) when None.
 
     Raises:
         BackendError: unknown name, or a backend this machine/folder cannot run; the
             message gives the reason and the backends that are available here.
     """
     if name is None:
-        return default_backend(manifest)
+        return DEFAULT_BACKEND
     if name not in BACKENDS:
         raise BackendError(f"backend={name!r}; choose one of {', '.join(BACKENDS)}")
     status = backend_status(manifest)
@@ -120,23 +128,29 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
     Args:
         backend: one of :data:`BACKENDS` (already resolved).
         folder: the engine folder; manifest: its manifest.
-        threads: :class:`~specrt.runtime.ort_backend.ThreadConfig` (onnxruntime backends).
+        threads: :class:`~specrt.runtime.backends.base.ThreadConfig` (onnxruntime backends).
         target_q, draft_q: widest call per model.
         verify_hashes: check plan files against the manifest (tensorrt).
+
+    Returns:
+        ``(target, draft)``, each a :class:`~specrt.runtime.backends.base.Model`; an
+        ort-cpu target also offers the body/head split
+        (:class:`~specrt.runtime.backends.base.SplitsHead`), loaded on first use.
 
     Raises:
         BackendError, EngineError: see the model classes.
     """
     m = manifest
     if backend == "ort-cpu":
-        from .ort_backend import OrtModel
+        from .ort import OrtModel, SharedHeadSessions
 
+        heads = SharedHeadSessions(folder, m, threads, verify_hashes)
         return (
-            OrtModel(folder / m.target.file, m.target, m.max_ctx, target_q, threads),
+            OrtModel(folder / m.target.file, m.target, m.max_ctx, target_q, threads, head_sessions=heads),
             OrtModel(folder / m.draft.file, m.draft, m.max_ctx, draft_q, threads.for_draft()),
         )
     if backend == "ort-cuda":
-        from .ort_cuda_backend import OrtCudaModel
+        from .ort_cuda import OrtCudaModel
 
         return (
             OrtCudaModel(folder / m.target.file, m.target, m.max_ctx, target_q, threads),
@@ -145,7 +159,7 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
     if backend == "tensorrt":
         from .cuda_mem import CudaRuntime
         from .profiles import ProfileSet
-        from .trt_backend import TrtModel, load_tensorrt
+        from .trt import TrtModel, load_tensorrt
 
         rec = trt_record(m, folder, verify_hashes)
         trt, cuda = load_tensorrt(), CudaRuntime()

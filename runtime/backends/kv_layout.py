@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import InputError
+from ..errors import InputError
+
+__all__ = ["ALIGN", "check_call", "align_up", "KVLayout"]
 
 ALIGN = 256  # TensorRT/CUDA alignment for tensor and scratch addresses (bytes)
 

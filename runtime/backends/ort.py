@@ -11,45 +11,23 @@ so no KV data is copied on any step, and rolling back is only a smaller L on the
 call: rows at and beyond L are never read. Binding a pointer costs a few microseconds;
 shapes change every step (L grows), so the binding is refreshed per call, nothing else.
 
-:class:`OrtLazyHead` runs the target's lazy-head split (body graph, then the vocabulary
+:class:`OrtHeadSplit` runs the target's lazy-head split (body graph, then the vocabulary
 projection on the rows asked for) over the *same* KV buffers, bound the same way.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from ..errors import EngineError, InputError
+from ..manifest import LAZY_HEAD_HINT, Manifest, ModelEntry, lazy_head_files
+from .base import ThreadConfig
 from .kv_layout import check_call
-from .errors import EngineError, InputError
-from .manifest import Manifest, ModelEntry, lazy_head_files
 
-
-@dataclass(frozen=True)
-class ThreadConfig:
-    """onnxruntime thread settings for one session.
-
-    Attributes:
-        intra_op: intra-op threads (per session). Two sessions share the cores, so the
-            draft and target run one after the other, never at once.
-        spinning: let idle pool threads spin. Off by default: with two sessions on few
-            cores, spinning threads of the idle session steal the busy one's cores.
-        draft_intra_op: intra-op threads of the draft session (None = ``intra_op``). The
-            default draft is 1.6M parameters: one thread was faster than two in every
-            interleaved measurement here (scripts/measure_costs.py: 1.10 vs 1.47 ms per
-            decode step with spinning off, 2 cores), the hand-over to a second thread costs
-            more than the split saves.
-    """
-
-    intra_op: int = 2
-    spinning: bool = False
-    draft_intra_op: int | None = 1
-
-    def for_draft(self) -> "ThreadConfig":
-        """The settings for the draft session (``intra_op`` = ``draft_intra_op`` when set)."""
-        return ThreadConfig(self.draft_intra_op or self.intra_op, self.spinning, self.draft_intra_op)
+__all__ = ["OrtModel", "OrtHeadSplit", "SharedHeadSessions", "cpu_session", "available_providers"]
 
 
 def available_providers() -> list[str]:
@@ -132,7 +110,7 @@ def cpu_session(path: Path, threads: ThreadConfig, inputs: Sequence[str], output
 
 
 def _bind_step(bind_in, bind_out, kv, kv_dims, row_bytes: int, ids_ptr: int, pos_ptr: int, q: int, start: int) -> None:
-    """Bind one call's inputs and KV in place (shared by :class:`OrtModel` and :class:`OrtLazyHead`).
+    """Bind one call's inputs and KV in place (shared by :class:`OrtModel` and :class:`OrtHeadSplit`).
 
     ``input_ids`` [1, q] from ``ids_ptr``; ``position_ids`` [1, q] from row ``start`` of the
     int64 positions buffer at ``pos_ptr``; per layer, ``past_*`` [1, start, h, d] at the
@@ -151,15 +129,46 @@ def _bind_step(bind_in, bind_out, kv, kv_dims, row_bytes: int, ids_ptr: int, pos
         bind_out(new_name, np.float32, new_shape, base + off)
 
 
+class SharedHeadSessions:
+    """The lazy-head (body, head) sessions of one engine folder: loaded on first use, once,
+    and shared by every fork of the target (thread-safe).
+
+    Args:
+        folder: the engine folder; manifest: its manifest; threads: session settings;
+        verify_hashes: check the graphs' SHA-256 when loading.
+    """
+
+    __slots__ = ("_load", "_lock", "_sessions")
+
+    def __init__(self, folder: Path, manifest: Manifest, threads: ThreadConfig, verify_hashes: bool = True):
+        self._load: Callable[[], tuple] = lambda: lazy_head_sessions(folder, manifest, threads, verify_hashes)
+        self._lock, self._sessions = threading.Lock(), None
+
+    def get(self) -> tuple:
+        """``(body, head)`` onnxruntime sessions.
+
+        Raises:
+            EngineError: the folder has no lazy-head graphs, or they are missing or altered.
+        """
+        with self._lock:
+            if self._sessions is None:
+                self._sessions = self._load()
+            return self._sessions
+
+
 class OrtModel:
-    """One exported model on onnxruntime with in-place KV (see module docstring).
+    """One exported model on onnxruntime with in-place KV (see module docstring); implements
+    :class:`~specrt.runtime.backends.base.Model` and, for the target,
+    :class:`~specrt.runtime.backends.base.SplitsHead`.
 
     Args:
         path: the ONNX file.
         entry: its manifest entry (dims and I/O names).
         max_ctx: KV buffer rows; positions 0..max_ctx-1.
         max_q: widest call (tokens per run); sizes the ``input_ids`` and logits buffers.
-        threads: :class:`ThreadConfig`.
+        threads: :class:`~specrt.runtime.backends.base.ThreadConfig`.
+        head_sessions: the folder's :class:`SharedHeadSessions` (target only), None when
+            this model offers no body/head split.
 
     Buffers (all allocated here, once): per layer key and value float32
     ``[1, max_ctx, n_kv_heads, head_dim]``; ``logits`` float32 ``[1, max_q, vocab]``.
@@ -168,8 +177,10 @@ class OrtModel:
         EngineError: the ONNX file cannot be loaded or its I/O names differ from the manifest.
     """
 
-    def __init__(self, path: Path, entry: ModelEntry, max_ctx: int, max_q: int, threads: ThreadConfig = ThreadConfig()):
+    def __init__(self, path: Path, entry: ModelEntry, max_ctx: int, max_q: int, threads: ThreadConfig = ThreadConfig(),
+                 head_sessions: SharedHeadSessions | None = None):
         self.session = cpu_session(path, threads, entry.inputs, entry.outputs)
+        self._head_sessions = head_sessions
         self._allocate(entry, max_ctx, max_q)
 
     def fork(self) -> "OrtModel":
@@ -181,8 +192,29 @@ class OrtModel:
         """
         new = object.__new__(type(self))
         new.session = self.session
+        new._head_sessions = self._head_sessions
         new._allocate(self.entry, self.max_ctx, self.max_q)
         return new
+
+    def split_head(self) -> "OrtHeadSplit":
+        """This model's body/head split over its own KV buffers, made on first use (the
+        sessions are loaded once per folder and shared by forks).
+
+        Raises:
+            EngineError: no lazy-head graphs in the folder, or altered ones.
+        """
+        if self._split is None:
+            if self._head_sessions is None:
+                raise EngineError(LAZY_HEAD_HINT.format(folder="the engine folder"))
+            body, head = self._head_sessions.get()
+            self._split = OrtHeadSplit(body, head, self, self.entry.hidden)
+        return self._split
+
+    def close(self) -> None:
+        """Drop the buffers and the binding (the shared session is freed with its last user)."""
+        self.keys = self.values = []
+        self._kv = []
+        self._binding = self._split = None
 
     def _allocate(self, entry: ModelEntry, max_ctx: int, max_q: int) -> None:
         """Buffers and binding of one model object (see the class docstring)."""
@@ -208,6 +240,7 @@ class OrtModel:
         self._ids_ptr = self.ids.ctypes.data
         self._pos_ptr = self.positions.ctypes.data
         self._logits_ptr = self.logits.ctypes.data
+        self._split: OrtHeadSplit | None = None
 
     def run(self, tokens: Sequence[int] | np.ndarray, start: int) -> np.ndarray:
         """Run ``q = len(tokens)`` new tokens at positions ``start .. start+q-1``.
@@ -254,7 +287,7 @@ def lazy_head_sessions(folder: Path, manifest: Manifest, threads: ThreadConfig, 
     )
 
 
-class OrtLazyHead:
+class OrtHeadSplit:
     """The target split at its vocabulary projection (``lazy-head`` verification), on the
     KV buffers of the target's :class:`OrtModel`.
 
@@ -266,7 +299,7 @@ class OrtLazyHead:
     reads are never projected.
 
     Args:
-        body_session, head_session: from :func:`lazy_head_sessions` (shareable by forks).
+        body_session, head_session: from :class:`SharedHeadSessions` (shareable by forks).
         target: the target model whose KV buffers, positions and ``max_q`` it uses.
         hidden: width of ``hidden`` (the target's ``hidden``).
 

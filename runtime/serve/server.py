@@ -36,7 +36,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .errors import InputError, SpecRTError
+from ..errors import BackendError, InputError, SpecRTError
+
+__all__ = [
+    "OPENAI_MAX_STOPS",
+    "MAX_TEMPERATURE",
+    "DEFAULT_MAX_TOKENS",
+    "LATENCY_BUCKETS",
+    "ServeError",
+    "ServerBusy",
+    "RequestError",
+    "Histogram",
+    "Metrics",
+    "Job",
+    "WorkerPool",
+    "usage_block",
+    "CompletionService",
+    "error_body",
+    "request_model",
+    "validation_message",
+    "create_app",
+    "build_service",
+    "serve",
+]
 
 log = logging.getLogger("specrt.serve")
 
@@ -217,7 +239,7 @@ class WorkerPool:
     """A fixed number of generator threads, each owning one Engine, fed by a bounded queue.
 
     Args:
-        engines: one :class:`~specrt.runtime.generator.Engine` per worker (never shared).
+        engines: one :class:`~specrt.runtime.engine.Engine` per worker (never shared).
         max_queue: jobs that may wait for a worker; :meth:`submit` raises
             :class:`ServerBusy` beyond it.
         round_delay: test hook: seconds to sleep after each piece (simulates a slow model
@@ -249,8 +271,7 @@ class WorkerPool:
             ServeError: workers < 1 or max_queue < 1.
             EngineError, BackendError: what :class:`Engine` raises.
         """
-        from .errors import BackendError
-        from .generator import Engine
+        from ..engine import Engine
 
         if workers < 1:
             raise ServeError(f"workers={workers}; it must be >= 1")
@@ -382,22 +403,6 @@ def usage_block(result) -> dict:
     }
 
 
-_PARAM_RE = None
-
-
-def _param_of(message: str) -> str | None:
-    """The field an engine InputError message starts with (``"k_max=9; ..."`` -> ``k_max``)."""
-    global _PARAM_RE
-    import re
-
-    if _PARAM_RE is None:
-        _PARAM_RE = re.compile(r"^(?:stop string|(\w+)=)")
-    m = _PARAM_RE.match(message)
-    if not m:
-        return "prompt" if "prompt" in message else None
-    return m.group(1) or "stop"
-
-
 class CompletionService:
     """The serving logic behind the routes, independent of the ASGI app that mounts it
     (the same object serves ``specrt serve`` and a Ray Serve replica).
@@ -422,7 +427,7 @@ class CompletionService:
             RequestError: wrong model, several prompts, or what the engine refuses
                 (prompt too long or empty, k_max/threshold out of range, ...).
         """
-        from .generator import GenerationConfig
+        from ..config import GenerationConfig
 
         if req.model is not None and req.model != self.model_name:
             raise RequestError(f"model {req.model!r} is not served here; this server serves {self.model_name!r} (GET /v1/models)", "model", 404, "model_not_found")
@@ -442,8 +447,7 @@ class CompletionService:
             cfg = self.engine.resolve(cfg)
             ids = self.engine.prompt_ids(prompt)
         except InputError as e:
-            msg = str(e)
-            param = _param_of(msg)
+            msg, param = str(e), e.param
             if param == "max_new_tokens":
                 param, msg = "max_tokens", msg.replace("max_new_tokens", "max_tokens")
             raise RequestError(msg, param) from None
@@ -651,9 +655,7 @@ def create_app(service: CompletionService):
     """
     _require_serve_extra()
     from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     CompletionRequest = request_model()
     fields = list(CompletionRequest.model_fields)
@@ -661,30 +663,7 @@ def create_app(service: CompletionService):
     app = FastAPI(title="specrt", summary="OpenAI-compatible completions with speculative decoding", version="1")
     app.state.service = service
 
-    def err(status: int, message: str, param=None, err_type="invalid_request_error", headers=None):
-        return JSONResponse(error_body(message, param, err_type), status_code=status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        metrics.count("invalid")
-        msg, param = validation_message(list(exc.errors()), fields)
-        return err(400, msg, param)
-
-    @app.exception_handler(RequestError)
-    async def _refused(request: Request, exc: RequestError):
-        metrics.count("invalid")
-        return err(exc.status, str(exc), exc.param, exc.err_type)
-
-    @app.exception_handler(ServerBusy)
-    async def _busy(request: Request, exc: ServerBusy):
-        metrics.count("rejected")
-        return err(503, str(exc), None, "server_busy", headers={"Retry-After": "1"})
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        hint = {404: f"no route {request.url.path}; routes: POST /v1/completions, GET /v1/models, GET /metrics, GET /health",
-                405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return err(exc.status_code, hint, None, "invalid_request_error")
+    err = _install_error_handlers(app, metrics, fields)
 
     async def completions(body, request: Request):
         """OpenAI ``/v1/completions``: JSON, or server-sent events with ``stream: true``."""
@@ -735,6 +714,42 @@ def create_app(service: CompletionService):
     return app
 
 
+def _install_error_handlers(app, metrics: Metrics, fields: list[str]):
+    """OpenAI-style JSON errors for validation failures, refusals, a full queue and unknown
+    routes; returns ``err(status, message, param, type, headers)`` building such a response."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    def err(status: int, message: str, param=None, err_type="invalid_request_error", headers=None):
+        return JSONResponse(error_body(message, param, err_type), status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        metrics.count("invalid")
+        msg, param = validation_message(list(exc.errors()), fields)
+        return err(400, msg, param)
+
+    @app.exception_handler(RequestError)
+    async def _refused(request: Request, exc: RequestError):
+        metrics.count("invalid")
+        return err(exc.status, str(exc), exc.param, exc.err_type)
+
+    @app.exception_handler(ServerBusy)
+    async def _busy(request: Request, exc: ServerBusy):
+        metrics.count("rejected")
+        return err(503, str(exc), None, "server_busy", headers={"Retry-After": "1"})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        hint = {404: f"no route {request.url.path}; routes: POST /v1/completions, GET /v1/models, GET /metrics, GET /health",
+                405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return err(exc.status_code, hint, None, "invalid_request_error")
+
+    return err
+
+
 def _qwait(job: Job) -> float | None:
     return None if job.started is None else job.started - job.enqueued
 
@@ -743,7 +758,7 @@ def _error_response(metrics: Metrics, exc: Exception, err):
     """A generation that raised: 400 for the project's input errors, else 500."""
     if isinstance(exc, InputError):
         metrics.count("invalid")
-        return err(400, str(exc), _param_of(str(exc)))
+        return err(400, str(exc), exc.param)
     metrics.count("error")
     return err(500, f"generation failed: {type(exc).__name__}: {exc}", None, "server_error")
 
@@ -800,7 +815,7 @@ async def _sse(service: CompletionService, job: Job, events: asyncio.Queue, cid:
             else:
                 if isinstance(payload, InputError):
                     metrics.count("invalid")
-                    body = error_body(str(payload), _param_of(str(payload)))
+                    body = error_body(str(payload), payload.param)
                 else:
                     metrics.count("error")
                     body = error_body(f"generation failed: {type(payload).__name__}: {payload}", None, "server_error")

@@ -25,10 +25,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import BackendError, EngineError
+from ..errors import BackendError, EngineError
 from .kv_layout import check_call, KVLayout
-from .manifest import ModelEntry
-from .ort_backend import ThreadConfig
+from ..manifest import ModelEntry
+from .base import ThreadConfig
+
+__all__ = ["CUDA_EP", "ort_cuda_available", "OrtCudaModel"]
 
 CUDA_EP = "CUDAExecutionProvider"
 

@@ -16,7 +16,9 @@ import importlib
 
 import numpy as np
 
-from .errors import BackendError, EngineError
+from ..errors import BackendError, EngineError
+
+__all__ = ["load_cuda_runtime", "gpu_count", "CudaRuntime", "host_array"]
 
 
 def load_cuda_runtime():

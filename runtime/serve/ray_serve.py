@@ -1,4 +1,4 @@
-"""Scale-out on Ray Serve: the same OpenAI-compatible app (:mod:`specrt.runtime.server`)
+"""Scale-out on Ray Serve: the same OpenAI-compatible app (:mod:`specrt.runtime.serve.server`)
 as a Ray Serve deployment, ``num_replicas`` copies spread over a Ray cluster.
 
 Each replica is a Ray actor (its own process, on whichever node has the CPUs it asks
@@ -12,11 +12,11 @@ Two ways to start it::
 
     # from Python
     from ray import serve
-    from specrt.runtime.ray_serve import specrt_deployment
+    from specrt.runtime.serve.ray_serve import specrt_deployment
     serve.run(specrt_deployment("engines/default", num_replicas=2), route_prefix="/")
 
     # Ray Serve's own CLI (also usable in a Serve config file for `serve deploy`)
-    serve run specrt.runtime.ray_serve:app_builder engines=/abs/engines/default num_replicas=2
+    serve run specrt.runtime.serve.ray_serve:app_builder engines=/abs/engines/default num_replicas=2
 
 Requirements on every node: ``pip install 'specrt[serve,ray]'`` and the engine folder at
 the same path (or a shared file system). Ray is imported only inside these functions.
@@ -24,6 +24,8 @@ the same path (or a shared file system). Ray is imported only inside these funct
 from __future__ import annotations
 
 from pathlib import Path
+
+__all__ = ["specrt_deployment", "app_builder"]
 
 
 def specrt_deployment(engines: str | Path, *, num_replicas: int = 2, workers: int = 1, threads: int = 1, max_queue: int = 64,
@@ -34,7 +36,7 @@ def specrt_deployment(engines: str | Path, *, num_replicas: int = 2, workers: in
     Args:
         engines: engine folder; must exist at this path on every node that runs a replica.
         num_replicas: replicas (processes) across the cluster.
-        workers: generator workers inside each replica (see :class:`~specrt.runtime.server.WorkerPool`).
+        workers: generator workers inside each replica (see :class:`~specrt.runtime.serve.server.WorkerPool`).
         threads: onnxruntime intra-op threads per session.
         max_queue: requests a replica may queue for its workers (503 beyond).
         model_name: the ``model`` id (default: the folder's name).
@@ -60,8 +62,8 @@ def specrt_deployment(engines: str | Path, *, num_replicas: int = 2, workers: in
 
     def build_asgi_app():
         """Runs on each replica at start: load the engines, return the FastAPI app."""
-        from specrt.runtime.ort_backend import ThreadConfig
-        from specrt.runtime.server import build_service, create_app
+        from specrt.runtime.backends.base import ThreadConfig
+        from specrt.runtime.serve.server import build_service, create_app
 
         return create_app(build_service(folder, workers=workers, max_queue=max_queue, threads=ThreadConfig(intra_op=threads),
                                         backend=backend, model_name=name, round_delay=round_delay))
@@ -80,7 +82,7 @@ def specrt_deployment(engines: str | Path, *, num_replicas: int = 2, workers: in
 
 
 def app_builder(args: dict):
-    """Application builder for ``serve run specrt.runtime.ray_serve:app_builder key=value ...``
+    """Application builder for ``serve run specrt.runtime.serve.ray_serve:app_builder key=value ...``
     and Serve config files (``import_path`` + ``args``): keys are the keyword arguments of
     :func:`specrt_deployment` plus ``engines`` (required)."""
     args = dict(args)

@@ -37,10 +37,12 @@ from typing import Sequence
 import numpy as np
 
 from .cuda_mem import CudaRuntime, host_array
-from .errors import BackendError, EngineError, InputError
+from ..errors import BackendError, EngineError, InputError
 from .kv_layout import KVLayout, align_up
-from .manifest import ModelEntry
+from ..manifest import ModelEntry
 from .profiles import ProfileSet, check_engine_profiles
+
+__all__ = ["load_tensorrt", "TrtModel"]
 
 
 def load_tensorrt():

@@ -37,7 +37,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .errors import EngineError, InputError
+from ..errors import EngineError, InputError
+
+__all__ = [
+    "PAST_MIN",
+    "PREFILL_OPT",
+    "DimRange",
+    "Profile",
+    "ProfileSet",
+    "ProfileConfig",
+    "target_profiles",
+    "draft_profiles",
+    "profiles_for",
+    "check_engine_profiles",
+]
 
 PAST_MIN = 0  # smallest past length in a profile (TensorRT empty tensors; see module docstring)
 PREFILL_OPT = 128  # q the prefill profile is tuned for (clipped to its max)

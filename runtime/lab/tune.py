@@ -35,50 +35,41 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import EngineError, InputError
-from .manifest import MANIFEST, load_manifest
+from ..config import STRATEGIES, GenerationConfig, check_defaults, check_k_max, check_strategy, check_threshold
+from ..errors import EngineError, InputError
+from ..manifest import write_defaults  # noqa: F401  (re-exported: tune writes its choice with it)
+
+__all__ = [
+    "check_grid",
+    "measure_costs",
+    "Setting",
+    "tune",
+    "replay_baseline_seconds",
+    "tune_from_trace",
+    "format_table",
+    "plot_results",
+    "chosen_defaults",
+]
 
 Progress = Callable[[str, int, int], None]  # (phase label, done, total)
 
 
-def allowed_strategies() -> tuple[str, ...]:
-    """The verification strategies this runtime's ``GenerationConfig.strategy`` accepts
-    (``("full",)`` when the runtime has no strategy setting)."""
-    from . import speculative
-    from .generator import GenerationConfig
-
-    if "strategy" not in {f.name for f in fields(GenerationConfig)}:
-        return ("full",)
-    return tuple(getattr(speculative, "STRATEGIES", ("full",)))
-
-
-def _has_strategy() -> bool:
-    from .generator import GenerationConfig
-
-    return "strategy" in {f.name for f in fields(GenerationConfig)}
-
-
 def check_grid(ks: Sequence[int], thresholds: Sequence[float], strategies: Sequence[str], k_range: tuple[int, int]) -> None:
-    """Validate a sweep grid.
+    """Validate a sweep grid with the config checks (:mod:`specrt.runtime.config`).
 
     Raises:
         InputError: an empty list, a k_max outside ``k_range``, a threshold outside [0, 1]
             (or not a number), or an unknown strategy; the message names the value and
             what is allowed.
     """
-    lo, hi = k_range
     if not ks or not thresholds or not strategies:
         raise InputError("empty sweep grid; give at least one k_max, one threshold and one strategy")
     for k in ks:
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not lo <= k <= hi:
-            raise InputError(f"k_max={k!r} in the grid; k_max must be an integer in {lo}..{hi}")
+        check_k_max(k, *k_range)
     for th in thresholds:
-        if isinstance(th, bool) or not isinstance(th, (int, float)) or not 0.0 <= th <= 1.0:
-            raise InputError(f"threshold={th!r} in the grid; thresholds must be numbers in [0, 1]")
-    allowed = allowed_strategies()
+        check_threshold(th)
     for s in strategies:
-        if s not in allowed:
-            raise InputError(f"strategy={s!r}; this runtime's strategies are {', '.join(allowed)}")
+        check_strategy(s)
 
 
 # ---- costs --------------------------------------------------------------------------------------
@@ -92,7 +83,7 @@ def measure_costs(engine, widths: Sequence[int], past: int, reps: int = 50, seed
     The target is timed through its plain full-logits call (the ``full`` strategy's pass).
 
     Args:
-        engine: a loaded :class:`~specrt.runtime.generator.Engine`.
+        engine: a loaded :class:`~specrt.runtime.engine.Engine`.
         widths: target widths q (each 1 <= q <= k_max + 1).
         past: KV length L of every call (past + q <= max_ctx).
         reps: repetitions per case (medians over them).
@@ -100,7 +91,7 @@ def measure_costs(engine, widths: Sequence[int], past: int, reps: int = 50, seed
         progress: ``progress("costs", done, total)``.
 
     Returns:
-        :class:`~specrt.runtime.trace.Costs` (medians in seconds), ``source="measured"``.
+        :class:`~specrt.runtime.lab.trace.Costs` (medians in seconds), ``source="measured"``.
 
     Raises:
         InputError: reps < 1, a width outside 1..k_max+1, or past + q > max_ctx.
@@ -135,93 +126,6 @@ def measure_costs(engine, widths: Sequence[int], past: int, reps: int = 50, seed
 
 
 # ---- manifest ------------------------------------------------------------------------------------
-DEFAULT_KEYS = ("k_max", "threshold", "strategy", "chunk_bound", "draft_confidence_temperature")
-
-
-def check_defaults(defaults: object, k_max: int, where: str = "defaults") -> dict:
-    """Validate a decoding-defaults mapping before it goes into a manifest.
-
-    Args:
-        defaults: a dict with any of :data:`DEFAULT_KEYS` (e.g. the ``chosen_defaults`` of a
-            ``tune.json``): ``k_max`` int in 1..``k_max``, ``threshold`` in [0, 1],
-            ``strategy`` one of :data:`~specrt.runtime.speculative.STRATEGIES`,
-            ``chunk_bound`` in (0, 1], ``draft_confidence_temperature`` in [0.01, 100].
-        k_max: the engine's largest k_max.
-        where: the source named in error messages (a file name).
-
-    Returns:
-        a new dict with the same keys, values as int/float/str.
-
-    Raises:
-        InputError: not a dict, an unknown key, or a value outside its range (the message
-            names the key, the value and what is allowed).
-    """
-    from .speculative import STRATEGIES
-
-    if not isinstance(defaults, dict):
-        raise InputError(f"{where}: expected a JSON object of decoding defaults, got {type(defaults).__name__}")
-    out = {}
-    for key, v in defaults.items():
-        num = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if key == "k_max":
-            ok = isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= k_max
-            allowed = f"an integer in 1..{k_max}, the range this engine was built for"
-        elif key == "threshold":
-            ok, allowed = num and 0.0 <= v <= 1.0, "a number in [0, 1]"
-        elif key == "strategy":
-            ok, allowed = v in STRATEGIES, "one of " + ", ".join(STRATEGIES)
-        elif key == "chunk_bound":
-            ok, allowed = num and 0.0 < v <= 1.0, "a number in (0, 1]"
-        elif key == "draft_confidence_temperature":
-            ok, allowed = num and 0.01 <= v <= 100.0, "a number in [0.01, 100]"
-        else:
-            raise InputError(f"{where}: unknown default {key!r}; allowed keys: {', '.join(DEFAULT_KEYS)}")
-        if not ok:
-            raise InputError(f"{where}: {key}={v!r}; {key} must be {allowed}")
-        out[key] = v if key == "strategy" else (int(v) if key == "k_max" else float(v))
-    return out
-
-
-def write_defaults(folder: str | Path, defaults: dict, extra: dict | None = None) -> dict:
-    """Update ``defaults`` (and top-level keys of ``extra``) in ``folder/manifest.json``.
-
-    The file is rewritten atomically (a temporary file in the same folder, then
-    ``os.replace``); every other field, the file hashes included, is kept as it was, so the
-    hash checks still pass. The result is loaded again (without rehashing the models); if
-    that fails the previous file is put back.
-
-    Args:
-        folder: the engine folder.
-        defaults: keys to set in ``defaults`` (e.g. k_max, threshold, strategy,
-            draft_confidence_temperature).
-        extra: keys to set in ``extra`` (e.g. ``"tune"``, ``"calibration"`` records).
-
-    Returns:
-        the new ``defaults`` dict.
-
-    Raises:
-        EngineError: the folder has no readable manifest, or the new one does not load.
-    """
-    folder = Path(folder)
-    path = folder / MANIFEST
-    load_manifest(folder, verify_hashes=False)  # refuse a broken folder before touching it
-    old_text = path.read_text()
-    raw = json.loads(old_text)
-    raw.setdefault("defaults", {}).update(defaults)
-    if extra:
-        raw.setdefault("extra", {}).update(extra)
-    tmp = folder / (MANIFEST + ".tune.tmp")
-    tmp.write_text(json.dumps(raw, indent=1))
-    os.replace(tmp, path)
-    try:
-        load_manifest(folder, verify_hashes=False)
-    except EngineError:
-        tmp.write_text(old_text)
-        os.replace(tmp, path)
-        raise
-    return raw["defaults"]
-
-
 # ---- the sweep -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Setting:
@@ -237,15 +141,12 @@ class Setting:
 
 
 def _config(base, s: Setting, temperature: float):
-    """A GenerationConfig for a setting (strategy set only where the runtime has it)."""
-    kw = dict(k_max=s.k_max, threshold=s.threshold, confidence_temperature=temperature)
-    if _has_strategy():
-        kw["strategy"] = s.strategy
-    return replace(base, **kw)
+    """A GenerationConfig for a setting."""
+    return replace(base, k_max=s.k_max, threshold=s.threshold, confidence_temperature=temperature, strategy=s.strategy)
 
 
 def _prediction(views, s: Setting, costs) -> dict | None:
-    from .trace import replay
+    from .replay import replay
 
     if views is None:
         return None
@@ -282,8 +183,8 @@ def tune(
     """Sweep settings on validation prompts with the models (module docstring, steps 1-5).
 
     Args:
-        engine: a loaded :class:`~specrt.runtime.generator.Engine`.
-        prompts: ``[{"prompt": str, ...}]`` (:func:`specrt.runtime.bench.load_prompts`).
+        engine: a loaded :class:`~specrt.runtime.engine.Engine`.
+        prompts: ``[{"prompt": str, ...}]`` (:func:`specrt.runtime.lab.bench.load_prompts`).
         ks, thresholds, strategies: the grid (checked by :func:`check_grid`).
         max_new_tokens: tokens per generation.
         repeats: passes over the prompts in the sweep; confirm_repeats: in the
@@ -303,9 +204,7 @@ def tune(
     Raises:
         InputError: a bad grid, no prompts, or what generation raises.
     """
-    from .bench import BenchConfig, run_bench
-    from .generator import GenerationConfig
-    from .trace import TraceWriter, load_trace, position_views
+    from .bench import BenchConfig
 
     m = engine.manifest
     if not prompts:
@@ -318,34 +217,52 @@ def tune(
     greedy = GenerationConfig(max_new_tokens=max_new_tokens)
     result: dict = dict(engines=str(engine.folder), prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats,
                         grid=dict(k_max=ks, threshold=thresholds, strategy=strategies), backend=engine.backend)
-
     # 1. calibration
     temperature = engine.resolve(greedy).confidence_temperature
     if calibrate:
-        from .calibration import calibrate as fit, teacher_forced
-
-        outs = []
-        for i, x in enumerate(ids):
-            outs.append(engine.generate(x, replace(greedy, threshold=0.0, confidence_temperature=1.0)).tokens)
-            if progress:
-                progress("calibrate", i + 1, len(ids))
-        rep = fit(teacher_forced(engine, ids, outs))
+        rep = _calibrate(engine, ids, greedy, progress)
         temperature = rep.temperature
         result["calibration"] = rep.as_dict()
         log(rep.summary())
     result["confidence_temperature"] = temperature
-
     # 2. costs
     n_prompt = float(np.mean([len(x) for x in ids]))
     past = int(min(max(1, round(n_prompt + max_new_tokens / 2)), m.max_ctx - m.k_max - 1))
     costs = measure_costs(engine, range(1, m.k_max + 2), past, cost_reps, progress=progress)
     result["costs"] = costs.to_json()
-
     # 3. wide trace -> predictions
+    views = _wide_views(engine, ids, replace(greedy, k_max=m.k_max, threshold=0.0, confidence_temperature=temperature), costs, trace_path, result, progress)
+    # 4. sweep
+    settings = [Setting(k, th, s) for s in strategies for k in ks for th in thresholds]
+    configs = [BenchConfig("target-only", replace(greedy, speculative=False))]
+    configs += [BenchConfig(s.label(len(strategies) > 1), engine.resolve(_config(greedy, s, temperature))) for s in settings]
+    _sweep(engine, prompts, settings, configs, views, costs, repeats, result, progress)
+    # 5. confirmation
+    result["confirm"] = _confirm(engine, prompts, configs, result["best"], result["best_fixed"], confirm_repeats, progress)
+    return result
+
+
+def _calibrate(engine, ids: list[list[int]], greedy, progress):
+    """Step 1: fit the draft confidence temperature on the target's greedy outputs."""
+    from .calibration import calibrate as fit, teacher_forced
+
+    outs = []
+    for i, x in enumerate(ids):
+        outs.append(engine.generate(x, replace(greedy, threshold=0.0, confidence_temperature=1.0)).tokens)
+        if progress:
+            progress("calibrate", i + 1, len(ids))
+    return fit(teacher_forced(engine, ids, outs))
+
+
+def _wide_views(engine, ids, wide, costs, trace_path, result: dict, progress):
+    """Step 3: record the wide trace (kept at ``trace_path`` if given) and return its position views."""
+    from .replay import position_views
+    from .trace import TraceWriter, load_trace
+
+    m = engine.manifest
     tmp = trace_path is None
     tpath = Path(trace_path) if trace_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"specrt-tune-{os.getpid()}.jsonl"
-    wide = replace(greedy, k_max=m.k_max, threshold=0.0, confidence_temperature=temperature)
-    with TraceWriter(tpath, engine, costs, note=f"specrt tune wide trace: k_max {m.k_max}, threshold 0, T {temperature:g}") as tw:
+    with TraceWriter(tpath, engine, costs, note=f"specrt tune wide trace: k_max {m.k_max}, threshold 0, T {wide.confidence_temperature:g}") as tw:
         for i, x in enumerate(ids):
             engine.generate(x, wide, trace=tw)
             if progress:
@@ -355,49 +272,49 @@ def tune(
         tpath.unlink(missing_ok=True)
     else:
         result["trace"] = str(tpath)
+    return views
 
-    # 4. sweep
-    settings = [Setting(k, th, s) for s in strategies for k in ks for th in thresholds]
-    multi = len(strategies) > 1
-    configs = [BenchConfig("target-only", replace(greedy, speculative=False))]
-    configs += [BenchConfig(s.label(multi), engine.resolve(_config(greedy, s, temperature))) for s in settings]
+
+def _sweep(engine, prompts, settings, configs, views, costs, repeats: int, result: dict, progress) -> None:
+    """Step 4: every setting and target-only, interleaved; rows, best and best fixed into ``result``."""
+    from .bench import run_bench
+
     sweep = run_bench(engine, prompts, configs, repeats=repeats, progress=(lambda d, t: progress("sweep", d, t)) if progress else None)
-    rows = []
     by_label = {r["label"]: r for r in sweep["rows"]}
-    for s in settings:
-        r = by_label[s.label(multi)]
-        rows.append(
-            dict(
-                label=r["label"], k_max=s.k_max, threshold=s.threshold, strategy=s.strategy,
-                tokens_per_second=r["tokens_per_second"], speedup=r["speedup"], acceptance_rate=r["acceptance_rate"],
-                mean_accepted=r["mean_accepted"], accepted_hist=r["accepted_hist"], equal_to_target=r["equal_to_target"],
-                predicted=_prediction(views, s, costs),
-            )
-        )
-    base = by_label["target-only"]
-    result["target_only"] = dict(tokens_per_second=base["tokens_per_second"], predicted_tokens_per_second=(
-        sum(len(v.out) for v in views) / replay_baseline_seconds(views, costs)))
+    rows = []
+    for s, c in zip(settings, configs[1:]):
+        r = by_label[c.label]
+        rows.append(dict(
+            label=r["label"], k_max=s.k_max, threshold=s.threshold, strategy=s.strategy,
+            tokens_per_second=r["tokens_per_second"], speedup=r["speedup"], acceptance_rate=r["acceptance_rate"],
+            mean_accepted=r["mean_accepted"], accepted_hist=r["accepted_hist"], equal_to_target=r["equal_to_target"],
+            predicted=_prediction(views, s, costs),
+        ))
+    result["target_only"] = dict(tokens_per_second=by_label["target-only"]["tokens_per_second"],
+                                 predicted_tokens_per_second=sum(len(v.out) for v in views) / replay_baseline_seconds(views, costs))
     result["rows"] = rows
     best = max(rows, key=lambda r: r["tokens_per_second"])
     fixed = _best_fixed(rows, "tokens_per_second")
     result["best"], result["best_fixed"] = best, fixed
     result["sweep_ratio_best_over_fixed"] = best["tokens_per_second"] / fixed["tokens_per_second"] if fixed else None
 
-    # 5. confirmation
-    result["confirm"] = None
-    if confirm_repeats > 0 and fixed is not None:
-        if fixed["label"] == best["label"]:
-            result["confirm"] = dict(skipped="the chosen setting is the best fixed-k threshold-0 setting", ratio=1.0)
-        else:
-            cc = [configs[0], next(c for c in configs if c.label == best["label"]), next(c for c in configs if c.label == fixed["label"])]
-            cc = [cc[0], BenchConfig("tuned " + best["label"], cc[1].config), BenchConfig("fixed " + fixed["label"], cc[2].config)]
-            conf = run_bench(engine, prompts, cc, repeats=confirm_repeats, progress=(lambda d, t: progress("confirm", d, t)) if progress else None)
-            t_tuned, t_fixed = conf["rows"][1]["tokens_per_second"], conf["rows"][2]["tokens_per_second"]
-            result["confirm"] = dict(
-                repeats=confirm_repeats, target_only=conf["rows"][0]["tokens_per_second"], tuned=t_tuned, fixed=t_fixed,
-                ratio=t_tuned / t_fixed, tuned_speedup=conf["rows"][1]["speedup"], fixed_speedup=conf["rows"][2]["speedup"],
-            )
-    return result
+
+def _confirm(engine, prompts, configs, best: dict, fixed: dict | None, repeats: int, progress) -> dict | None:
+    """Step 5: fresh interleaved runs of the chosen setting, the best fixed one and target-only."""
+    from .bench import BenchConfig, run_bench
+
+    if repeats <= 0 or fixed is None:
+        return None
+    if fixed["label"] == best["label"]:
+        return dict(skipped="the chosen setting is the best fixed-k threshold-0 setting", ratio=1.0)
+    by = {c.label: c for c in configs}
+    cc = [configs[0], BenchConfig("tuned " + best["label"], by[best["label"]].config), BenchConfig("fixed " + fixed["label"], by[fixed["label"]].config)]
+    conf = run_bench(engine, prompts, cc, repeats=repeats, progress=(lambda d, t: progress("confirm", d, t)) if progress else None)
+    t_tuned, t_fixed = conf["rows"][1]["tokens_per_second"], conf["rows"][2]["tokens_per_second"]
+    return dict(
+        repeats=repeats, target_only=conf["rows"][0]["tokens_per_second"], tuned=t_tuned, fixed=t_fixed,
+        ratio=t_tuned / t_fixed, tuned_speedup=conf["rows"][1]["speedup"], fixed_speedup=conf["rows"][2]["speedup"],
+    )
 
 
 def replay_baseline_seconds(views, costs) -> float:
@@ -412,7 +329,7 @@ def tune_from_trace(trace_path: str | Path, ks: Sequence[int] | None, thresholds
         trace_path: a trace recorded greedy with a wide policy (e.g. ``specrt tune --trace``).
         ks: k_max values (None: 1..the trace's largest k_max).
         thresholds: thresholds in [0, 1].
-        costs: :class:`~specrt.runtime.trace.Costs` to use (None: the trace header's
+        costs: :class:`~specrt.runtime.lab.trace.Costs` to use (None: the trace header's
             measured costs, else estimated from the trace's own round timings).
 
     Returns:
@@ -421,9 +338,10 @@ def tune_from_trace(trace_path: str | Path, ks: Sequence[int] | None, thresholds
 
     Raises:
         InputError: missing or malformed trace, a policy the trace cannot predict
-            (:func:`~specrt.runtime.trace.check_replayable`), a bad grid.
+            (:func:`~specrt.runtime.lab.replay.check_replayable`), a bad grid.
     """
-    from .trace import check_replayable, costs_from_rounds, load_trace, position_views
+    from .replay import check_replayable, position_views
+    from .trace import costs_from_rounds, load_trace
 
     tr = load_trace(trace_path)
     man = tr.header["manifest"]
@@ -592,7 +510,7 @@ def chosen_defaults(result: dict) -> dict:
     trace's when chosen from a trace: the thresholds were read at that temperature)."""
     b = result["best"]
     d = dict(k_max=int(b["k_max"]), threshold=float(b["threshold"]))
-    if _has_strategy() and b["strategy"] in allowed_strategies():
+    if b.get("strategy") in STRATEGIES:
         d["strategy"] = b["strategy"]
     if result.get("calibration"):
         d["draft_confidence_temperature"] = float(result["calibration"]["temperature"])

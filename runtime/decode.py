@@ -1,0 +1,286 @@
+"""The decode loop: prefill, then rounds of propose -> verify -> commit and roll back.
+
+One round (Leviathan et al. 2023, Algorithm 1; confidence-threshold drafting as Hugging
+Face assisted generation's ``assistant_confidence_threshold``)::
+
+    propose   the draft feeds the tokens it has not seen, then proposes c_1, c_2, ... one
+              call per step, until the threshold rule, k_max, EOS or the budget stops it
+              (speculative.propose, speculative.draft_limit)
+    verify    target logits for [pending, c_1..c_n] arrive in blocks; ONE acceptance loop
+              (verify) reads them left to right and stops at the first rejection, so no
+              block after it is computed
+    commit    c_1..c_m and the target's token (correction or bonus), cut after EOS
+    rollback  target KV length = len(S) - 1, draft KV length = min(draft_len, that)
+              (speculative.rollback_lengths): rows beyond are never read again
+
+Verification strategies only change how the blocks are made (:func:`target_blocks`):
+``full`` one target pass; ``chunked`` one pass per chunk of candidates; ``lazy-head`` one
+body pass, then the vocabulary projection per block. A round without candidates is one
+q = 1 pass of the full target in every strategy.
+
+The acceptor decides the tokens: :class:`~specrt.runtime.speculative.GreedyAcceptor`
+(argmax; the output is the target's own greedy output) or
+:class:`~specrt.runtime.sampling.SampledAcceptor` (exact speculative sampling; the output
+follows the target's warped distribution). The loop yields one :class:`Round` record per
+round; statistics, traces and server metrics read those records (the loop has no hooks).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+
+from .backends.base import Model
+from .speculative import chunk_passes, chunk_sizes, commit, draft_limit, head_blocks, propose, rollback_lengths
+
+__all__ = ["Acceptor", "Plan", "Round", "KVLengths", "decode", "one_round", "verify", "target_blocks", "feed"]
+
+Call = tuple  # (positions through the body, past length, rows projected to logits) of one target call
+
+
+class Acceptor(Protocol):
+    """Proposal and acceptance rule of one generation (greedy or sampled).
+
+    Attributes:
+        greedy: True for argmax decoding (traces record draft top-1s only then).
+        propose_below: whether a draft token below the threshold is still proposed
+            (:func:`~specrt.runtime.speculative.propose`).
+    """
+
+    greedy: bool
+    propose_below: bool
+
+    def draft(self, row: np.ndarray, i: int) -> tuple[int, float]:
+        """Candidate i of the round from a draft logits row, and its confidence."""
+        ...
+
+    def accept(self, r: int, x: int, row: np.ndarray) -> bool:
+        """Whether target row r accepts candidate x (= c_{r+1})."""
+        ...
+
+    def correction(self, r: int, row: np.ndarray) -> int:
+        """The target's token at row r after :meth:`accept` rejected its candidate."""
+        ...
+
+    def bonus(self, r: int, row: np.ndarray) -> int:
+        """The target's token at row r when no candidate is left to check."""
+        ...
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved settings the loop runs with (from a resolved GenerationConfig and the manifest).
+
+    Attributes:
+        k_max, threshold, speculative, strategy, chunk_bound: as GenerationConfig.
+        budget: max_new_tokens. eos: EOS id. max_ctx: the engines' context.
+        observe: also record the draft's top-1 of the pending token (``Round.pre``) and,
+            after the last round, of the committed tokens the draft has not seen
+            (``Round.tail``), for replayable traces; greedy only; costs one extra draft
+            call per generation and a softmax per fed row.
+    """
+
+    k_max: int
+    threshold: float
+    budget: int
+    eos: int
+    max_ctx: int
+    speculative: bool = True
+    strategy: str = "full"
+    chunk_bound: float = 0.5
+    observe: bool = False
+
+
+@dataclass
+class KVLengths:
+    """Rows each model's KV cache holds for the committed sequence (the only state that rolls back)."""
+
+    target: int = 0
+    draft: int = 0
+
+
+@dataclass
+class Round:
+    """What one round did (the prefill is the record with ``pos == 0``).
+
+    Attributes:
+        pos: output index of the round's first new token (tokens committed before it).
+        steps: the draft's (token, confidence) per draft step, the one a greedy threshold
+            stopped included; ``n <= len(steps)``.
+        n: candidates proposed. m: candidates accepted.
+        commit: tokens committed (accepted + correction/bonus, cut after EOS).
+        finish: None, ``"stop"`` (EOS) or ``"length"`` (budget or context).
+        draft_calls: draft model calls (= ``len(steps)``; the feed is one).
+        draft_s, target_s: seconds spent drafting and verifying (prefill: in target_s).
+        calls: one ``(positions, past, head_rows)`` per target call (a lazy-head body call
+            has head_rows 0, its head calls positions 0).
+        pre: (observe) the draft's (top-1, confidence) of the pending token, when the
+            round's feed had two or more tokens; else None.
+        tail: (observe, last round) ``(output index, [(top-1, confidence), ...])`` of the
+            committed tokens the draft had not seen.
+    """
+
+    pos: int
+    steps: list
+    n: int
+    m: int
+    commit: list
+    finish: str | None
+    draft_calls: int = 0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    calls: list = field(default_factory=list)
+    pre: tuple | None = None
+    tail: tuple | None = None
+
+
+def feed(model: Model, tokens: Sequence[int], start: int) -> np.ndarray:
+    """Run ``tokens`` from KV length ``start`` in chunks of ``model.max_q``; returns the
+    logits rows of the last chunk (float32 ``[q_last, vocab]``, a view valid until the next call)."""
+    step = model.max_q
+    for i in range(0, len(tokens), step):
+        rows = model.run(tokens[i : i + step], start + i)
+    return rows
+
+
+def verify(cands: Sequence[int], blocks, acc: Acceptor) -> tuple[int, int]:
+    """Accept candidates left to right over blocks of target logits; stop at the first rejection.
+
+    Row r of the verification (r = 0 is the pending token's position) checks c_{r+1}; row
+    n gives the bonus token. Blocks are pulled lazily, so nothing after a rejection runs.
+
+    Args:
+        cands: the n candidates.
+        blocks: iterable of ``(lo, rows)``: rows ``[lo, lo + len(rows))`` of the
+            verification, in order, covering 0..n.
+        acc: the :class:`Acceptor`.
+
+    Returns:
+        ``(m, token)``: accepted candidates and the target's token at row m (correction
+        after a rejection, bonus when all were accepted).
+
+    Source: Leviathan et al. 2023, Algorithm 1 (the acceptance loop with early stop);
+    gpt-fast's ``speculative_decode``.
+    """
+    n = len(cands)
+    for lo, rows in blocks:
+        for r in range(lo, lo + len(rows)):
+            row = rows[r - lo]
+            if r == n:
+                return n, acc.bonus(r, row)
+            if not acc.accept(r, cands[r], row):
+                return r, acc.correction(r, row)
+    raise AssertionError(f"verification blocks ended before row {n}")  # pragma: no cover
+
+
+def target_blocks(target: Model, toks: list[int], start: int, confs: Sequence[float], plan: Plan, calls: list) -> Iterator:
+    """Blocks of target logits for ``toks`` = [pending, c_1..c_n] at KV offset ``start``,
+    computed only when pulled (see :func:`verify`); each target call is appended to
+    ``calls``. Strategy per the module docstring; chunks from the draft confidences
+    (:func:`~specrt.runtime.speculative.chunk_sizes`)."""
+    n = len(toks) - 1
+    if plan.strategy == "full" or n == 0:
+        calls.append((n + 1, start, n + 1))
+        yield 0, target.run(toks, start)
+        return
+    sizes = chunk_sizes(confs, plan.chunk_bound)
+    if plan.strategy == "chunked":
+        for lo, hi in chunk_passes(sizes):
+            calls.append((hi - lo, start + lo, hi - lo))
+            yield lo, target.run(toks[lo:hi], start + lo)
+        return
+    split = target.split_head()  # lazy-head: Engine.resolve checked the capability
+    split.body(toks, start)
+    calls.append((n + 1, start, 0))
+    for lo, hi in head_blocks(sizes):
+        calls.append((0, start, hi - lo))
+        yield lo, split.head(lo, hi - lo)
+
+
+def _draft_steps(draft: Model, seq: list[int], kv: KVLengths, acc: Acceptor, steps: list, pre: list) -> Iterator[tuple[int, float]]:
+    """The draft's (token, confidence) steps of one round, one model call each, only as
+    pulled: first the feed of the tokens it has not seen (pending included), then each
+    proposed token. Appends every step to ``steps``; ``pre`` (when a list) gets the
+    pending token's (top-1, confidence) if the feed had two or more rows."""
+    rows = feed(draft, seq[kv.draft :], kv.draft)
+    if pre is not None and len(rows) > 1:
+        pre.append(acc.draft(rows[-2], 0))
+    kv.draft = len(seq)
+    i = 0
+    while True:
+        step = acc.draft(rows[-1], i)
+        steps.append(step)
+        yield step
+        rows = draft.run((step[0],), kv.draft)
+        kv.draft += 1
+        i += 1
+
+
+def one_round(target: Model, draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor) -> Round:
+    """One round on ``seq`` (prompt + committed tokens; extended in place); see the module docstring."""
+    clock = time.perf_counter
+    seq_len = len(seq)
+    n_max = draft_limit(plan.k_max, plan.budget - (seq_len - n_prompt), seq_len, plan.max_ctx) if plan.speculative else 0
+    steps: list = []
+    pre: list | None = [] if plan.observe and acc.greedy else None
+    t0 = clock()
+    cands, confs = propose(_draft_steps(draft, seq, kv, acc, steps, pre), n_max, plan.threshold, plan.eos, acc.propose_below)
+    t1 = clock()
+    calls: list = []
+    m, token = verify(cands, target_blocks(target, [seq[-1], *cands], kv.target, confs, plan, calls), acc)
+    t2 = clock()
+    new, ended = commit(cands, m, token, plan.eos)
+    seq.extend(new)
+    kv.target, kv.draft = rollback_lengths(seq_len, kv.draft, m)
+    finish = "stop" if ended else _length_finish(seq, n_prompt, plan)
+    return Round(seq_len - n_prompt, steps, len(cands), m, new, finish, len(steps), t1 - t0 if steps else 0.0, t2 - t1, calls,
+                 pre[0] if pre else None)
+
+
+def _length_finish(seq: list[int], n_prompt: int, plan: Plan) -> str | None:
+    """"length" when the budget or the context is used up, else None."""
+    return "length" if len(seq) - n_prompt >= plan.budget or len(seq) >= plan.max_ctx else None
+
+
+def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: Acceptor) -> Iterator[Round]:
+    """Generate from ``prompt``: yields the prefill record (``pos`` 0, the first token),
+    then one :class:`Round` per round until EOS, the budget or the context ends the output.
+
+    Args:
+        target, draft: the pair's :class:`~specrt.runtime.backends.base.Model` objects
+            (their KV buffers are this generation's until it ends).
+        prompt: token ids, ``1 <= len < max_ctx`` (validated by the caller).
+        plan: :class:`Plan`. acc: the generation's :class:`Acceptor`.
+
+    Raises:
+        NumericsError: NaN/inf logits. InputError: a model call outside the buffers.
+    """
+    seq = list(prompt)
+    n_prompt = len(seq)
+    t0 = time.perf_counter()
+    first = acc.bonus(0, feed(target, seq, 0)[-1])
+    seq.append(first)
+    kv = KVLengths(target=n_prompt)
+    calls = [(min(target.max_q, n_prompt - i), i, min(target.max_q, n_prompt - i)) for i in range(0, n_prompt, target.max_q)]
+    finish = "stop" if first == plan.eos else _length_finish(seq, n_prompt, plan)
+    rec = Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - t0, calls=calls)
+    while True:
+        if rec.finish is not None and plan.observe and acc.greedy:
+            rec.tail = _draft_tail(draft, seq, n_prompt, kv, acc)
+        yield rec
+        if rec.finish is not None:
+            return
+        rec = one_round(target, draft, seq, n_prompt, kv, plan, acc)
+
+
+def _draft_tail(draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, acc: Acceptor) -> tuple | None:
+    """(observe) After the last round: the draft's (top-1, confidence) of the committed
+    tokens it has not seen (one extra draft call, in no statistic), so a replay knows every
+    on-trajectory position (specrt.runtime.lab.replay). None when there are none or they
+    do not fit one call."""
+    if not (0 < kv.draft < len(seq) - 1 <= kv.draft + draft.max_q):
+        return None
+    rows = feed(draft, seq[kv.draft : -1], kv.draft)
+    return kv.draft + 1 - n_prompt, [acc.draft(r, 0) for r in rows]

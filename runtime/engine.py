@@ -1,0 +1,322 @@
+"""The Engine: a loaded engine folder (manifest, tokenizer, draft and target models) and its
+two calls, :meth:`Engine.generate` and :meth:`Engine.stream`.
+
+The decoding itself is :func:`specrt.runtime.decode.decode` (propose, verify, commit and
+roll back; greedy output equals the target's own greedy output, sampled output follows the
+target's distribution, Leviathan et al. 2023, Algorithm 1). This module validates the
+request (:func:`specrt.runtime.config.resolve_config`), picks the acceptor, turns the round
+records into text (:mod:`specrt.runtime.textstream`) and statistics
+(:class:`~specrt.runtime.stats.Stats`), and serialises generations per Engine.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .backends import load_models, resolve_backend
+from .backends.base import SplitsHead, ThreadConfig
+from .config import GenerationConfig, resolve_config
+from .decode import Plan, Round, decode
+from .errors import BackendError, InputError
+from .flops import flop_coefficients
+from .manifest import LAZY_HEAD_HINT, LAZY_HEAD_KEY, Manifest, load_manifest
+from .sampling import SampledAcceptor
+from .speculative import GreedyAcceptor
+from .stats import Stats
+from .textstream import IncrementalText
+from .tokenizer import TextCodec
+
+__all__ = ["Engine", "GenerationResult", "Stream", "PREFILL_CHUNK"]
+
+PREFILL_CHUNK = 256  # widest prefill call; longer prompts are fed in chunks
+
+
+@dataclass
+class GenerationResult:
+    """Output of :meth:`Engine.generate` (and :attr:`Stream.result`).
+
+    Attributes:
+        tokens: generated ids (EOS included when it ended the output; after a stop string,
+            the shortest prefix whose text contains the match).
+        text: decoded text of ``tokens`` (special tokens left out), cut before a stop
+            string's match.
+        finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (max_new_tokens
+            or context full).
+        stats: :class:`~specrt.runtime.stats.Stats` (``new_tokens`` == ``len(tokens)``).
+        stop_reason: the stop string that ended the output; None when EOS ended it or
+            the reason is "length".
+    """
+
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    stats: Stats
+    stop_reason: str | None = None
+
+
+class Stream:
+    """Iterator over the text pieces of one :meth:`Engine.stream` call.
+
+    Iterate it for non-empty ``str`` pieces (UTF-8-safe, nothing after a stop string).
+    Once it is exhausted, :attr:`result` holds the :class:`GenerationResult` (``text ==
+    "".join(pieces)``). :meth:`close`, or leaving a ``with`` block, ends the generation
+    early and frees the Engine for the next call (``result`` stays None).
+
+    The Engine's lock is held from the first ``next()`` until exhaustion or close, so
+    finish or close a stream before starting another generation on the same Engine in
+    the same thread (that raises :class:`~specrt.runtime.errors.InputError` instead of
+    deadlocking).
+    """
+
+    __slots__ = ("_run", "result")
+
+    def __init__(self, run: Iterator[str]):
+        self._run = run
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> str:
+        while True:
+            try:
+                piece = next(self._run)
+            except StopIteration as done:
+                if done.value is not None:
+                    self.result = done.value
+                raise StopIteration from None
+            if piece:
+                return piece
+
+    def close(self) -> None:
+        """Stop the generation now (idempotent); the Engine is free afterwards."""
+        self._run.close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Engine:
+    """A loaded engine folder: manifest, tokenizer, and both models on one backend.
+
+    One generation at a time per Engine (it owns the KV buffers): concurrent calls from
+    threads are serialised by a lock. For parallel generations give each thread its own
+    :meth:`fork` (shared weights, own KV buffers).
+
+    Args:
+        folder: the engine folder written by ``specrt export``.
+        threads: :class:`~specrt.runtime.backends.base.ThreadConfig` for the CPU sessions.
+        verify_hashes: check the files' SHA-256 against the manifest at load.
+        backend: ``"ort-cpu"`` (the default), ``"ort-cuda"`` or ``"tensorrt"``
+            (:mod:`specrt.runtime.backends`; the GPU backends are unverified on a GPU).
+
+    Attributes:
+        folder, manifest, codec (the tokenizer), backend (its name), target, draft (the
+        :class:`~specrt.runtime.backends.base.Model` objects).
+
+    Raises:
+        EngineError: missing/half-written folder, unknown manifest version, mismatched pair,
+            altered files.
+        BackendError: a backend this machine or folder cannot run (the message lists the
+            available ones).
+    """
+
+    def __init__(self, folder: str | Path, threads: ThreadConfig | None = None, verify_hashes: bool = True, backend: str | None = None):
+        self.folder = Path(folder)
+        self.manifest: Manifest = load_manifest(self.folder, verify_hashes=verify_hashes)
+        m = self.manifest
+        self.codec = TextCodec(self.folder / m.tokenizer_file, m.bos_token_id, m.add_bos)
+        self.backend = resolve_backend(backend, m)
+        self.target, self.draft = load_models(
+            self.backend, self.folder, m, threads or ThreadConfig(), max(PREFILL_CHUNK, m.k_max + 1), PREFILL_CHUNK, verify_hashes
+        )
+        self._flops = flop_coefficients(m.target)
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # thread holding _lock (deadlock check)
+
+    def fork(self) -> "Engine":
+        """Another Engine over the same loaded models (weights, manifest, tokenizer shared)
+        with its own KV buffers and lock; it gives exactly what the parent gives for the
+        same call. Cheap: no file is read; memory is one set of KV/logits buffers.
+
+        Raises:
+            BackendError: the backend cannot share its weights (load another Engine).
+        """
+        new = copy.copy(self)
+        new.target, new.draft = self.target.fork(), self.draft.fork()
+        new._lock, new._owner = threading.Lock(), None
+        return new
+
+    def close(self) -> None:
+        """Free the models' buffers (device memory on GPU backends); unusable after."""
+        self.target.close()
+        self.draft.close()
+
+    # ---- validation ------------------------------------------------------------------
+    def resolve(self, config: GenerationConfig) -> GenerationConfig:
+        """The config with the manifest's defaults filled in, validated
+        (:func:`specrt.runtime.config.resolve_config`), and the strategy checked against
+        what this folder and backend can run.
+
+        Raises:
+            InputError: a field outside its range (``param`` names it), or lazy-head for a
+                folder exported without it.
+            BackendError: lazy-head on a backend that offers no body/head split.
+        """
+        m = self.manifest
+        cfg = resolve_config(config, m.defaults, (m.k_min, m.k_max))
+        if cfg.strategy == "lazy-head":
+            if not isinstance(self.target, SplitsHead):
+                raise BackendError(f"strategy 'lazy-head' needs a backend with a body/head split; {self.backend!r} has none (use 'full' or 'chunked')", "strategy")
+            if LAZY_HEAD_KEY not in m.extra:
+                raise InputError(LAZY_HEAD_HINT.format(folder=self.folder), "strategy")
+        return cfg
+
+    def prompt_ids(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
+        """Token ids for a text prompt, or validated ids for an id prompt.
+
+        Raises:
+            InputError: (param ``prompt``) empty prompt, ids not 1-D integers, ids outside
+                the vocab, or a prompt that leaves no room in the context (< max_ctx tokens).
+        """
+        m = self.manifest
+        if isinstance(prompt, str):
+            ids = self.codec.encode(prompt)
+        else:
+            arr = np.asarray(prompt)
+            if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+                raise InputError(f"prompt ids must be a 1-D sequence of integers, got shape {arr.shape} dtype {arr.dtype}", "prompt")
+            if arr.size and (arr.min() < 0 or arr.max() >= m.vocab_size):
+                raise InputError(f"prompt ids must be in 0..{m.vocab_size - 1}; got min {arr.min()} max {arr.max()}", "prompt")
+            ids = arr.astype(np.int64).tolist()
+        if not ids:
+            raise InputError("empty prompt; give at least one token", "prompt")
+        if len(ids) >= m.max_ctx:
+            raise InputError(
+                f"prompt has {len(ids)} tokens; the engines' context is max_ctx={m.max_ctx}, so a prompt may have at most {m.max_ctx - 1}",
+                "prompt",
+            )
+        return ids
+
+    # ---- generation ------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int] | np.ndarray, config: GenerationConfig = GenerationConfig(), trace=None) -> GenerationResult:
+        """Generate, greedy or sampled, speculative or target-only.
+
+        Args:
+            prompt: text, or token ids (any 1-D integer sequence or array).
+            config: :class:`~specrt.runtime.config.GenerationConfig`.
+            trace: a :class:`~specrt.runtime.lab.trace.TraceWriter` that records every
+                round; None records nothing.
+
+        Returns:
+            :class:`GenerationResult`.
+
+        Raises:
+            InputError: bad prompt or config, or a call from a thread whose own stream on
+                this Engine is still open.
+            NumericsError: NaN/inf logits.
+        """
+        run = self._run(self.prompt_ids(prompt), self.resolve(config), False, trace)
+        while True:
+            try:
+                next(run)
+            except StopIteration as done:
+                return done.value
+
+    def stream(self, prompt: str | Sequence[int] | np.ndarray, config: GenerationConfig = GenerationConfig(), trace=None) -> Stream:
+        """Stream the output text in pieces as rounds commit tokens.
+
+        The prompt and config are checked here, before anything runs. Text is released only
+        at UTF-8-safe points, and with stop strings only once it cannot start a match; the
+        pieces concatenate to ``stream.result.text``, which equals :meth:`generate`'s text.
+
+        Raises:
+            InputError: bad prompt or config (here, at the call); during iteration what
+                :meth:`generate` raises.
+        """
+        cfg = self.resolve(config)
+        return Stream(self._run(self.prompt_ids(prompt), cfg, True, trace))
+
+    def acceptor(self, cfg: GenerationConfig):
+        """The acceptor of one generation with resolved settings ``cfg``: greedy
+        (temperature 0) or exact speculative sampling, with its own buffers and generator."""
+        m = self.manifest
+        if cfg.temperature > 0.0:
+            return SampledAcceptor(m.vocab_size, m.k_max, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+        return GreedyAcceptor(m.vocab_size, self.draft.vocab, 1.0 / cfg.confidence_temperature)
+
+    def plan(self, cfg: GenerationConfig, observe: bool = False) -> Plan:
+        """The decode loop's :class:`~specrt.runtime.decode.Plan` for resolved settings ``cfg``."""
+        m = self.manifest
+        return Plan(cfg.k_max, cfg.threshold, cfg.max_new_tokens, m.eos_token_id, m.max_ctx, cfg.speculative, cfg.strategy, cfg.chunk_bound, observe)
+
+    def rounds(self, ids: list[int], cfg: GenerationConfig, observe: bool = False) -> Iterator[Round]:
+        """The round records of one generation under this Engine's lock (validated ``ids``,
+        resolved ``cfg``); closing the iterator early releases the lock.
+
+        Raises:
+            InputError: the calling thread already holds this Engine's lock (its own
+                stream is still open): waiting would deadlock.
+        """
+        me = threading.get_ident()
+        if self._owner == me:
+            raise InputError(
+                "this thread has an unfinished stream on this Engine; exhaust or close() it first "
+                "(one generation at a time per Engine; use Engine.fork() for concurrent ones)"
+            )
+        with self._lock:
+            self._owner = me
+            try:
+                yield from decode(self.target, self.draft, ids, self.plan(cfg, observe), self.acceptor(cfg))
+            finally:
+                self._owner = None
+
+    def _run(self, ids: list[int], cfg: GenerationConfig, streaming: bool, trace=None):
+        """One generation: yields text pieces (``streaming``; else one "" per round) and
+        returns the :class:`GenerationResult`. Round records go to the stats and the trace;
+        the round loop is closed on every exit, which releases the Engine's lock."""
+        stats = Stats(prompt_tokens=len(ids), accepted_hist=[0] * (cfg.k_max + 1), proposed_hist=[0] * (cfg.k_max + 1))
+        out: list[int] = []
+        finish, stop_reason = "length", None
+        text_out = IncrementalText(self.codec, cfg.stop) if (streaming or cfg.stop) else None
+        if trace is not None:
+            trace.begin(ids, cfg)
+        t0 = time.perf_counter()
+        rounds = self.rounds(ids, cfg, observe=trace is not None)
+        try:
+            for rec in rounds:
+                stats.add(rec, self._flops)
+                if trace is not None:
+                    trace.add(rec)
+                piece = rec.commit
+                if text_out is not None and (kept := text_out.push(piece)) is not None:
+                    out.extend(piece[:kept])
+                    finish, stop_reason = "stop", text_out.stop_reason
+                    break
+                out.extend(piece)
+                finish = rec.finish or finish
+                yield text_out.take() if streaming else ""
+        finally:
+            rounds.close()
+            stats.total_seconds = time.perf_counter() - t0
+        if text_out is None:
+            text = self.codec.decode(out)
+        else:
+            text_out.finish()
+            if streaming and (last := text_out.take()):
+                yield last
+            text = text_out.text
+        stats.new_tokens = len(out)
+        result = GenerationResult(tokens=out, text=text, finish_reason=finish, stats=stats, stop_reason=stop_reason)
+        if trace is not None:
+            trace.end(result)
+        return result
