@@ -17,7 +17,7 @@ REPEATS ?= 3
 THREADS ?= 2
 COMPARE_OUT ?= bench_out/compare
 
-.PHONY: install export demo test test-fast bench bench-envs bench-compare models clean gpu-check load-test ray-check
+.PHONY: lint install export demo test test-fast bench bench-envs bench-compare models clean gpu-check load-test ray-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,11 @@ gpu-check: export
 demo: export
 	$(BIN)/specrt generate --engines $(ENGINES) --max-new-tokens 96 --prompt "$$(head -1 $(PROMPTS) | $(BIN)/python -c 'import json,sys; print(json.load(sys.stdin)["prompt"], end="")')"
 	$(BIN)/specrt bench --engines $(ENGINES) --prompts $(PROMPTS) --limit 20 --max-new-tokens 128 --out bench_out/demo.json
+
+# ruff: lint and format check (configured in pyproject.toml)
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # all tests (tiny random pairs + the default pair)
 test: export

@@ -23,10 +23,12 @@ biases, activations and epsilons come from the checkpoint; the attention scale i
 from each attention module's ``scaling`` (GPT-2's ``scale_attn_by_inverse_layer_idx``
 included).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
 from specrt.runtime.errors import UnsupportedModelError  # noqa: F401  (in the SpecRTError tree)
 
 
@@ -178,15 +180,11 @@ def spec_for(config: Any, max_ctx: int | None = None) -> ArchSpec:
             raise UnsupportedModelError(f"{mt}: {flag}={getattr(config, flag)!r} is not supported by the export; it must be off")
     max_pos = _config_max_pos(config)
     if max_ctx is not None and max_pos is not None and max_ctx > max_pos:
-        raise UnsupportedModelError(
-            f"max_ctx={max_ctx} > max_position_embeddings={max_pos} of this {mt} checkpoint; export with --max-ctx {max_pos} or less"
-        )
+        raise UnsupportedModelError(f"max_ctx={max_ctx} > max_position_embeddings={max_pos} of this {mt} checkpoint; export with --max-ctx {max_pos} or less")
     if spec.rotary is not None:
         rt = rope_type(config) or "default"
         if rt not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"{mt}: rope type {rt!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
+            raise UnsupportedModelError(f"{mt}: rope type {rt!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         if rt == "longrope" and max_ctx is not None:
             rope = getattr(config, "rope_parameters", None) or {}
             orig = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)

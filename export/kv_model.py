@@ -25,6 +25,7 @@ checkpoint; only the attention wiring is written here. Which submodules to use, 
 q/k/v come out of a layer and how positions enter are declared per architecture in
 :mod:`specrt.export.arch`; the forward has no per-model branches.
 """
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ See :mod:`specrt.export.kv_model` for the interface. The export uses
 (``q`` new tokens, ``past`` length); example sizes are >= 2 because the exporter
 specialises dimensions whose example is 0 or 1.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -15,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specrt.runtime.errors import ParityError  # noqa: F401  (in the SpecRTError tree)
 from specrt.runtime.manifest import ModelEntry, sha256_file
 
 from .kv_model import HeadModel, KVBodyModel, KVExportModel
-from specrt.runtime.errors import ParityError  # noqa: F401  (in the SpecRTError tree)
 
 PARITY_TOL = 1e-4  # max |logit difference| allowed, fp32
 
@@ -118,13 +119,25 @@ def export_lazy_head(wrapper: KVExportModel, body_path: Path, head_path: Path, m
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         body = torch.onnx.export(
-            KVBodyModel(wrapper).eval(), _example_inputs(wrapper, 3, 5), dynamic_shapes=dyn, input_names=list(ins),
-            output_names=["hidden", *outs[1:]], dynamo=True, optimize=True, verbose=False,
+            KVBodyModel(wrapper).eval(),
+            _example_inputs(wrapper, 3, 5),
+            dynamic_shapes=dyn,
+            input_names=list(ins),
+            output_names=["hidden", *outs[1:]],
+            dynamo=True,
+            optimize=True,
+            verbose=False,
         )
         body.save(str(body_path), external_data=False)
         head = torch.onnx.export(
-            HeadModel(wrapper).eval(), (torch.zeros((1, 3, hidden)),), dynamic_shapes=({1: r},), input_names=["hidden"],
-            output_names=["logits"], dynamo=True, optimize=True, verbose=False,
+            HeadModel(wrapper).eval(),
+            (torch.zeros((1, 3, hidden)),),
+            dynamic_shapes=({1: r},),
+            input_names=["hidden"],
+            output_names=["logits"],
+            dynamo=True,
+            optimize=True,
+            verbose=False,
         )
         head.save(str(head_path), external_data=False)
 
@@ -258,9 +271,7 @@ def parity_check(hf_model, onnx_path: Path, qs: tuple[int, ...], pasts: tuple[in
     return figures
 
 
-def export_model(
-    model_dir: str | Path, out_path: Path, max_ctx: int, k_max: int, check: bool = True, lazy_head: bool = False
-) -> ExportedModel:
+def export_model(model_dir: str | Path, out_path: Path, max_ctx: int, k_max: int, check: bool = True, lazy_head: bool = False) -> ExportedModel:
     """Export ``model_dir`` to ``out_path`` and check parity for q in {1, k_max+1}, L in {0, 37}.
 
     Args:

@@ -22,12 +22,14 @@ and a Cast is inserted wherever a tensor crosses between the two. ``precision="f
 uses float64 as the "low" type: onnxruntime's CPU provider runs it, which is how the
 rewrite's wiring is tested on CPU machines (fp16/bf16 kernels are scarce there).
 """
+
 from __future__ import annotations
 
 import copy
 from pathlib import Path
 
 import numpy as np
+
 from specrt.runtime.errors import PrecisionError  # noqa: F401  (in the SpecRTError tree)
 
 PRECISIONS = ("fp32", "fp16", "bf16")

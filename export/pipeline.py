@@ -5,6 +5,7 @@ split of the target, ``target_body.onnx`` and ``target_head.onnx``, unless ``laz
 off); the manifest is written last (atomically), so a folder without one is a half-written
 export and the runtime refuses it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,10 +15,10 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from specrt.runtime.errors import PairError  # noqa: F401  (in the SpecRTError tree)
 from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, Manifest, sha256_file
 
 from .onnx_export import BODY_FILE, HEAD_FILE, export_model
-from specrt.runtime.errors import PairError  # noqa: F401  (in the SpecRTError tree)
 
 
 def vocab_map(tokenizer_json: Path) -> dict[str, int]:

@@ -26,6 +26,7 @@ the machine that serves. Command line (used by ``make export``)::
 
     python -m specrt.export.trt_build ENGINE_DIR [--precision fp16] [--if-available] [--skip-if-built]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from specrt.runtime.manifest import Manifest, ModelEntry, load_manifest, sha256_file
 from specrt.runtime.backends.profiles import PAST_MIN, ProfileConfig, ProfileSet, profiles_for
+from specrt.runtime.errors import TrtBuildError  # noqa: F401  (in the SpecRTError tree)
+from specrt.runtime.manifest import Manifest, ModelEntry, load_manifest, sha256_file
 
 from .onnx_precision import PRECISIONS, write_variant
-from specrt.runtime.errors import TrtBuildError  # noqa: F401  (in the SpecRTError tree)
 
 PREFILL_Q = 256  # = specrt.runtime.generator.PREFILL_CHUNK (not imported: keeps export light)
 RECORD_VERSION = 1

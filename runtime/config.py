@@ -7,6 +7,7 @@ defaults come from :data:`STRATEGIES` and :class:`GenerationConfig`), and
 :class:`~specrt.runtime.errors.InputError` with ``param`` set to the field's name and a
 message of the form ``"name=value; name must be ..."``.
 """
+
 from __future__ import annotations
 
 import math

@@ -24,6 +24,7 @@ The acceptor decides the tokens: :class:`~specrt.runtime.speculative.GreedyAccep
 follows the target's warped distribution). The loop yields one :class:`Round` record per
 round; statistics, traces and server metrics read those records (the loop has no hooks).
 """
+
 from __future__ import annotations
 
 import time
@@ -235,12 +236,11 @@ def one_round(target: Model, draft: Model, seq: list[int], n_prompt: int, kv: KV
     seq.extend(new)
     kv.target, kv.draft = rollback_lengths(seq_len, kv.draft, m)
     finish = "stop" if ended else _length_finish(seq, n_prompt, plan)
-    return Round(seq_len - n_prompt, steps, len(cands), m, new, finish, len(steps), t1 - t0 if steps else 0.0, t2 - t1, calls,
-                 pre[0] if pre else None)
+    return Round(seq_len - n_prompt, steps, len(cands), m, new, finish, len(steps), t1 - t0 if steps else 0.0, t2 - t1, calls, pre[0] if pre else None)
 
 
 def _length_finish(seq: list[int], n_prompt: int, plan: Plan) -> str | None:
-    """"length" when the budget or the context is used up, else None."""
+    """ "length" when the budget or the context is used up, else None."""
     return "length" if len(seq) - n_prompt >= plan.budget or len(seq) >= plan.max_ctx else None
 
 

@@ -8,6 +8,7 @@ request (:func:`specrt.runtime.config.resolve_config`), picks the acceptor, turn
 records into text (:mod:`specrt.runtime.textstream`) and statistics
 (:class:`~specrt.runtime.stats.Stats`), and serialises generations per Engine.
 """
+
 from __future__ import annotations
 
 import copy
@@ -176,7 +177,9 @@ class Engine:
         cfg = resolve_config(config, m.defaults, (m.k_min, m.k_max))
         if cfg.strategy == "lazy-head":
             if not isinstance(self.target, SplitsHead):
-                raise BackendError(f"strategy 'lazy-head' needs a backend with a body/head split; {self.backend!r} has none (use 'full' or 'chunked')", "strategy")
+                raise BackendError(
+                    f"strategy 'lazy-head' needs a backend with a body/head split; {self.backend!r} has none (use 'full' or 'chunked')", "strategy"
+                )
             if LAZY_HEAD_KEY not in m.extra:
                 raise InputError(LAZY_HEAD_HINT.format(folder=self.folder), "strategy")
         return cfg

@@ -15,6 +15,7 @@ server can answer OpenAI's ``error.param`` without parsing messages.
     +-- ExportError        the export stage refused or failed
         +-- UnsupportedModelError, PairError, ParityError, PrecisionError, TrtBuildError
 """
+
 from __future__ import annotations
 
 __all__ = [

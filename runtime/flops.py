@@ -25,6 +25,7 @@ For manifests written before ``matmul_params`` was recorded it is estimated as
 norms and biases, under-counts a tied head's one copy) and :func:`flop_coefficients`
 says so in its result.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

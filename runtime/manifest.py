@@ -12,6 +12,7 @@ settings.
 The runtime refuses a manifest whose ``format_version`` it does not know, and a pair
 whose vocab sizes or tokenizer hashes differ, with a message saying what to re-run.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -227,9 +228,7 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
         raise EngineError(f"{path} is not a JSON object; {hint}")
     ver = raw.get("format_version")
     if ver != FORMAT_VERSION:
-        raise EngineError(
-            f"{path}: format_version={ver!r}, this runtime understands only {FORMAT_VERSION}; {hint} with this version of specrt"
-        )
+        raise EngineError(f"{path}: format_version={ver!r}, this runtime understands only {FORMAT_VERSION}; {hint} with this version of specrt")
     try:
         raw["draft"] = _entry(raw["draft"], "draft", folder)
         raw["target"] = _entry(raw["target"], "target", folder)

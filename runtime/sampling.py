@@ -24,6 +24,7 @@ is ever formed in half precision.
 Randomness comes only from the ``numpy.random.Generator`` passed in (the engine makes one
 ``Generator(PCG64(seed))`` per call), so a seed fixes the whole run.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -16,6 +16,7 @@ The greedy acceptor (:class:`GreedyAcceptor`) lives here; the sampled one in
 :mod:`specrt.runtime.sampling`; the acceptance loop that drives either is
 :func:`specrt.runtime.decode.verify`.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -197,6 +198,7 @@ def rollback_lengths(seq_len_before: int, draft_len: int, n_accepted: int) -> tu
 
 
 # ---- verification strategies ----------------------------------------------------------
+
 
 def chunk_sizes(confidences: Sequence[float], bound: float) -> list[int]:
     """Split n candidates into consecutive chunks from the draft's confidences.

@@ -1,4 +1,5 @@
 """Statistics of one generation, accumulated from the decode loop's round records."""
+
 from __future__ import annotations
 
 import math

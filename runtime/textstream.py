@@ -33,6 +33,7 @@ Cost per committed token: two decodes of the few ids in the window, and with sto
 a search of the held tail plus the new piece (a tail shorter than the longest stop string),
 never the whole output.
 """
+
 from __future__ import annotations
 
 from typing import Sequence

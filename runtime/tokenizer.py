@@ -4,6 +4,7 @@ The same ids go to the draft, the target and the target-only baseline: BOS is pr
 only when the manifest says so (``add_bos``), and special-token text inside a prompt
 (e.g. ``<|endoftext|>``) maps to its special id, as Hugging Face tokenizers do.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

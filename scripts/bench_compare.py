@@ -28,6 +28,7 @@ py-spy when installed). Writes OUT/compare.json, OUT/table.md and PNG plots besi
     python scripts/bench_compare.py --target models/target --draft models/draft \
         --engines engines/default --prompts data/humaneval_dev.jsonl --repeats 3 --out bench_out/compare
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,6 +52,7 @@ BASE = "specrt target-only"
 
 # ---- workers ---------------------------------------------------------------------------
 
+
 class Worker:
     """One worker process speaking the JSON-lines protocol of bench_workers/_protocol.py."""
 
@@ -59,8 +61,9 @@ class Worker:
         self.python = python
         self.log_path = log_dir / (label.replace(" ", "_").replace("/", "_").replace("(", "").replace(")", "").replace("=", "") + ".log")
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([python, str(WORKERS / script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     cwd=str(ROOT), env=env, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [python, str(WORKERS / script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, cwd=str(ROOT), env=env, text=True, bufsize=1
+        )
         self.send({"init": init})
 
     def send(self, obj: dict) -> None:
@@ -117,6 +120,7 @@ def venv_python(path: str) -> str | None:
 
 
 # ---- statistics ------------------------------------------------------------------------
+
 
 def quart(x) -> dict:
     x = np.asarray([v for v in x if v is not None and not (isinstance(v, float) and math.isnan(v))], dtype=float)
@@ -181,6 +185,7 @@ def summarize(rows: list[dict], runs: dict[str, list[dict]], n_prompts: int) -> 
 
 # ---- analytic bound --------------------------------------------------------------------
 
+
 def bound_formula(alpha: float, k: int, c: float) -> float | None:
     """Leviathan et al. 2023, Theorem 3.8: expected speedup of an overhead-free runtime."""
     if alpha is None or c is None:
@@ -227,8 +232,7 @@ def analyse_row(row: dict, costs: dict, threshold: float, k: int, measured: floa
     if ts and row.get("draft_calls") and passes:  # per-call costs inside the loop (generator Stats), for a cross-check of c
         d_loop = ts["draft"] / row["draft_calls"] * 1000
         v_loop = ts["verify_or_decode"] / passes * 1000
-        out["in_loop"] = dict(draft_ms_per_call=d_loop, verify_ms_per_pass=v_loop, c=d_loop / v_loop,
-                              bound_formula=bound_formula(alpha, k, d_loop / v_loop))
+        out["in_loop"] = dict(draft_ms_per_call=d_loop, verify_ms_per_pass=v_loop, c=d_loop / v_loop, bound_formula=bound_formula(alpha, k, d_loop / v_loop))
     if ts:  # measured time per part against the same calls priced at the isolated per-call costs
         ideal_d, ideal_v = row["draft_calls"] * t_d / 1000, passes * tv_mean / 1000
         out["time_split"] = dict(
@@ -254,6 +258,7 @@ def analyse_row(row: dict, costs: dict, threshold: float, k: int, measured: floa
 
 # ---- plots -----------------------------------------------------------------------------
 
+
 def make_plots(result: dict, out: Path) -> dict:
     import matplotlib
 
@@ -278,8 +283,10 @@ def make_plots(result: dict, out: Path) -> dict:
             ax.text(0, y, f"  {r.get('status', 'failed')}: {(r.get('error') or '')[:70]}", va="center", fontsize=7, color="tab:red")
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.set_xlabel("tokens/s (total new tokens / total time; bars: per-run quartiles)")
-    ax.set_title(f"{result['settings']['prompts']} prompts x {result['settings']['repeats']} repeats, "
-                 f"{result['settings']['max_new_tokens']} new tokens, greedy, {result['settings']['threads']} threads")
+    ax.set_title(
+        f"{result['settings']['prompts']} prompts x {result['settings']['repeats']} repeats, "
+        f"{result['settings']['max_new_tokens']} new tokens, greedy, {result['settings']['threads']} threads"
+    )
     ax.margins(x=0.25)
     fig.tight_layout()
     paths["tokens_per_second"] = str(out / "tokens_per_second.png")
@@ -330,7 +337,7 @@ def make_plots(result: dict, out: Path) -> dict:
         plt.close(fig)
 
     bound = result.get("analytic", {})
-    pts = [b for b in bound.get("sweep", []) if b.get("bound_formula")] 
+    pts = [b for b in bound.get("sweep", []) if b.get("bound_formula")]
     main = [b for b in bound.get("rows", []) if b.get("bound_formula")]
     if pts or main:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -343,8 +350,13 @@ def make_plots(result: dict, out: Path) -> dict:
         for b in main:
             ax.plot([b["k"]], [b["measured_speedup"]], "k*", ms=10)
             ax.plot([b["k"]], [b["bound_formula"]], "r*", ms=10)
-            ax.annotate(f"{b['label']}\nmeasured {b['measured_speedup']:.2f} / bound {b['bound_formula']:.2f}", (b["k"], b["measured_speedup"]),
-                        fontsize=7, xytext=(5, -18), textcoords="offset points")
+            ax.annotate(
+                f"{b['label']}\nmeasured {b['measured_speedup']:.2f} / bound {b['bound_formula']:.2f}",
+                (b["k"], b["measured_speedup"]),
+                fontsize=7,
+                xytext=(5, -18),
+                textcoords="offset points",
+            )
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xlabel("k (draft tokens per round)")
         ax.set_ylabel("speedup over target-only")
@@ -358,6 +370,7 @@ def make_plots(result: dict, out: Path) -> dict:
 
 
 # ---- table -----------------------------------------------------------------------------
+
 
 def fmt(v, spec=".1f", none="-"):
     return none if v is None else format(v, spec)
@@ -374,16 +387,20 @@ def format_table(result: dict) -> str:
             tt = r["ttft_ms"]
             ttft = f"{fmt(tt['median'])} [{fmt(tt['q25'])}, {fmt(tt['q75'])}]"
             eq = f"{r['equal_to_target']}/{r['compared_prompts']}"
-            lines.append(f"| {r['label']} | {r['tokens_per_second']:.1f} | {ratio} | {ttft} | {fmt(r.get('peak_rss_mb'), '.0f')} | {eq} | "
-                         f"{fmt(r.get('acceptance_rate'), '.3f')} | {r['status']}{': ' + r['error'][:200] if r.get('error') else ''} |")
+            lines.append(
+                f"| {r['label']} | {r['tokens_per_second']:.1f} | {ratio} | {ttft} | {fmt(r.get('peak_rss_mb'), '.0f')} | {eq} | "
+                f"{fmt(r.get('acceptance_rate'), '.3f')} | {r['status']}{': ' + r['error'][:200] if r.get('error') else ''} |"
+            )
         else:
             err = (r.get("error") or "").replace("|", "/").replace("\n", " ")
             lines.append(f"| {r['label']} | - | - | - | {fmt(r.get('peak_rss_mb'), '.0f')} | - | - | {r['status']}: {err[:400]} |")
     s = result["settings"]
     lines.append("")
-    lines.append(f"{n} prompts x {s['repeats']} repeats, {s['max_new_tokens']} new tokens, greedy, {s['threads']} threads "
-                 f"(onnxruntime spinning {'on' if s['spinning'] else 'off'}, OMP_WAIT_POLICY {s.get('omp_wait_policy')}); tok/s = total new tokens / total time of the calls; "
-                 f"= target: prompts whose output equals specrt target-only's token for token.")
+    lines.append(
+        f"{n} prompts x {s['repeats']} repeats, {s['max_new_tokens']} new tokens, greedy, {s['threads']} threads "
+        f"(onnxruntime spinning {'on' if s['spinning'] else 'off'}, OMP_WAIT_POLICY {s.get('omp_wait_policy')}); tok/s = total new tokens / total time of the calls; "
+        f"= target: prompts whose output equals specrt target-only's token for token."
+    )
     return "\n".join(lines)
 
 
@@ -406,7 +423,8 @@ def format_details(result: dict) -> str:
             m = ts["measured_seconds"]
             w = m["wall"]
             lines.append(
-                "  time split: " + ", ".join(f"{k} {v / w:.1%}" for k, v in m.items() if k != "wall")
+                "  time split: "
+                + ", ".join(f"{k} {v / w:.1%}" for k, v in m.items() if k != "wall")
                 + f"; draft phase {fmt(ts['draft_over_ideal'], '.2f')}x and verify phase {fmt(ts['verify_over_ideal'], '.2f')}x the isolated per-call cost"
             )
     for key in ("profile_pyspy", "profile_cprofile"):
@@ -425,6 +443,7 @@ def format_details(result: dict) -> str:
 
 # ---- main ------------------------------------------------------------------------------
 
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="models/target", help="target: HF checkpoint folder")
@@ -435,11 +454,17 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every system (torch, onnxruntime sessions, onnxruntime-genai)")
-    ap.add_argument("--spinning", action="store_true",
-                    help="let idle pool threads spin: onnxruntime allow_spinning (specrt, optimum, onnxruntime-genai) and OMP_WAIT_POLICY=ACTIVE (torch); default: off / PASSIVE everywhere")
-    ap.add_argument("--omp-wait-policy", choices=["PASSIVE", "ACTIVE", "unset"], default=None,
-                    help="OMP_WAIT_POLICY of the workers (torch's OpenMP pool); default: follows --spinning; "
-                    "'unset' = libgomp's own default (spins a while, then sleeps)")
+    ap.add_argument(
+        "--spinning",
+        action="store_true",
+        help="let idle pool threads spin: onnxruntime allow_spinning (specrt, optimum, onnxruntime-genai) and OMP_WAIT_POLICY=ACTIVE (torch); default: off / PASSIVE everywhere",
+    )
+    ap.add_argument(
+        "--omp-wait-policy",
+        choices=["PASSIVE", "ACTIVE", "unset"],
+        default=None,
+        help="OMP_WAIT_POLICY of the workers (torch's OpenMP pool); default: follows --spinning; 'unset' = libgomp's own default (spins a while, then sleeps)",
+    )
     ap.add_argument("--out", default="bench_out/compare")
     ap.add_argument("--systems", default="specrt,hf,optimum,ortgenai", help="comma list among specrt,hf,optimum,ortgenai")
     ap.add_argument("--spec-k", type=int, default=None, help="specrt 'best' k_max (default: manifest default)")
@@ -503,48 +528,100 @@ def main(argv=None) -> int:
     rows: list[dict] = []
 
     def row(label, system, python, script, init, missing=None):
-        rows.append(dict(label=label, system=system, python=python, script=script, init=init, status="pending",
-                         error=missing, peak_rss_mb=None))
+        rows.append(dict(label=label, system=system, python=python, script=script, init=init, status="pending", error=missing, peak_rss_mb=None))
 
     row(BASE, "specrt", main_py, "specrt_worker.py", dict(common, engines=engines, variant=dict(speculative=False)))
     if "specrt" in systems:
-        row(f"specrt spec best (k={best_k} th={best_th:g})", "specrt", main_py, "specrt_worker.py",
-            dict(common, engines=engines, variant=dict(speculative=True, k_max=best_k, threshold=best_th)))
+        row(
+            f"specrt spec best (k={best_k} th={best_th:g})",
+            "specrt",
+            main_py,
+            "specrt_worker.py",
+            dict(common, engines=engines, variant=dict(speculative=True, k_max=best_k, threshold=best_th)),
+        )
         if not (fixed_k == best_k and best_th == 0):
-            row(f"specrt spec fixed k={fixed_k} (th=0)", "specrt", main_py, "specrt_worker.py",
-                dict(common, engines=engines, variant=dict(speculative=True, k_max=fixed_k, threshold=0.0)))
+            row(
+                f"specrt spec fixed k={fixed_k} (th=0)",
+                "specrt",
+                main_py,
+                "specrt_worker.py",
+                dict(common, engines=engines, variant=dict(speculative=True, k_max=fixed_k, threshold=0.0)),
+            )
     if "hf" in systems:
         row("HF generate (PyTorch)", "transformers", main_py, "hf_worker.py", dict(common, target=target, variant=dict(kind="generate")))
         row("HF assisted (defaults)", "transformers", main_py, "hf_worker.py", dict(common, target=target, draft=draft, variant=dict(kind="assisted")))
-        row(f"HF assisted (k={best_k} th={best_th:g})", "transformers", main_py, "hf_worker.py",
-            dict(common, target=target, draft=draft, variant=dict(kind="assisted", num_assistant_tokens=best_k,
-                                                                  num_assistant_tokens_schedule="constant", assistant_confidence_threshold=best_th)))
+        row(
+            f"HF assisted (k={best_k} th={best_th:g})",
+            "transformers",
+            main_py,
+            "hf_worker.py",
+            dict(
+                common,
+                target=target,
+                draft=draft,
+                variant=dict(kind="assisted", num_assistant_tokens=best_k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=best_th),
+            ),
+        )
     if "optimum" in systems:
-        row("optimum ORTModelForCausalLM", "optimum", py_opt, "optimum_worker.py", dict(common, target=target, cache=str((out / "anchors" / "optimum-target").resolve())),
-            missing=None if py_opt else f"no python at {a.python_optimum}: run `make bench-envs`")
+        row(
+            "optimum ORTModelForCausalLM",
+            "optimum",
+            py_opt,
+            "optimum_worker.py",
+            dict(common, target=target, cache=str((out / "anchors" / "optimum-target").resolve())),
+            missing=None if py_opt else f"no python at {a.python_optimum}: run `make bench-envs`",
+        )
     og_root = (out / "anchors" / "ortgenai").resolve()
     if "ortgenai" in systems:
-        row("ort-genai target-only", "onnxruntime-genai", py_og, "ortgenai_worker.py",
+        row(
+            "ort-genai target-only",
+            "onnxruntime-genai",
+            py_og,
+            "ortgenai_worker.py",
             dict(common, model_dir=str(og_root / "target"), variant=dict(speculative=False)),
-            missing=None if py_og else f"no python at {a.python_ortgenai}: run `make bench-envs`")
-        row(f"ort-genai speculative (k={best_k})", "onnxruntime-genai", py_og, "ortgenai_worker.py",
+            missing=None if py_og else f"no python at {a.python_ortgenai}: run `make bench-envs`",
+        )
+        row(
+            f"ort-genai speculative (k={best_k})",
+            "onnxruntime-genai",
+            py_og,
+            "ortgenai_worker.py",
             dict(common, model_dir=str(og_root), variant=dict(speculative=True, max_draft_tokens=best_k)),
-            missing=None if py_og else f"no python at {a.python_ortgenai}: run `make bench-envs`")
+            missing=None if py_og else f"no python at {a.python_ortgenai}: run `make bench-envs`",
+        )
 
     result = dict(
-        settings=dict(target=target, draft=draft, engines=engines, prompts_file=a.prompts, prompts=len(prompts), repeats=a.repeats,
-                      max_new_tokens=a.max_new_tokens, threads=a.threads, spinning=a.spinning,
-                      omp_wait_policy=env.get("OMP_WAIT_POLICY", "unset"), best_k=best_k, best_threshold=best_th,
-                      fixed_k=fixed_k, systems=sorted(systems), command=" ".join([Path(sys.executable).name] + sys.argv),
-                      machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_start=os.getloadavg()),
-                      prompt_tokens=quart([len(x) for x in ids])),
+        settings=dict(
+            target=target,
+            draft=draft,
+            engines=engines,
+            prompts_file=a.prompts,
+            prompts=len(prompts),
+            repeats=a.repeats,
+            max_new_tokens=a.max_new_tokens,
+            threads=a.threads,
+            spinning=a.spinning,
+            omp_wait_policy=env.get("OMP_WAIT_POLICY", "unset"),
+            best_k=best_k,
+            best_threshold=best_th,
+            fixed_k=fixed_k,
+            systems=sorted(systems),
+            command=" ".join([Path(sys.executable).name] + sys.argv),
+            machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_start=os.getloadavg()),
+            prompt_tokens=quart([len(x) for x in ids]),
+        ),
     )
 
     # onnxruntime-genai: build both checkpoints with its model builder (cached)
     if "ortgenai" in systems and py_og:
         log("onnxruntime-genai: model builder (target, draft) ...")
-        p = subprocess.run([py_og, str(WORKERS / "ortgenai_worker.py"), "--build", "--target", target, "--draft", draft, "--out", str(og_root), "--k", str(best_k)],
-                           capture_output=True, text=True, cwd=str(ROOT), env=env)
+        p = subprocess.run(
+            [py_og, str(WORKERS / "ortgenai_worker.py"), "--build", "--target", target, "--draft", draft, "--out", str(og_root), "--k", str(best_k)],
+            capture_output=True,
+            text=True,
+            cwd=str(ROOT),
+            env=env,
+        )
         (logs / "ortgenai_build.log").write_text(p.stderr)
         try:
             build = json.loads(p.stdout.strip().splitlines()[-1])
@@ -605,8 +682,17 @@ def main(argv=None) -> int:
                 if not ans.get("ok"):
                     r["status"], r["error"] = "failed", f"prompt {i}: {ans.get('error')}"
                     continue
-                runs[r["label"]].append(dict(prompt=i, repeat=rep, tokens=ans["tokens"], new_tokens=len(ans["tokens"]),
-                                             seconds=ans["seconds"], ttft=ans.get("ttft"), extra=ans.get("extra") or {}))
+                runs[r["label"]].append(
+                    dict(
+                        prompt=i,
+                        repeat=rep,
+                        tokens=ans["tokens"],
+                        new_tokens=len(ans["tokens"]),
+                        seconds=ans["seconds"],
+                        ttft=ans.get("ttft"),
+                        extra=ans.get("extra") or {},
+                    )
+                )
                 done += 1
             if (i + 1) % 5 == 0 or i + 1 == len(ids):
                 el = time.time() - t_start
@@ -642,16 +728,20 @@ def main(argv=None) -> int:
             n_sw = min(a.sweep_limit, len(ids))
             log(f"sweep k={ks} th={ths} on {n_sw} prompts ...")
             try:
-                ans = base_w.call({"op": "sweep", "k_values": ks, "thresholds": ths, "prompts": ids[:n_sw], "max_new_tokens": a.max_new_tokens,
-                                   "repeats": 1}, a.call_timeout * 10)
+                ans = base_w.call(
+                    {"op": "sweep", "k_values": ks, "thresholds": ths, "prompts": ids[:n_sw], "max_new_tokens": a.max_new_tokens, "repeats": 1},
+                    a.call_timeout * 10,
+                )
                 result["sweep"] = ans["sweep"] if ans.get("ok") else dict(error=ans.get("error"))
             except Exception as e:  # noqa: BLE001
                 result["sweep"] = dict(error=f"{type(e).__name__}: {e}")
         if a.profile_prompts > 0:
             log("cProfile of the speculative loop ...")
             try:
-                ans = base_w.call({"op": "profile", "prompts": ids[: a.profile_prompts], "max_new_tokens": a.max_new_tokens,
-                                   "k_max": best_k, "threshold": best_th}, a.call_timeout * 5)
+                ans = base_w.call(
+                    {"op": "profile", "prompts": ids[: a.profile_prompts], "max_new_tokens": a.max_new_tokens, "k_max": best_k, "threshold": best_th},
+                    a.call_timeout * 5,
+                )
                 result["profile_cprofile"] = ans["profile"] if ans.get("ok") else dict(error=ans.get("error"))
             except Exception as e:  # noqa: BLE001
                 result["profile_cprofile"] = dict(error=f"{type(e).__name__}: {e}")
@@ -665,13 +755,20 @@ def main(argv=None) -> int:
             t1 = next((c["median_ms"] for c in costs["rows"] if c["model"] == "target" and c["q"] == 1), None)
             if base_row.get("time_split_seconds") and base_row.get("passes") and t1:
                 ts = base_row["time_split_seconds"]
-                analytic["target_only"] = dict(measured_seconds=ts, ideal_decode_seconds=base_row["passes"] * t1 / 1000,
-                                               decode_over_ideal=ts["verify_or_decode"] / (base_row["passes"] * t1 / 1000))
+                analytic["target_only"] = dict(
+                    measured_seconds=ts,
+                    ideal_decode_seconds=base_row["passes"] * t1 / 1000,
+                    decode_over_ideal=ts["verify_or_decode"] / (base_row["passes"] * t1 / 1000),
+                )
             for r in rows:
                 if r["system"] != "specrt" or not r.get("passes") or r is base_row:
                     continue
                 v = r["init"]["variant"]
-                dec = (r["decode_tokens_per_second"] / base_row["decode_tokens_per_second"]) if r.get("decode_tokens_per_second") and base_row.get("decode_tokens_per_second") else None
+                dec = (
+                    (r["decode_tokens_per_second"] / base_row["decode_tokens_per_second"])
+                    if r.get("decode_tokens_per_second") and base_row.get("decode_tokens_per_second")
+                    else None
+                )
                 b = analyse_row(r, costs, v["threshold"], v["k_max"], r.get("ratio_to_specrt_target_only"), dec)
                 b["label"] = r["label"]
                 analytic.setdefault("rows", []).append(b)
@@ -681,8 +778,15 @@ def main(argv=None) -> int:
                 hist = sr.get("accepted_hist") or []
                 n_sw = result["sweep"]["prompts"] * result["sweep"]["repeats"]
                 passes = round(sum(hist))
-                fake = dict(accepted_hist=hist, accepted=sum(i * h for i, h in enumerate(hist)), passes=passes,
-                            proposed=None, new_tokens=sr["tokens"], runs=n_sw, draft_calls=None)
+                fake = dict(
+                    accepted_hist=hist,
+                    accepted=sum(i * h for i, h in enumerate(hist)),
+                    passes=passes,
+                    proposed=None,
+                    new_tokens=sr["tokens"],
+                    runs=n_sw,
+                    draft_calls=None,
+                )
                 # run_bench reports the acceptance rate, not the proposed count: with threshold 0
                 # every pass proposes k (fewer only at the token budget), and each proposal is one
                 # draft call (the catch-up feed produces the first candidate)
@@ -696,7 +800,7 @@ def main(argv=None) -> int:
     result["analytic"] = analytic
 
     # goals
-    by = {r["label"]: r for r in rows}
+
     best = next((r for r in rows if r["label"].startswith("specrt spec best")), None)
     goals = {}
     if best and best.get("tokens_per_second"):
@@ -711,9 +815,14 @@ def main(argv=None) -> int:
         if bb and bb.get("decode_over_bound_formula") is not None:
             # the formula models the decode phase (prefill is the same target pass in both), so the
             # goal compares the decode-phase speedup; the end-to-end ratio is reported beside it
-            goals["vs_analytic_bound"] = dict(target=0.9, value=bb["decode_over_bound_formula"], bound=bb["bound_formula"],
-                                              measured_decode_speedup=bb["measured_decode_speedup"], measured_speedup=bb["measured_speedup"],
-                                              end_to_end_over_bound=bb.get("measured_over_bound_formula"))
+            goals["vs_analytic_bound"] = dict(
+                target=0.9,
+                value=bb["decode_over_bound_formula"],
+                bound=bb["bound_formula"],
+                measured_decode_speedup=bb["measured_decode_speedup"],
+                measured_speedup=bb["measured_speedup"],
+                end_to_end_over_bound=bb.get("measured_over_bound_formula"),
+            )
         for g in goals.values():
             g["met"] = g["value"] >= g["target"]
     result["goals"] = goals
@@ -722,8 +831,10 @@ def main(argv=None) -> int:
     for r in rows:
         r.pop("init", None)
     result["rows"] = rows
-    result["per_prompt"] = {lab: [dict(prompt=x["prompt"], repeat=x["repeat"], new_tokens=x["new_tokens"], seconds=x["seconds"], ttft=x["ttft"])
-                                  for x in xs] for lab, xs in runs.items()}
+    result["per_prompt"] = {
+        lab: [dict(prompt=x["prompt"], repeat=x["repeat"], new_tokens=x["new_tokens"], seconds=x["seconds"], ttft=x["ttft"]) for x in xs]
+        for lab, xs in runs.items()
+    }
     try:
         result["plots"] = make_plots(result, out)
     except Exception as e:  # noqa: BLE001
@@ -744,12 +855,40 @@ def run_pyspy(a, engines: str, prompts: list, k: int, th: float, out: Path, env:
     settings = out / "logs" / "pyspy_settings.json"
     res_file = out / "logs" / "pyspy_result.json"
     raw = out / "pyspy_raw.txt"
-    settings.write_text(json.dumps(dict(engines=engines, threads=a.threads, spinning=a.spinning, prompts=prompts, max_new_tokens=a.max_new_tokens,
-                                        k_max=k, threshold=th, repeats=3, result=str(res_file))))
+    settings.write_text(
+        json.dumps(
+            dict(
+                engines=engines,
+                threads=a.threads,
+                spinning=a.spinning,
+                prompts=prompts,
+                max_new_tokens=a.max_new_tokens,
+                k_max=k,
+                threshold=th,
+                repeats=3,
+                result=str(res_file),
+            )
+        )
+    )
     errors = []
     for native in (["--native"], []):  # native stacks split onnxruntime's time; fall back without
-        cmd = [exe, "record", "--idle", *native, "--rate", "500", "--format", "raw", "-o", str(raw), "--", sys.executable,
-               str(WORKERS / "specrt_worker.py"), "--pyspy", str(settings)]
+        cmd = [
+            exe,
+            "record",
+            "--idle",
+            *native,
+            "--rate",
+            "500",
+            "--format",
+            "raw",
+            "-o",
+            str(raw),
+            "--",
+            sys.executable,
+            str(WORKERS / "specrt_worker.py"),
+            "--pyspy",
+            str(settings),
+        ]
         log(f"py-spy record {' '.join(native)} of the speculative loop ...")
         raw.unlink(missing_ok=True)
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), env=env)

@@ -11,6 +11,7 @@ status, and the server's acceptance figures (from /metrics, before/after).
     python scripts/load_test.py --engines engines/default --workers 2 --threads 1 \\
         --requests 200 --concurrency 8 --max-tokens 64 --out bench_out/load.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,16 @@ from urllib.parse import urlparse
 MAX_REQUESTS = 100_000
 MAX_SECONDS = 3600
 PROMPTS = [
-    "def add(a, b):", "for i in range(10):", "class Foo:", "import os\nimport sys\n", "def fib(n):",
-    "if __name__ == '__main__':", "def __init__(self, x):", "print(", "return a +", "while True:",
+    "def add(a, b):",
+    "for i in range(10):",
+    "class Foo:",
+    "import os\nimport sys\n",
+    "def fib(n):",
+    "if __name__ == '__main__':",
+    "def __init__(self, x):",
+    "print(",
+    "return a +",
+    "while True:",
 ]
 
 
@@ -38,7 +47,7 @@ def loopback_only(host: str) -> None:
     try:
         infos = socket.getaddrinfo(host, None)
     except socket.gaierror as e:
-        raise SystemExit(f"--url host {host!r} does not resolve ({e})")
+        raise SystemExit(f"--url host {host!r} does not resolve ({e})") from None
     addrs = {info[4][0] for info in infos}
     bad = [a for a in addrs if not ipaddress.ip_address(a.split("%")[0]).is_loopback]
     if bad:
@@ -75,8 +84,24 @@ def start_server(args) -> tuple[subprocess.Popen, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", args.engines, "--host", "127.0.0.1", "--port", str(port),
-           "--workers", str(args.workers), "--max-queue", str(max(args.concurrency, 1) + 8), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specrt.cli",
+        "serve",
+        "--engines",
+        args.engines,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        str(args.workers),
+        "--max-queue",
+        str(max(args.concurrency, 1) + 8),
+        "--log-level",
+        "warning",
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -175,7 +200,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--stream", action="store_true", help="streamed requests (adds time to first token)")
-    ap.add_argument("--prompts", help="JSONL with {\"prompt\": ...} per line (default: built-in code prompts)")
+    ap.add_argument("--prompts", help='JSONL with {"prompt": ...} per line (default: built-in code prompts)')
     ap.add_argument("--out", help="write the summary JSON here")
     args = ap.parse_args(argv)
     if not 1 <= args.requests <= MAX_REQUESTS:
@@ -201,6 +226,7 @@ def main(argv=None) -> dict:
         proc, port = start_server(args)
         host = "127.0.0.1"
     try:
+
         def body_for(i):
             b = {"prompt": prompts[i % len(prompts)], "max_tokens": args.max_tokens, "temperature": args.temperature}
             if args.temperature > 0:
@@ -236,18 +262,37 @@ def main(argv=None) -> dict:
     statuses: dict[str, int] = {}
     for r in out:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("specrt_draft_tokens_proposed_total", "specrt_draft_tokens_accepted_total", "specrt_verify_passes_total")}
+    d = {
+        k: after.get(k, 0) - before.get(k, 0)
+        for k in ("specrt_draft_tokens_proposed_total", "specrt_draft_tokens_accepted_total", "specrt_verify_passes_total")
+    }
     tokens = sum(r["tokens"] for r in ok)
     summary = {
-        "requests_sent": len(out), "ok": len(ok), "statuses": statuses, "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": args.stream,
-        "workers": args.workers if args.engines else None, "threads": args.threads if args.engines else None,
-        "wall_s": round(wall, 3), "requests_per_s": round(len(ok) / wall, 3) if wall else None,
+        "requests_sent": len(out),
+        "ok": len(ok),
+        "statuses": statuses,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": args.stream,
+        "workers": args.workers if args.engines else None,
+        "threads": args.threads if args.engines else None,
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(len(ok) / wall, 3) if wall else None,
         "completion_tokens_per_s": round(tokens / wall, 1) if wall else None,
-        "latency_s": {q: (round(v, 4) if v is not None else None) for q, v in (("p50", percentile(lat, 50)), ("p90", percentile(lat, 90)), ("p99", percentile(lat, 99)), ("max", max(lat) if lat else None))},
-        "ttft_s": {q: (round(v, 4) if v is not None else None) for q, v in (("p50", percentile(ttft, 50)), ("p99", percentile(ttft, 99)))} if args.stream else None,
-        "acceptance_rate": round(d["specrt_draft_tokens_accepted_total"] / d["specrt_draft_tokens_proposed_total"], 4) if d["specrt_draft_tokens_proposed_total"] else None,
-        "mean_accepted_length": round(d["specrt_draft_tokens_accepted_total"] / d["specrt_verify_passes_total"], 3) if d["specrt_verify_passes_total"] else None,
+        "latency_s": {
+            q: (round(v, 4) if v is not None else None)
+            for q, v in (("p50", percentile(lat, 50)), ("p90", percentile(lat, 90)), ("p99", percentile(lat, 99)), ("max", max(lat) if lat else None))
+        },
+        "ttft_s": {q: (round(v, 4) if v is not None else None) for q, v in (("p50", percentile(ttft, 50)), ("p99", percentile(ttft, 99)))}
+        if args.stream
+        else None,
+        "acceptance_rate": round(d["specrt_draft_tokens_accepted_total"] / d["specrt_draft_tokens_proposed_total"], 4)
+        if d["specrt_draft_tokens_proposed_total"]
+        else None,
+        "mean_accepted_length": round(d["specrt_draft_tokens_accepted_total"] / d["specrt_verify_passes_total"], 3)
+        if d["specrt_verify_passes_total"]
+        else None,
         "cpu_count": os.cpu_count(),
         # other processes on the machine slow everything: the 1-minute load average at the
         # start and end of the run (2 cores: above 2 means the run did not have them alone)

@@ -9,6 +9,7 @@ Usage::
 
 Prints one JSON object (tokens/s per arrangement, extra memory per fork). Not a CI test.
 """
+
 from __future__ import annotations
 
 import argparse

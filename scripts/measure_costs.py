@@ -7,6 +7,7 @@ ratio of the default pair.
 
     python scripts/measure_costs.py --engines engines/default --past 200 --reps 200
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,8 @@ import time
 
 import numpy as np
 
-from specrt.runtime.manifest import load_manifest
 from specrt.runtime.backends.ort import OrtModel, ThreadConfig
+from specrt.runtime.manifest import load_manifest
 
 
 def main(argv=None) -> int:
@@ -54,9 +55,20 @@ def main(argv=None) -> int:
     rows = []
     for i, (tc, who, q, _) in enumerate(cases):
         x = np.array(times[i]) * 1000
-        rows.append(dict(threads=tc.intra_op, spinning=tc.spinning, model=who, q=q, median_ms=float(np.median(x)),
-                         q25_ms=float(np.percentile(x, 25)), q75_ms=float(np.percentile(x, 75))))
-        print(f"threads={tc.intra_op} spin={int(tc.spinning)} {who:<6} q={q:<2} median {np.median(x):7.3f} ms  [{np.percentile(x,25):.3f}, {np.percentile(x,75):.3f}]")
+        rows.append(
+            dict(
+                threads=tc.intra_op,
+                spinning=tc.spinning,
+                model=who,
+                q=q,
+                median_ms=float(np.median(x)),
+                q25_ms=float(np.percentile(x, 25)),
+                q75_ms=float(np.percentile(x, 75)),
+            )
+        )
+        print(
+            f"threads={tc.intra_op} spin={int(tc.spinning)} {who:<6} q={q:<2} median {np.median(x):7.3f} ms  [{np.percentile(x, 25):.3f}, {np.percentile(x, 75):.3f}]"
+        )
     for tc in settings:
         d = [r for r in rows if r["threads"] == tc.intra_op and r["spinning"] == tc.spinning]
         dm = next(r["median_ms"] for r in d if r["model"] == "draft")

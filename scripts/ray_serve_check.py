@@ -10,6 +10,7 @@ bad request is a 400 JSON error, and that every replica is RUNNING. Prints one J
 
     .venv-ray/bin/python scripts/ray_serve_check.py --engines engines/default --replicas 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,9 @@ def main(argv=None) -> int:
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = specrt_deployment(args.engines, num_replicas=args.replicas, workers=args.workers, threads=args.threads,
-                                num_cpus=args.num_cpus / args.replicas, model_name="specrt")
+        app = specrt_deployment(
+            args.engines, num_replicas=args.replicas, workers=args.workers, threads=args.threads, num_cpus=args.num_cpus / args.replicas, model_name="specrt"
+        )
         serve.run(app, name="specrt", route_prefix="/")
         summary["deploy_s"] = round(time.perf_counter() - t0, 2)
         st = serve.status().applications["specrt"]

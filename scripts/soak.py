@@ -25,6 +25,7 @@ block is freed, so the buffers of the second fork made and dropped come from, an
 to, the heap, which keeps them for reuse (one step of about one fork's buffers; later forks
 reuse it). Measured on /tmp/sizes/engine: both are flat after their first occurrence.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,8 +80,12 @@ def make_call(rng: random.Random, engine, i: int, cover: int = 0):
     if i < cover:
         ids = engine.codec.encode(BASE_PROMPTS[i % len(BASE_PROMPTS)] * MULTIPLIERS[-1])[: m.max_ctx // 2]
         cfg = GenerationConfig(
-            max_new_tokens=MAX_NEW[-1], k_max=m.k_min + i % (m.k_max - m.k_min + 1), threshold=0.0,
-            speculative=i % 4 != 3, temperature=0.0 if i % 2 == 0 else 1.0, seed=i,
+            max_new_tokens=MAX_NEW[-1],
+            k_max=m.k_min + i % (m.k_max - m.k_min + 1),
+            threshold=0.0,
+            speculative=i % 4 != 3,
+            temperature=0.0 if i % 2 == 0 else 1.0,
+            seed=i,
         )
         return ids, cfg, "generate" if i % 3 else "stream"
     text = rng.choice(BASE_PROMPTS) * rng.choice(MULTIPLIERS)
@@ -124,9 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the JSON report here")
     args = ap.parse_args(argv)
 
-    from specrt.runtime.errors import SpecRTError
     from specrt import Engine
     from specrt.runtime.backends.ort import ThreadConfig
+    from specrt.runtime.errors import SpecRTError
 
     t0 = time.perf_counter()
     engine = Engine(args.engines, threads=ThreadConfig(intra_op=args.threads))

@@ -20,6 +20,7 @@ Usage::
 
 Needs the ``[export]`` extra (torch, transformers). Not part of the runtime.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -254,10 +255,14 @@ def main(argv=None) -> int:
     ap.add_argument("--init-draft", type=Path, default=None, help="continue distilling from this saved draft (fp16 -> fp32)")
     ap.add_argument("--draft-lr", type=float, default=3e-3)
     ap.add_argument("--target-layers", type=int, default=TARGET.layers, help="decoder layers of the target (default %(default)s)")
-    ap.add_argument("--grow-from", type=Path, default=None,
-                    help="initialise the target by depth growth from this fp32 state dict of a shallower target "
-                         "(each layer copied; the copies' o_proj and down_proj zeroed, so training starts from the "
-                         "shallower model's exact function)")
+    ap.add_argument(
+        "--grow-from",
+        type=Path,
+        default=None,
+        help="initialise the target by depth growth from this fp32 state dict of a shallower target "
+        "(each layer copied; the copies' o_proj and down_proj zeroed, so training starts from the "
+        "shallower model's exact function)",
+    )
     ap.add_argument("--target-lr", type=float, default=2e-3)
     args = ap.parse_args(argv)
     target_size = replace(TARGET, layers=args.target_layers)

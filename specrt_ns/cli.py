@@ -6,6 +6,7 @@ the runtime never imports it). Its choices and defaults come from the runtime's 
 (:class:`~specrt.runtime.errors.SpecRTError`) are printed as one line with a non-zero exit,
 never as a stack trace.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,7 +41,9 @@ def _clean_errors(fn):
 
 
 def _threads_option(f):
-    f = click.option("--threads", type=click.IntRange(1, 256), default=None, help=f"onnxruntime intra-op threads per session (default: {ThreadConfig().intra_op})")(f)
+    f = click.option(
+        "--threads", type=click.IntRange(1, 256), default=None, help=f"onnxruntime intra-op threads per session (default: {ThreadConfig().intra_op})"
+    )(f)
     f = click.option("--spinning/--no-spinning", default=False, show_default=True, help="let onnxruntime pool threads spin while idle")(f)
     return f
 
@@ -60,7 +63,10 @@ def _sampling_options(f):
     f = click.option("--top-p", type=float, default=field_default("top_p"), show_default=True, help="nucleus mass in (0, 1] (1 = off)")(f)
     f = click.option("--top-k", type=int, default=field_default("top_k"), show_default=True, help="keep the k most probable tokens (0 = off)")(f)
     f = click.option(
-        "--temperature", type=float, default=field_default("temperature"), show_default=True,
+        "--temperature",
+        type=float,
+        default=field_default("temperature"),
+        show_default=True,
         help="0 = greedy; > 0 = exact speculative sampling (temperature, then top-k, then top-p)",
     )(f)
     return f
@@ -72,16 +78,23 @@ STRATEGY_CHOICE = click.Choice(STRATEGIES)
 def _strategy_options(f, multiple: bool = False):
     """--strategy (repeatable for bench) and --chunk-bound; values are checked by Engine.resolve."""
     f = click.option(
-        "--chunk-bound", type=float, default=None,
+        "--chunk-bound",
+        type=float,
+        default=None,
         help="chunked/lazy-head: a chunk ends where the product of draft confidences is <= this, in (0, 1] (default: manifest, else 0.5)",
     )(f)
     if multiple:
         return click.option(
-            "--strategy", "strategies", type=STRATEGY_CHOICE, multiple=True,
+            "--strategy",
+            "strategies",
+            type=STRATEGY_CHOICE,
+            multiple=True,
             help="verification strategy to compare (repeatable: one row each; default: manifest, else full)",
         )(f)
     return click.option(
-        "--strategy", type=STRATEGY_CHOICE, default=None,
+        "--strategy",
+        type=STRATEGY_CHOICE,
+        default=None,
         help="verification: full (one pass), chunked (stop passes at a rejection), lazy-head (stop the vocab projection at a rejection); default: manifest, else full",
     )(f)
 
@@ -106,11 +119,16 @@ def cli():
 @click.option("--k-max", type=click.IntRange(1, 64), default=8, show_default=True, help="largest number of candidates per verification")
 @click.option("--max-ctx", type=click.IntRange(2, 1 << 20), default=1024, show_default=True, help="context size (KV rows)")
 @click.option(
-    "--lazy-head/--no-lazy-head", default=True, show_default=True,
+    "--lazy-head/--no-lazy-head",
+    default=True,
+    show_default=True,
     help="also write the target split at its vocabulary projection (target_body.onnx + target_head.onnx) for --strategy lazy-head",
 )
 @click.option(
-    "--defaults", "defaults_file", type=click.Path(exists=True, dir_okay=False), default=None,
+    "--defaults",
+    "defaults_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
     help="JSON object of decoding defaults to write into the manifest (k_max, threshold, strategy, chunk_bound, "
     "draft_confidence_temperature), e.g. the chosen_defaults of a specrt tune run",
 )
@@ -153,18 +171,44 @@ def export(draft, target, out, k_max, max_ctx, lazy_head, defaults_file):
 @click.option("--stop", "stops", multiple=True, help="stop string (repeatable, at most 16): the output ends before the first match")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="print statistics (JSON) to stderr")
 @click.option(
-    "--confidence-temperature", type=float, default=None,
+    "--confidence-temperature",
+    type=float,
+    default=None,
     help="temperature of the draft's confidence in the threshold test (default: manifest, set by specrt tune --calibrate; 1 = raw)",
 )
-@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None, help="record every round (draft confidences, accepted length, timings) as a JSONL trace here")
+@click.option(
+    "--trace",
+    "trace_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="record every round (draft confidences, accepted length, timings) as a JSONL trace here",
+)
 @_strategy_options
 @_sampling_options
 @_threads_option
 @_backend_option
 @_clean_errors
 def generate(
-    engines, prompt, k_max, threshold, max_new_tokens, no_speculation, stream, stops, stats, confidence_temperature, trace_file,
-    strategy, chunk_bound, temperature, top_k, top_p, seed, threads, spinning, backend,
+    engines,
+    prompt,
+    k_max,
+    threshold,
+    max_new_tokens,
+    no_speculation,
+    stream,
+    stops,
+    stats,
+    confidence_temperature,
+    trace_file,
+    strategy,
+    chunk_bound,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    threads,
+    spinning,
+    backend,
 ):
     """Generate a continuation of PROMPT (greedy: the target's own output; sampled: its distribution)."""
     from .runtime.config import GenerationConfig
@@ -172,9 +216,18 @@ def generate(
     t0 = time.perf_counter()
     engine = _engine(engines, threads, spinning, backend)
     cfg = GenerationConfig(
-        max_new_tokens=max_new_tokens, k_max=k_max, threshold=threshold, speculative=not no_speculation,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=tuple(stops),
-        strategy=strategy, chunk_bound=chunk_bound, confidence_temperature=confidence_temperature,
+        max_new_tokens=max_new_tokens,
+        k_max=k_max,
+        threshold=threshold,
+        speculative=not no_speculation,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop=tuple(stops),
+        strategy=strategy,
+        chunk_bound=chunk_bound,
+        confidence_temperature=confidence_temperature,
     )
     t_loaded = time.perf_counter()
     tw = None
@@ -211,7 +264,7 @@ def generate(
 
 @cli.command()
 @click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(), help="engine folder")
-@click.option("--prompts", "prompts_file", required=True, type=click.Path(), help="JSONL file, one {\"prompt\": ...} per line")
+@click.option("--prompts", "prompts_file", required=True, type=click.Path(), help='JSONL file, one {"prompt": ...} per line')
 @click.option("--limit", type=click.IntRange(1), default=None, help="use the first N prompts")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True)
 @click.option("--k-max", "k_values", type=int, multiple=True, help="k_max values to try (repeatable; default: manifest)")
@@ -225,8 +278,24 @@ def generate(
 @_backend_option
 @_clean_errors
 def bench(
-    engines, prompts_file, limit, max_new_tokens, k_values, thresholds, repeats, out_json, trace_file, strategies, chunk_bound,
-    temperature, top_k, top_p, seed, threads, spinning, backend,
+    engines,
+    prompts_file,
+    limit,
+    max_new_tokens,
+    k_values,
+    thresholds,
+    repeats,
+    out_json,
+    trace_file,
+    strategies,
+    chunk_bound,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    threads,
+    spinning,
+    backend,
 ):
     """Target-only vs speculative decoding, interleaved on the same prompts; prints a table.
 
@@ -245,9 +314,7 @@ def bench(
     for k in ks:
         for th in ths:
             for st in strategies or (None,):
-                cfg = engine.resolve(
-                    GenerationConfig(max_new_tokens=max_new_tokens, k_max=k, threshold=th, strategy=st, chunk_bound=chunk_bound, **samp)
-                )
+                cfg = engine.resolve(GenerationConfig(max_new_tokens=max_new_tokens, k_max=k, threshold=th, strategy=st, chunk_bound=chunk_bound, **samp))
                 configs.append(BenchConfig(f"spec k={k} th={th:g}" + (f" {st}" if st else ""), cfg))
     with click.progressbar(length=len(prompts) * repeats * len(configs), label="bench", file=sys.stderr) as bar:
         last = [0]
@@ -301,19 +368,50 @@ DEFAULT_TUNE_KS = (1, 2, 3, 4, 6, 8)
 
 
 @cli.command()
-@click.option("--engines", default=None, type=click.Path(), help=f"engine folder (default {DEFAULT_ENGINES}; with --from-trace: only where to write the defaults)")
-@click.option("--prompts", "prompts_file", type=click.Path(), default=None, help="validation JSONL, one {\"prompt\": ...} per line (not with --from-trace)")
+@click.option(
+    "--engines", default=None, type=click.Path(), help=f"engine folder (default {DEFAULT_ENGINES}; with --from-trace: only where to write the defaults)"
+)
+@click.option("--prompts", "prompts_file", type=click.Path(), default=None, help='validation JSONL, one {"prompt": ...} per line (not with --from-trace)')
 @click.option("--limit", type=click.IntRange(1), default=None, help="use the first N prompts")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True)
 @click.option("--k-max", "k_values", type=int, multiple=True, help="k_max values to sweep (repeatable; default: 1 2 3 4 6 8 within the engine's range)")
 @click.option("--threshold", "thresholds", type=float, multiple=True, help="thresholds to sweep, in [0, 1] (repeatable; default: 0 0.1 0.2 0.3 0.5)")
-@click.option("--strategy", "strategies", type=STRATEGY_CHOICE, multiple=True, help="verification strategies to sweep (repeatable; default: every one the engine folder can run)")
+@click.option(
+    "--strategy",
+    "strategies",
+    type=STRATEGY_CHOICE,
+    multiple=True,
+    help="verification strategies to sweep (repeatable; default: every one the engine folder can run)",
+)
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts in the sweep (interleaved)")
-@click.option("--confirm-repeats", type=click.IntRange(0), default=1, show_default=True, help="fresh interleaved passes of tuned vs best fixed-k vs target-only (0 = skip)")
-@click.option("--calibrate/--no-calibrate", default=False, show_default=True, help="fit the draft confidence temperature first (ECE before/after, reliability.png) and sweep with it")
+@click.option(
+    "--confirm-repeats",
+    type=click.IntRange(0),
+    default=1,
+    show_default=True,
+    help="fresh interleaved passes of tuned vs best fixed-k vs target-only (0 = skip)",
+)
+@click.option(
+    "--calibrate/--no-calibrate",
+    default=False,
+    show_default=True,
+    help="fit the draft confidence temperature first (ECE before/after, reliability.png) and sweep with it",
+)
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None, help="keep the wide trace (k_max = engine maximum, threshold 0) here")
-@click.option("--from-trace", "from_trace", type=click.Path(dir_okay=False), default=None, help="predict from this trace with the cost model instead of running the models (nothing measured)")
-@click.option("--costs", "costs_file", type=click.Path(dir_okay=False), default=None, help="with --from-trace: per-call costs JSON (a tune.json's \"costs\"); default: the trace header's")
+@click.option(
+    "--from-trace",
+    "from_trace",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="predict from this trace with the cost model instead of running the models (nothing measured)",
+)
+@click.option(
+    "--costs",
+    "costs_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="with --from-trace: per-call costs JSON (a tune.json's \"costs\"); default: the trace header's",
+)
 @click.option("--cost-reps", type=click.IntRange(1), default=50, show_default=True, help="repetitions of the per-call cost measurement")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="tune_out", show_default=True, help="folder for tune.json and the PNG plots")
 @click.option("--write/--no-write", default=True, show_default=True, help="write the chosen defaults into the engine folder's manifest.json")
@@ -321,12 +419,30 @@ DEFAULT_TUNE_KS = (1, 2, 3, 4, 6, 8)
 @_backend_option
 @_clean_errors
 def tune(
-    engines, prompts_file, limit, max_new_tokens, k_values, thresholds, strategies, repeats, confirm_repeats, calibrate,
-    trace_file, from_trace, costs_file, cost_reps, out_dir, write, threads, spinning, backend,
+    engines,
+    prompts_file,
+    limit,
+    max_new_tokens,
+    k_values,
+    thresholds,
+    strategies,
+    repeats,
+    confirm_repeats,
+    calibrate,
+    trace_file,
+    from_trace,
+    costs_file,
+    cost_reps,
+    out_dir,
+    write,
+    threads,
+    spinning,
+    backend,
 ):
     """Sweep threshold x k_max x strategy on validation prompts, pick the highest measured
     tokens/s and write it into the engine's manifest (specrt generate then uses it)."""
-    from .runtime.lab.tune import chosen_defaults, tune as run_tune, tune_from_trace
+    from .runtime.lab.tune import chosen_defaults, tune_from_trace
+    from .runtime.lab.tune import tune as run_tune
 
     thresholds = thresholds or DEFAULT_TUNE_THRESHOLDS
     for th in thresholds:
@@ -366,9 +482,19 @@ def tune(
                     click.echo(f"strategy {st} left out: {e}", err=True)
         try:
             result = run_tune(
-                engine, prompts, ks, thresholds, strategies, max_new_tokens=max_new_tokens, repeats=repeats,
-                confirm_repeats=confirm_repeats, calibrate=calibrate, trace_path=trace_file, cost_reps=cost_reps,
-                progress=bars, log=lambda s: (bars.close(), click.echo(s, err=True)),
+                engine,
+                prompts,
+                ks,
+                thresholds,
+                strategies,
+                max_new_tokens=max_new_tokens,
+                repeats=repeats,
+                confirm_repeats=confirm_repeats,
+                calibrate=calibrate,
+                trace_path=trace_file,
+                cost_reps=cost_reps,
+                progress=bars,
+                log=lambda s: (bars.close(), click.echo(s, err=True)),
             )
         finally:
             bars.close()
@@ -382,7 +508,10 @@ def tune(
         _write_tune_defaults(result, defaults, target, from_trace)
     (out / "tune.json").write_text(json.dumps(result, indent=1))
     _print_tune_report(result, out)
-    click.echo(f"wrote {out / 'tune.json'}" + (f"; defaults {defaults} -> {result['wrote_manifest']}" if result.get("wrote_manifest") else "; manifest not changed"), err=True)
+    click.echo(
+        f"wrote {out / 'tune.json'}" + (f"; defaults {defaults} -> {result['wrote_manifest']}" if result.get("wrote_manifest") else "; manifest not changed"),
+        err=True,
+    )
 
 
 def _write_tune_defaults(result: dict, defaults: dict, target: str, from_trace: str | None) -> None:
@@ -397,11 +526,19 @@ def _write_tune_defaults(result: dict, defaults: dict, target: str, from_trace: 
     if from_trace and manifest_identity(load_manifest(target, verify_hashes=False))["pair_sha256"] != result.get("pair_sha256"):
         raise InputError(f"the trace {from_trace} was recorded on another pair than {target} (pair_sha256 differs); not writing its defaults there")
     extra = {"tune": {k: result.get(k) for k in ("prompts_file", "prompts", "max_new_tokens", "measured", "trace", "command")}}
-    extra["tune"].update(chosen=defaults, tokens_per_second=result["best"].get("tokens_per_second"),
-                         speedup=result["best"].get("speedup"), confirm=result.get("confirm"), unix_time=time.time())
+    extra["tune"].update(
+        chosen=defaults,
+        tokens_per_second=result["best"].get("tokens_per_second"),
+        speedup=result["best"].get("speedup"),
+        confirm=result.get("confirm"),
+        unix_time=time.time(),
+    )
     if result.get("calibration"):
         cal = result["calibration"]
-        extra["calibration"] = {k: cal[k] for k in ("temperature", "n", "prompts", "acceptance", "ece_before", "ece_after", "ece_after_heldout", "nll_before", "nll_after", "n_bins")}
+        extra["calibration"] = {
+            k: cal[k]
+            for k in ("temperature", "n", "prompts", "acceptance", "ece_before", "ece_after", "ece_after_heldout", "nll_before", "nll_after", "n_bins")
+        }
     write_defaults(target, defaults, extra)
     result["wrote_manifest"] = str(Path(target) / "manifest.json")
 
@@ -431,11 +568,19 @@ def _print_tune_report(result: dict, out: Path) -> None:
 @click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(), help="engine folder")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--workers", type=click.IntRange(1, 256), default=1, show_default=True, help="generator workers, each with its own Engine (workers x --threads <= cores)")
+@click.option(
+    "--workers", type=click.IntRange(1, 256), default=1, show_default=True, help="generator workers, each with its own Engine (workers x --threads <= cores)"
+)
 @click.option("--max-queue", type=click.IntRange(1), default=64, show_default=True, help="requests that may wait for a worker (503 beyond)")
 @click.option("--model-name", default=None, help="model id clients send (default: the engine folder's name)")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
-@click.option("--round-delay", type=click.FloatRange(0, 10), default=0.0, hidden=True, help="test hook: a worker sleeps this long after each piece (simulates a slow model)")
+@click.option(
+    "--round-delay",
+    type=click.FloatRange(0, 10),
+    default=0.0,
+    hidden=True,
+    help="test hook: a worker sleeps this long after each piece (simulates a slow model)",
+)
 @_threads_option
 @_backend_option
 @_clean_errors
@@ -444,8 +589,18 @@ def serve(engines, host, port, workers, max_queue, model_name, log_level, round_
     from .runtime.serve.server import serve as run_server
 
     tc = ThreadConfig(intra_op=threads or ThreadConfig().intra_op, spinning=spinning)
-    run_server(engines, host=host, port=port, workers=workers, max_queue=max_queue, threads=tc, backend=backend,
-               model_name=model_name, log_level=log_level, round_delay=round_delay)
+    run_server(
+        engines,
+        host=host,
+        port=port,
+        workers=workers,
+        max_queue=max_queue,
+        threads=tc,
+        backend=backend,
+        model_name=model_name,
+        log_level=log_level,
+        round_delay=round_delay,
+    )
 
 
 def main() -> None:

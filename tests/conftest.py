@@ -1,10 +1,10 @@
 """Shared fixtures: tiny random-weight pairs exported once per session."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
 from helpers import make_tokenizer, save_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +31,7 @@ def noisy_pair(tmp_path_factory):
     """(target_dir, engine_dir): draft = target with perturbed weights, so it agrees often but not always."""
     pytest.importorskip("torch")
     import torch
+
     from specrt.export.pipeline import export_pair
 
     root = tmp_path_factory.mktemp("noisy")

@@ -8,6 +8,7 @@ reads from the addresses and shapes the backend set, checks every shape against 
 active profile as TensorRT would, and writes the outputs to the bound addresses. Every
 call is appended to ``log`` for call-sequence assertions.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -1,4 +1,5 @@
 """Builders for tiny random-weight pairs (no hub): a byte-level BPE tokenizer and Llama models."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,9 +20,7 @@ def make_tokenizer(vocab_size: int = 320):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS * 20, trainer=trainer)
     return tok
 
@@ -73,9 +72,7 @@ def make_other_tokenizer(vocab_size: int = 320):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(OTHER_CORPUS * 20, trainer=trainer)
     return tok
 
@@ -99,8 +96,14 @@ def family_config(family: str, vocab: int, eos: int, **overrides):
         kw.update(overrides)
         return tf.GPT2Config(**kw)
     kw = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, tie_word_embeddings=False, **common,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        **common,
     )
     if family == "llama":
         cls = tf.LlamaConfig
@@ -109,9 +112,7 @@ def family_config(family: str, vocab: int, eos: int, **overrides):
         kw.update(head_dim=32, sliding_window=4096)
     elif family == "qwen2":
         cls = tf.Qwen2Config
-        kw.update(
-            tie_word_embeddings=True, initializer_range=0.3, use_sliding_window=True, sliding_window=512, max_window_layers=1, rope_theta=1e6
-        )
+        kw.update(tie_word_embeddings=True, initializer_range=0.3, use_sliding_window=True, sliding_window=512, max_window_layers=1, rope_theta=1e6)
     elif family == "phi3":
         cls = tf.Phi3Config
         rot_half = int(16 * 0.75) // 2  # head_dim 16, partial rotary 0.75
@@ -120,8 +121,12 @@ def family_config(family: str, vocab: int, eos: int, **overrides):
             original_max_position_embeddings=256,  # Phi3Config copies it into rope_parameters
             pad_token_id=eos,
             rope_parameters=dict(
-                rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75, original_max_position_embeddings=256,
-                short_factor=[1.0 + 0.1 * i for i in range(rot_half)], long_factor=[2.0 + 0.5 * i for i in range(rot_half)],
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.75,
+                original_max_position_embeddings=256,
+                short_factor=[1.0 + 0.1 * i for i in range(rot_half)],
+                long_factor=[2.0 + 0.5 * i for i in range(rot_half)],
             ),
         )
     else:

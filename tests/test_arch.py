@@ -14,23 +14,22 @@ target, exported once per module:
 Drafts other than the mixed pair's are perturbed copies of the target, so they accept
 some candidates and reject others.
 """
+
 from __future__ import annotations
 
 import json
 import shutil
 
-import numpy as np
 import pytest
-
 from helpers import EOS, make_other_tokenizer, make_tokenizer, pad_vocab, perturbed_copy, save_family, save_llama, save_model
 
 torch = pytest.importorskip("torch")
 
+from specrt import Engine, GenerationConfig  # noqa: E402
 from specrt.export.arch import REGISTRY, UnsupportedModelError, spec_for  # noqa: E402
 from specrt.export.onnx_export import PARITY_TOL, load_hf, parity_check  # noqa: E402
 from specrt.export.pipeline import PairError, export_pair, vocab_hash  # noqa: E402
 from specrt.runtime.errors import EngineError  # noqa: E402
-from specrt import Engine, GenerationConfig  # noqa: E402
 from specrt.runtime.manifest import load_manifest  # noqa: E402
 
 FAMILIES = ["llama", "mistral", "qwen2", "phi3", "gpt2"]
@@ -245,8 +244,11 @@ def test_rope_variants_read_or_refused():
     cfg.rope_parameters = {"rope_type": "proportional", "rope_theta": 10000.0}
     with pytest.raises(UnsupportedModelError, match=r"rope type 'proportional' is not supported; supported: default, linear"):
         spec_for(cfg, 256)
-    for rope in ({"rope_type": "linear", "factor": 2.0}, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
-                 {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}):
+    for rope in (
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    ):
         cfg = tf.LlamaConfig(**small, max_position_embeddings=512, rope_parameters={**rope, "rope_theta": 5e5})
         assert spec_for(cfg, 512).family == "llama"
     dyn = tf.LlamaConfig(**small, max_position_embeddings=512, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})

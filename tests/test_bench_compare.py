@@ -1,4 +1,5 @@
 """scripts/bench_compare.py: the analytic bound, and one small run (specrt + transformers rows) on a tiny pair."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -90,15 +91,54 @@ def test_small_run_specrt_and_transformers(tiny_pair, tmp_path, bc):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("def add(a, b):", "hello world")) + "\n")
     out = tmp_path / "out"
-    rc = bc.main(["--target", str(target), "--draft", str(draft), "--engines", str(engine), "--prompts", str(prompts),
-                  "--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--systems", "specrt,hf", "--spec-k", "3",
-                  "--spec-threshold", "0.2", "--sweep-k", "2", "--sweep-thresholds", "0,0.5", "--sweep-limit", "1",
-                  "--cost-reps", "3", "--profile-prompts", "1", "--no-pyspy", "--out", str(out)])
+    rc = bc.main(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--engines",
+            str(engine),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--systems",
+            "specrt,hf",
+            "--spec-k",
+            "3",
+            "--spec-threshold",
+            "0.2",
+            "--sweep-k",
+            "2",
+            "--sweep-thresholds",
+            "0,0.5",
+            "--sweep-limit",
+            "1",
+            "--cost-reps",
+            "3",
+            "--profile-prompts",
+            "1",
+            "--no-pyspy",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     r = json.loads((out / "compare.json").read_text())
     rows = {x["label"]: x for x in r["rows"]}
-    assert set(rows) == {"specrt target-only", "specrt spec best (k=3 th=0.2)", "specrt spec fixed k=3 (th=0)", "HF generate (PyTorch)",
-                         "HF assisted (defaults)", "HF assisted (k=3 th=0.2)"}
+    assert set(rows) == {
+        "specrt target-only",
+        "specrt spec best (k=3 th=0.2)",
+        "specrt spec fixed k=3 (th=0)",
+        "HF generate (PyTorch)",
+        "HF assisted (defaults)",
+        "HF assisted (k=3 th=0.2)",
+    }
     for x in rows.values():
         assert x["status"] == "ok", x
         assert x["runs"] == 2 and x["tokens_per_second"] > 0 and x["peak_rss_mb"] > 0
@@ -108,7 +148,10 @@ def test_small_run_specrt_and_transformers(tiny_pair, tmp_path, bc):
         assert rows[lab]["equal_to_target"] == 2, lab
     assert rows["HF assisted (defaults)"]["info"]["assistant_settings"]["num_assistant_tokens"] == 20
     assert rows["HF assisted (k=3 th=0.2)"]["info"]["assistant_settings"] == {
-        "num_assistant_tokens": 3, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.2}
+        "num_assistant_tokens": 3,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.2,
+    }
     assert r["costs"]["rows"][0]["model"] == "draft"
     assert [x["label"] for x in r["sweep"]["rows"]] == ["target-only", "k=2 th=0", "k=2 th=0.5"]
     assert r["profile_cprofile"]["categories"]

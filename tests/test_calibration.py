@@ -1,14 +1,17 @@
 """Draft calibration (runtime/calibration.py): ECE against hand-computed values, the
 temperature fit recovers a known temperature, the calibrated threshold never changes the
 greedy output, T = 1 is bit-identical, teacher-forced labels agree with a trace."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from specrt import Engine, GenerationConfig
+from specrt.runtime.errors import InputError
 from specrt.runtime.lab.calibration import (
-    binary_nll,
     bin_index,
+    binary_nll,
     calibrate,
     expected_calibration_error,
     fit_temperature,
@@ -17,11 +20,9 @@ from specrt.runtime.lab.calibration import (
     teacher_forced,
     top1_confidences,
 )
-from specrt.runtime.errors import InputError
-from specrt import Engine, GenerationConfig
-from specrt.runtime.speculative import top1
 from specrt.runtime.lab.replay import position_views
 from specrt.runtime.lab.trace import TraceWriter, load_trace
+from specrt.runtime.speculative import top1
 
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "x", "import os\n"]
 

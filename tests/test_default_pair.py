@@ -1,6 +1,7 @@
 """The embedded default pair (models/ exported to engines/default by `make export`):
 speculative greedy output == target-only greedy output == Hugging Face generate on the
 PyTorch target, on 20 HumanEval prompts, for k_max in {1,2,4,8} x threshold in {0,0.5,0.9}."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Every bad input gets the project's own clear error (API) or a one-line error and a
 non-zero exit (CLI), never a stack trace from inside onnxruntime."""
+
 from __future__ import annotations
 
 import json
@@ -9,10 +10,10 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from specrt.runtime.lab.bench import load_prompts
+from specrt import Engine, GenerationConfig
 from specrt.cli import cli
 from specrt.runtime.errors import EngineError, InputError, SpecRTError
-from specrt import Engine, GenerationConfig
+from specrt.runtime.lab.bench import load_prompts
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,13 @@
 """Export parity: the oracle is PyTorch. A q-token call with past length P through the
 runtime's IO-bound backend equals a full PyTorch forward over P+q tokens (fp32, 1e-4)."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from specrt.runtime.manifest import load_manifest
 from specrt.runtime.backends.ort import OrtModel
+from specrt.runtime.manifest import load_manifest
 
 
 @pytest.mark.parametrize("past", [0, 1, 37])

@@ -1,5 +1,6 @@
 """Greedy speculative decoding: oracle = the target model alone (specrt target-only and
 Hugging Face ``generate(do_sample=False)`` on the PyTorch target)."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,8 @@ import shutil
 
 import numpy as np
 import pytest
-
 from helpers import greedy_verify, speculative_verify  # noqa: F401  (the acceptance loop on explicit rows)
+
 from specrt import Engine, GenerationConfig
 from specrt.runtime.speculative import draft_limit, rollback_lengths
 

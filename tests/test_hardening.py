@@ -7,6 +7,7 @@ write reaches max_ctx), input types, numerics (fp16 / huge / NaN logits), identi
 ids for draft, target and baseline, fuzzing of the public API, concurrency, and engine
 folder integrity. (Tests already in test_greedy.py / test_errors.py are not repeated.)
 """
+
 from __future__ import annotations
 
 import json
@@ -20,14 +21,13 @@ import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from helpers import greedy_verify, speculative_verify  # noqa: F401  (the acceptance loop on explicit rows)
-from specrt.cli import cli
-from specrt.runtime.errors import BackendError, EngineError, InputError, SpecRTError
+
 from specrt import Engine, GenerationConfig, Stream
+from specrt.cli import cli
 from specrt.runtime.config import MAX_STOPS, check_stops
+from specrt.runtime.errors import BackendError, EngineError, InputError, NumericsError, SpecRTError
 from specrt.runtime.sampling import warp
-from specrt.runtime.errors import NumericsError
 from specrt.runtime.speculative import argmax_token, top1
 from specrt.runtime.textstream import IncrementalText
 
@@ -204,9 +204,8 @@ def test_incremental_text_unit():
 def test_incremental_text_with_a_sentencepiece_style_decoder(scheme):
     """Llama-2/Mistral-style decoding (Metaspace, byte fallback, Strip of the first space):
     the window scheme still concatenates to decode(ids) for random id sequences."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from helpers import CORPUS
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
@@ -331,7 +330,13 @@ def test_stop_on_the_last_token_and_eos_reason(self_pair, tmp_path, self_engine)
 
 def test_stop_validation(engine):
     assert check_stops("ab") == ("ab",) and check_stops(["a", "b"]) == ("a", "b") and check_stops(()) == ()
-    bad = [(("a",) * (MAX_STOPS + 1), "at most 16"), (("",), "non-empty"), ((3,), "non-empty string"), (("a" + FFFD,), r"U\+FFFD"), (5, "string or a tuple/list")]
+    bad = [
+        (("a",) * (MAX_STOPS + 1), "at most 16"),
+        (("",), "non-empty"),
+        ((3,), "non-empty string"),
+        (("a" + FFFD,), r"U\+FFFD"),
+        (5, "string or a tuple/list"),
+    ]
     for stop, needle in bad:
         with pytest.raises(InputError, match=needle):
             engine.generate("x", GenerationConfig(max_new_tokens=2, stop=stop))
@@ -348,7 +353,8 @@ def test_cli_stop_repeatable_and_stream_stats(engine, noisy_pair):
     assert want.stop_reason == stop
     for extra in ([], ["--stream"]):
         res = CliRunner().invoke(
-            cli, ["generate", "--engines", str(noisy_pair[1]), "--prompt", "def add(a, b):", "--max-new-tokens", "30", "--stop", "@@nope", "--stop", stop, *extra]
+            cli,
+            ["generate", "--engines", str(noisy_pair[1]), "--prompt", "def add(a, b):", "--max-new-tokens", "30", "--stop", "@@nope", "--stop", stop, *extra],
         )
         assert res.exit_code == 0, res.output
         assert res.stdout == click.unstyle(want.text) + "\n"  # click drops ANSI escapes off a tty
@@ -525,7 +531,11 @@ def test_draft_target_and_baseline_get_identical_prompt_ids(noisy_pair, tmp_path
     else:
         hf = AutoTokenizer.from_pretrained(str(target_dir))
         assert want == ([e.manifest.bos_token_id] if add_bos else []) + hf(prompt, add_special_tokens=False)["input_ids"]
-    for cfg in (GenerationConfig(max_new_tokens=6, k_max=4), GenerationConfig(max_new_tokens=6, speculative=False), GenerationConfig(max_new_tokens=6, temperature=1.0, seed=0)):
+    for cfg in (
+        GenerationConfig(max_new_tokens=6, k_max=4),
+        GenerationConfig(max_new_tokens=6, speculative=False),
+        GenerationConfig(max_new_tokens=6, temperature=1.0, seed=0),
+    ):
         fed = {"target": [], "draft": []}
         origs = {}
         for name in fed:

@@ -1,4 +1,5 @@
 """The runtime imports and runs in a process where importing torch, transformers or optimum raises."""
+
 from __future__ import annotations
 
 import subprocess

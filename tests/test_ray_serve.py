@@ -2,6 +2,7 @@
 Ray's HTTP proxy on 127.0.0.1 (scripts/ray_serve_check.py). Needs ray[serve] (the [ray]
 extra, kept out of [dev]: it is large) and the exported default pair; `make ray-check` runs
 it in its own venv."""
+
 from __future__ import annotations
 
 import importlib.util

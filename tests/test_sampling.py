@@ -6,6 +6,7 @@ Hugging Face's logits warpers for :func:`warp`. The pure functions are also test
 hand-made p and q with a scripted random source, so acceptance and residual boundaries
 are checked exactly.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,14 +17,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from helpers import greedy_verify, speculative_verify  # noqa: F401  (the acceptance loop on explicit rows)
-from specrt.runtime.lab.bench import BenchConfig, format_table, run_bench
-from specrt.cli import cli
-from specrt.runtime.errors import InputError
+
 from specrt import Engine, GenerationConfig
+from specrt.cli import cli
+from specrt.runtime.errors import InputError, NumericsError
+from specrt.runtime.lab.bench import BenchConfig, format_table, run_bench
 from specrt.runtime.sampling import RESIDUAL_EPS, residual, sample_residual, sample_token, warp
-from specrt.runtime.errors import NumericsError
 
 V = 16  # real vocab of the small pair (id 0 is EOS)
 N_RUNS = 20_000  # seeded runs per histogram

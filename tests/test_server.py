@@ -1,13 +1,12 @@
 """The HTTP server against a real uvicorn process on 127.0.0.1 (random free port): OpenAI
 completions equal ``specrt generate``, streaming, stop strings, 32 concurrent clients,
 4xx errors, metrics, and that a client that goes away frees its worker."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
 import http.client
 import json
-import os
-import re
 import socket
 import subprocess
 import sys
@@ -21,8 +20,8 @@ pytest.importorskip("uvicorn", reason="the [serve] extra (fastapi, uvicorn) is n
 
 from click.testing import CliRunner  # noqa: E402
 
-from specrt.cli import cli  # noqa: E402
 from specrt import Engine, GenerationConfig  # noqa: E402
+from specrt.cli import cli  # noqa: E402
 
 HOST = "127.0.0.1"
 
@@ -39,8 +38,23 @@ class Server:
 
     def __init__(self, engines, *args: str):
         self.port = free_port()
-        cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", str(engines), "--host", HOST,
-               "--port", str(self.port), "--log-level", "warning", "--threads", "1", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "specrt.cli",
+            "serve",
+            "--engines",
+            str(engines),
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            "--threads",
+            "1",
+            *args,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 120
         while True:
@@ -102,7 +116,7 @@ def post_stream(port, body, timeout=120):
             if not line.startswith("data: "):
                 assert line == "", line  # only data lines and blank separators
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 done = True
                 break
@@ -129,8 +143,21 @@ def read_metrics(port) -> dict[str, float]:
 
 def cli_generate(engine_dir, prompt, max_tokens, temperature=0.0, top_p=1.0, seed=None, k_max=None, extra=()):
     """Text printed by ``specrt generate`` (click.echo adds one newline)."""
-    args = ["generate", "--engines", str(engine_dir), "--prompt", prompt, "--max-new-tokens", str(max_tokens),
-            "--temperature", str(temperature), "--top-p", str(top_p), "--no-stats", *extra]
+    args = [
+        "generate",
+        "--engines",
+        str(engine_dir),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        str(max_tokens),
+        "--temperature",
+        str(temperature),
+        "--top-p",
+        str(top_p),
+        "--no-stats",
+        *extra,
+    ]
     if seed is not None:
         args += ["--seed", str(seed)]
     if k_max is not None:
@@ -267,7 +294,12 @@ def test_32_concurrent_clients(server, engine):
         (b'{"prompt": "x", "max_tokens": 4', 400, None, "not valid JSON"),
         (b"not json at all", 400, None, "not valid JSON"),
         (b'["prompt", "x"]', 400, None, "must be a JSON object"),
-        (json.dumps(dict(prompt="x", max_tokens=4, frobnicate=1)).encode(), 400, "frobnicate", "frobnicate: unknown field; allowed fields: model, prompt, max_tokens"),
+        (
+            json.dumps(dict(prompt="x", max_tokens=4, frobnicate=1)).encode(),
+            400,
+            "frobnicate",
+            "frobnicate: unknown field; allowed fields: model, prompt, max_tokens",
+        ),
         (json.dumps(dict(prompt="x", max_tokens=0)).encode(), 400, "max_tokens", "max_tokens: Input should be greater than or equal to 1 (got 0)"),
         (json.dumps(dict(prompt="x", max_tokens="5")).encode(), 400, "max_tokens", "max_tokens: Input should be a valid integer"),
         (json.dumps(dict(max_tokens=4)).encode(), 400, "prompt", "prompt: required field missing"),
@@ -338,8 +370,7 @@ def open_stream(port, body):
     """Start a streamed completion on a raw socket; returns (socket, first bytes of the body)."""
     sock = socket.create_connection((HOST, port), timeout=30)
     data = json.dumps(dict(body, stream=True)).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 
 
@@ -385,13 +416,11 @@ def test_disconnected_non_streaming_request_frees_its_worker(slow_server):
     wait_for(lambda m: m["specrt_workers_busy"] == 1, port)
     sock = socket.create_connection((HOST, port), timeout=30)
     data = json.dumps(dict(prompt="b", max_tokens=200, temperature=0)).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     wait_for(lambda m: m["specrt_queue_depth"] == 1, port)
     sock.close()  # gone while queued: the job is skipped
     blocker.close()
-    m = wait_for(lambda m: m["specrt_workers_busy"] == 0 and m["specrt_queue_depth"] == 0
-                 and m[CANCELLED] == before[CANCELLED] + 2, port)
+    m = wait_for(lambda m: m["specrt_workers_busy"] == 0 and m["specrt_queue_depth"] == 0 and m[CANCELLED] == before[CANCELLED] + 2, port)
     assert m['specrt_requests_total{outcome="ok"}'] == before['specrt_requests_total{outcome="ok"}']
     status, _, _ = post(port, dict(prompt="x", max_tokens=3), timeout=30)
     assert status == 200

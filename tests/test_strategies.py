@@ -6,6 +6,7 @@ PyTorch (parity of the lazy-head body and head graphs) and a hand count (FLOPs).
 after a rejection is checked on ``Stats`` and on the recorded model calls: chunked runs
 fewer target positions than full, lazy-head projects fewer head rows.
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,12 +17,12 @@ import shutil
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from helpers import greedy_verify, speculative_verify  # noqa: F401  (the acceptance loop on explicit rows)
+
+from specrt import Engine, GenerationConfig
 from specrt.cli import cli
 from specrt.runtime.errors import BackendError, EngineError, InputError
 from specrt.runtime.flops import body_flops, call_flops, flop_coefficients
-from specrt import Engine, GenerationConfig
 from specrt.runtime.manifest import ModelEntry, load_manifest
 from specrt.runtime.sampling import accept_candidate, final_token
 from specrt.runtime.speculative import chunk_passes, chunk_sizes, head_blocks
@@ -113,7 +114,10 @@ def test_every_strategy_equals_target_only_greedy(noisy, k_max, threshold):
             s = res.stats
             # the same rounds as full, whatever the strategy: only the work differs
             assert (s.passes, s.proposed, s.accepted, s.accepted_hist) == (
-                full.stats.passes, full.stats.proposed, full.stats.accepted, full.stats.accepted_hist,
+                full.stats.passes,
+                full.stats.proposed,
+                full.stats.accepted,
+                full.stats.accepted_hist,
             )
             assert s.target_positions <= full.stats.target_positions
             assert s.head_rows <= full.stats.head_rows
@@ -204,8 +208,7 @@ def test_stats_count_exactly_the_recorded_calls(noisy):
             if strategy == "lazy-head":
                 log.watch_lazy()
             try:
-                cfg = GenerationConfig(max_new_tokens=40, k_max=6, strategy=strategy, chunk_bound=0.6,
-                                       temperature=0.8 if sampled else 0.0, seed=1)
+                cfg = GenerationConfig(max_new_tokens=40, k_max=6, strategy=strategy, chunk_bound=0.6, temperature=0.8 if sampled else 0.0, seed=1)
                 s = engine.generate(ids, cfg).stats
             finally:
                 log.close()
@@ -545,8 +548,23 @@ def test_cli_generate_and_bench_strategies(noisy, tmp_path):
     r = CliRunner()
     texts = []
     for strategy in ("full", "chunked", "lazy-head"):
-        res = r.invoke(cli, ["generate", "--engines", str(folder), "--prompt", "def add(a, b):", "--max-new-tokens", "24",
-                             "--strategy", strategy, "--chunk-bound", "0.7", "--no-stats"])
+        res = r.invoke(
+            cli,
+            [
+                "generate",
+                "--engines",
+                str(folder),
+                "--prompt",
+                "def add(a, b):",
+                "--max-new-tokens",
+                "24",
+                "--strategy",
+                strategy,
+                "--chunk-bound",
+                "0.7",
+                "--no-stats",
+            ],
+        )
         assert res.exit_code == 0, res.output
         texts.append(res.output)
     assert texts[0] == texts[1] == texts[2]
@@ -557,8 +575,28 @@ def test_cli_generate_and_bench_strategies(noisy, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
     out = tmp_path / "b.json"
-    res = r.invoke(cli, ["bench", "--engines", str(folder), "--prompts", str(prompts), "--max-new-tokens", "24", "--k-max", "4",
-                         "--strategy", "full", "--strategy", "chunked", "--strategy", "lazy-head", "--out", str(out)])
+    res = r.invoke(
+        cli,
+        [
+            "bench",
+            "--engines",
+            str(folder),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "24",
+            "--k-max",
+            "4",
+            "--strategy",
+            "full",
+            "--strategy",
+            "chunked",
+            "--strategy",
+            "lazy-head",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "MFLOP/tok" in res.output and "ms/tok" in res.output
     rows = {row["label"]: row for row in json.loads(out.read_text())["rows"]}

@@ -1,5 +1,6 @@
 """Replayable traces (runtime/trace.py): round trip, tracing changes nothing, offline replay
 equals actually running the policy, bad inputs."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from specrt import Engine, GenerationConfig
 from specrt.cli import cli
 from specrt.runtime.errors import InputError
-from specrt import Engine, GenerationConfig
 from specrt.runtime.lab.replay import check_replayable, position_views, replay
 from specrt.runtime.lab.trace import Costs, TraceWriter, load_trace, manifest_identity
 
@@ -235,14 +236,45 @@ def test_replay_refuses_what_it_cannot_predict(engine, tmp_path, wide):
 # ---- CLI ------------------------------------------------------------------------------------------
 def test_cli_generate_and_bench_trace(noisy_pair, tmp_path):
     folder = str(noisy_pair[1])
-    r = CliRunner().invoke(cli, ["generate", "--engines", folder, "--prompt", "def f(x):", "--max-new-tokens", "12", "--k-max", "3", "--trace", str(tmp_path / "g.jsonl"), "--no-stats"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "generate",
+            "--engines",
+            folder,
+            "--prompt",
+            "def f(x):",
+            "--max-new-tokens",
+            "12",
+            "--k-max",
+            "3",
+            "--trace",
+            str(tmp_path / "g.jsonl"),
+            "--no-stats",
+        ],
+    )
     assert r.exit_code == 0, r.output
     tr = load_trace(tmp_path / "g.jsonl")
     assert len(tr.gens) == 1 and tr.gens[0].settings["k_max"] == 3 and tr.header["note"] == "specrt generate"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def f(x):"}\n{"prompt": "import os"}\n')
     r = CliRunner().invoke(
-        cli, ["bench", "--engines", folder, "--prompts", str(prompts), "--max-new-tokens", "8", "--k-max", "2", "--threshold", "0", "--trace", str(tmp_path / "b.jsonl")]
+        cli,
+        [
+            "bench",
+            "--engines",
+            folder,
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "8",
+            "--k-max",
+            "2",
+            "--threshold",
+            "0",
+            "--trace",
+            str(tmp_path / "b.jsonl"),
+        ],
     )
     assert r.exit_code == 0, r.output
     tr = load_trace(tmp_path / "b.jsonl")

@@ -6,20 +6,19 @@ the plan builder and of TrtModel against recording stand-ins for ``tensorrt`` an
 Tests marked ``gpu`` need a real NVIDIA GPU with tensorrt / onnxruntime-gpu and
 cuda-python; they skip elsewhere (nothing in this file has been run on a GPU yet).
 """
+
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
 
+import fake_gpu
 import numpy as np
 import pytest
 
-import fake_gpu
 from specrt.runtime.backends.cuda_mem import CudaRuntime
-from specrt.runtime.errors import BackendError, EngineError, InputError
 from specrt.runtime.backends.kv_layout import ALIGN, KVLayout, align_up
-from specrt.runtime.manifest import FORMAT_VERSION, load_manifest
 from specrt.runtime.backends.profiles import (
     DimRange,
     Profile,
@@ -29,6 +28,8 @@ from specrt.runtime.backends.profiles import (
     draft_profiles,
     target_profiles,
 )
+from specrt.runtime.errors import BackendError, EngineError, InputError
+from specrt.runtime.manifest import FORMAT_VERSION, load_manifest
 
 PREFILL = 256
 
@@ -497,9 +498,9 @@ def test_ort_cuda_model_code_path_on_cpu_equals_ort_model(tiny_pair):
 def test_gpu_backends_refused_clearly_without_a_gpu(tiny_pair):
     from click.testing import CliRunner
 
-    from specrt.runtime.backends import backend_status, resolve_backend
-    from specrt.cli import cli
     from specrt import Engine
+    from specrt.cli import cli
+    from specrt.runtime.backends import backend_status, resolve_backend
 
     status = backend_status(load_manifest(tiny_pair[2]))
     assert status["ort-cpu"] is None
@@ -542,8 +543,8 @@ def test_gpu_ort_cuda_matches_ort_cpu(tiny_pair):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pad", [0, 1])
 def test_gpu_tensorrt_fp32_plans_match_ort_cpu(engine_copy, tiny_pair, pad):
-    from specrt.export.trt_build import TrtBuildConfig, build_plans, tensorrt_unavailable
     from specrt import Engine, GenerationConfig
+    from specrt.export.trt_build import TrtBuildConfig, build_plans, tensorrt_unavailable
 
     reason = tensorrt_unavailable()
     if reason:
@@ -562,8 +563,8 @@ def test_gpu_tensorrt_fp32_plans_match_ort_cpu(engine_copy, tiny_pair, pad):
 
 @pytest.mark.gpu
 def test_gpu_tensorrt_fp16_plans_build_and_run(engine_copy):
-    from specrt.export.trt_build import TrtBuildConfig, build_plans, tensorrt_unavailable
     from specrt import Engine, GenerationConfig
+    from specrt.export.trt_build import TrtBuildConfig, build_plans, tensorrt_unavailable
 
     reason = tensorrt_unavailable()
     if reason:

@@ -1,5 +1,6 @@
 """``specrt tune`` (runtime/tune.py): writes defaults that generate then uses, runs from a
 trace without models, keeps the manifest's hash checks, refuses bad inputs clearly."""
+
 from __future__ import annotations
 
 import json
@@ -9,13 +10,12 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from specrt.cli import cli
-from specrt.runtime.errors import InputError
 from specrt import Engine, GenerationConfig
-from specrt.runtime.manifest import load_manifest
+from specrt.cli import cli
 from specrt.runtime.config import STRATEGIES
+from specrt.runtime.errors import InputError
 from specrt.runtime.lab.tune import check_grid
-from specrt.runtime.manifest import write_defaults
+from specrt.runtime.manifest import load_manifest, write_defaults
 
 PROMPTS = ['{"prompt": "def add(a, b):"}', '{"prompt": "for i in range(10):\\n"}']
 
@@ -47,11 +47,34 @@ def tuned(noisy_pair, tmp_path_factory):
     shutil.copytree(noisy_pair[1], folder)
     (root / "val.jsonl").write_text("\n".join(PROMPTS) + "\n")
     out = root / "out"
-    r = run([
-        "tune", "--engines", str(folder), "--prompts", str(root / "val.jsonl"), "--max-new-tokens", "16",
-        "--k-max", "1", "--k-max", "3", "--threshold", "0", "--threshold", "0.4", "--strategy", "full",
-        "--calibrate", "--cost-reps", "3", "--trace", str(root / "wide.jsonl"), "--out", str(out),
-    ])
+    r = run(
+        [
+            "tune",
+            "--engines",
+            str(folder),
+            "--prompts",
+            str(root / "val.jsonl"),
+            "--max-new-tokens",
+            "16",
+            "--k-max",
+            "1",
+            "--k-max",
+            "3",
+            "--threshold",
+            "0",
+            "--threshold",
+            "0.4",
+            "--strategy",
+            "full",
+            "--calibrate",
+            "--cost-reps",
+            "3",
+            "--trace",
+            str(root / "wide.jsonl"),
+            "--out",
+            str(out),
+        ]
+    )
     assert r.exit_code == 0, r.output
     return folder, out, json.loads((out / "tune.json").read_text()), r.output, root / "wide.jsonl"
 
@@ -110,7 +133,25 @@ def test_tune_from_trace_runs_without_models(tuned, tmp_path, monkeypatch):
         raise AssertionError("tune --from-trace loaded a model")
 
     monkeypatch.setattr(ort_backend.OrtModel, "__init__", no_models)
-    r = run(["tune", "--from-trace", str(wide), "--k-max", "1", "--k-max", "2", "--k-max", "3", "--threshold", "0", "--threshold", "0.4", "--out", str(tmp_path / "o")])
+    r = run(
+        [
+            "tune",
+            "--from-trace",
+            str(wide),
+            "--k-max",
+            "1",
+            "--k-max",
+            "2",
+            "--k-max",
+            "3",
+            "--threshold",
+            "0",
+            "--threshold",
+            "0.4",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     assert r.exit_code == 0, r.output
     assert "nothing was measured" in r.output
     res = json.loads((tmp_path / "o" / "tune.json").read_text())
@@ -250,8 +291,25 @@ def test_export_defaults_file_goes_into_the_manifest(tiny_pair, tmp_path):
     good = tmp_path / "d.json"
     good.write_text(json.dumps({"k_max": 3, "threshold": 0.2, "strategy": "chunked", "draft_confidence_temperature": 0.5}))
     out = tmp_path / "eng"
-    r = CliRunner().invoke(cli, ["export", "--draft", str(draft), "--target", str(target), "--out", str(out),
-                                 "--k-max", "4", "--max-ctx", "64", "--no-lazy-head", "--defaults", str(good)])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            "--draft",
+            str(draft),
+            "--target",
+            str(target),
+            "--out",
+            str(out),
+            "--k-max",
+            "4",
+            "--max-ctx",
+            "64",
+            "--no-lazy-head",
+            "--defaults",
+            str(good),
+        ],
+    )
     assert r.exit_code == 0, r.output
     m = load_manifest(out)
     assert m.defaults["k_max"] == 3 and m.defaults["threshold"] == 0.2 and m.defaults["strategy"] == "chunked"
@@ -260,7 +318,9 @@ def test_export_defaults_file_goes_into_the_manifest(tiny_pair, tmp_path):
     assert (cfg.k_max, cfg.threshold, cfg.strategy, cfg.confidence_temperature) == (3, 0.2, "chunked", 0.5)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"k_max": 8}))
-    r = CliRunner().invoke(cli, ["export", "--draft", str(draft), "--target", str(target), "--out", str(tmp_path / "eng2"),
-                                 "--k-max", "4", "--no-lazy-head", "--defaults", str(bad)])
+    r = CliRunner().invoke(
+        cli,
+        ["export", "--draft", str(draft), "--target", str(target), "--out", str(tmp_path / "eng2"), "--k-max", "4", "--no-lazy-head", "--defaults", str(bad)],
+    )
     assert r.exit_code != 0 and "k_max=8; k_max must be an integer in 1..4" in r.output
     assert not (tmp_path / "eng2").exists()

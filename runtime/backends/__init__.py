@@ -14,6 +14,7 @@ is used only when asked for by name (``--backend``, ``Engine(backend=...)``), an
 refused with the reason when this machine cannot run it. The GPU backends have not been run
 on a GPU yet (docs/GPU.md); they are tested against a stand-in (tests/fake_gpu.py).
 """
+
 from __future__ import annotations
 
 import importlib.util

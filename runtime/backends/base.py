@@ -10,6 +10,7 @@ rows. ``run(tokens, start)`` reads rows ``[0, start)`` and writes rows
 ``[start, start + q)`` in place; rows at or beyond ``start`` are never read, so rolling
 back is calling the next ``run`` with a smaller ``start``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

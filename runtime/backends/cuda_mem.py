@@ -9,6 +9,7 @@ cuda-python's convention (checked against cuda-bindings 13.x): each function ret
 tuple ``(err, *results)``, e.g. ``err, ptr = cudaMalloc(n)``; pointers are ints; a
 ``cudaStream_t`` converts to its handle with ``int(stream)``.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -12,6 +12,7 @@ For a call with q new tokens after L committed rows::
 min-past workaround of :mod:`specrt.runtime.profiles` (row 0 is a dummy that the graph
 slices off). Rolling back is a smaller L on the next call; nothing is copied.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,10 +32,7 @@ def check_call(q: int, start: int, max_q: int, max_ctx: int) -> None:
         InputError: naming q, start and the allowed ranges.
     """
     if q < 1 or q > max_q or start < 0 or start + q > max_ctx:
-        raise InputError(
-            f"model call with q={q} new tokens at past length {start}: allowed 1 <= q <= {max_q} "
-            f"and past + q <= max_ctx={max_ctx}"
-        )
+        raise InputError(f"model call with q={q} new tokens at past length {start}: allowed 1 <= q <= {max_q} and past + q <= max_ctx={max_ctx}")
 
 
 def align_up(n: int, a: int = ALIGN) -> int:

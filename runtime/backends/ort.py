@@ -14,6 +14,7 @@ shapes change every step (L grows), so the binding is refreshed per call, nothin
 :class:`OrtHeadSplit` runs the target's lazy-head split (body graph, then the vocabulary
 projection on the rows asked for) over the *same* KV buffers, bound the same way.
 """
+
 from __future__ import annotations
 
 import threading
@@ -177,8 +178,9 @@ class OrtModel:
         EngineError: the ONNX file cannot be loaded or its I/O names differ from the manifest.
     """
 
-    def __init__(self, path: Path, entry: ModelEntry, max_ctx: int, max_q: int, threads: ThreadConfig = ThreadConfig(),
-                 head_sessions: SharedHeadSessions | None = None):
+    def __init__(
+        self, path: Path, entry: ModelEntry, max_ctx: int, max_q: int, threads: ThreadConfig = ThreadConfig(), head_sessions: SharedHeadSessions | None = None
+    ):
         self.session = cpu_session(path, threads, entry.inputs, entry.outputs)
         self._head_sessions = head_sessions
         self._allocate(entry, max_ctx, max_q)

@@ -17,6 +17,7 @@ Memory, allocated once by onnxruntime (``OrtValue.ortvalue_from_shape_and_type``
 Per call the binding is refreshed (shapes change with L): past inputs -> buffer base on
 'cuda', new-KV outputs -> base + L * row_bytes on 'cuda', position_ids -> positions + 8*L.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,9 +27,9 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import BackendError, EngineError
-from .kv_layout import check_call, KVLayout
 from ..manifest import ModelEntry
 from .base import ThreadConfig
+from .kv_layout import KVLayout, check_call
 
 __all__ = ["CUDA_EP", "ort_cuda_available", "OrtCudaModel"]
 

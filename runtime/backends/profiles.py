@@ -32,6 +32,7 @@ else the narrowest q range that holds it; validated here, before any TensorRT ca
 refusal is an :class:`~specrt.runtime.errors.InputError` that names the input and the
 allowed ``[min, opt, max]``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -199,15 +200,9 @@ class ProfileSet:
         """The message of :meth:`select`'s InputError for an out-of-range call."""
         if q < 1 or q > self.max_q or q not in self._by_q or not self._by_q[q]:
             allowed = "; ".join(f"{p.name}: {list(p.q.triple())}" for p in self.profiles)
-            return (
-                f"{self.role} engine: input 'input_ids' shape (1, {q}), engine supports [min, opt, max] = "
-                f"{allowed} on axis 1 (tokens per call)"
-            )
+            return f"{self.role} engine: input 'input_ids' shape (1, {q}), engine supports [min, opt, max] = {allowed} on axis 1 (tokens per call)"
         if past + q > self.max_ctx:
-            return (
-                f"{self.role} engine: q={q} new tokens after past length {past} need {past + q} KV rows; "
-                f"past + q must be <= max_ctx={self.max_ctx}"
-            )
+            return f"{self.role} engine: q={q} new tokens after past length {past} need {past + q} KV rows; past + q must be <= max_ctx={self.max_ctx}"
         allowed = "; ".join(f"{self.profiles[i].name}: {list(self.profiles[i].past.triple())}" for i in self._by_q[q])
         return (
             f"{self.role} engine: input 'past_key_0' holds past length {past} (shape axis 1 = {past + self.pad}) with q={q}, "

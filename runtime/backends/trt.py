@@ -28,6 +28,7 @@ Design (all allocations in ``__init__``; a call does no allocation)::
         cudaStreamSynchronize(stream)
         return pinned logits[:q]                        # float32 [q, vocab] view
 """
+
 from __future__ import annotations
 
 import importlib
@@ -36,10 +37,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .cuda_mem import CudaRuntime, host_array
 from ..errors import BackendError, EngineError, InputError
-from .kv_layout import KVLayout, align_up
 from ..manifest import ModelEntry
+from .cuda_mem import CudaRuntime, host_array
+from .kv_layout import KVLayout, align_up
 from .profiles import ProfileSet, check_engine_profiles
 
 __all__ = ["load_tensorrt", "TrtModel"]

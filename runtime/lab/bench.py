@@ -17,6 +17,7 @@ Sampled configurations (``temperature > 0``) are compared with target-only *samp
 with the same settings (the first config); their outputs are random draws, so
 ``equal_to_target`` is None for them (it means something only for greedy decoding).
 """
+
 from __future__ import annotations
 
 import json
@@ -65,9 +66,9 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{no}: not valid JSON ({e.msg}); each line must be an object with a \"prompt\" string") from None
+            raise InputError(f'{path}:{no}: not valid JSON ({e.msg}); each line must be an object with a "prompt" string') from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise InputError(f"{path}:{no}: each line must be a JSON object with a non-empty \"prompt\" string")
+            raise InputError(f'{path}:{no}: each line must be a JSON object with a non-empty "prompt" string')
         out.append(obj)
         if limit and len(out) >= limit:
             break
@@ -144,12 +145,26 @@ def _measure(engine: Engine, prompts, configs, repeats: int, progress, trace) ->
             for c in list(configs[shift:]) + list(configs[:shift]):
                 res = engine.generate(ids, c.config, trace=trace)
                 s = res.stats
-                runs[c.label].append(dict(
-                    prompt=i, repeat=r, tokens=res.tokens, new_tokens=s.new_tokens, seconds=s.total_seconds, ttft=s.ttft_seconds,
-                    proposed=s.proposed, accepted=s.accepted, passes=s.passes, hist=s.accepted_hist, draft_seconds=s.draft_seconds,
-                    target_seconds=s.target_seconds, target_calls=s.target_calls, target_positions=s.target_positions,
-                    head_rows=s.head_rows, target_flops=s.target_flops,
-                ))
+                runs[c.label].append(
+                    dict(
+                        prompt=i,
+                        repeat=r,
+                        tokens=res.tokens,
+                        new_tokens=s.new_tokens,
+                        seconds=s.total_seconds,
+                        ttft=s.ttft_seconds,
+                        proposed=s.proposed,
+                        accepted=s.accepted,
+                        passes=s.passes,
+                        hist=s.accepted_hist,
+                        draft_seconds=s.draft_seconds,
+                        target_seconds=s.target_seconds,
+                        target_calls=s.target_calls,
+                        target_positions=s.target_positions,
+                        head_rows=s.head_rows,
+                        target_flops=s.target_flops,
+                    )
+                )
                 done += 1
                 if progress:
                     progress(done, total)
@@ -169,9 +184,20 @@ def _row(c: BenchConfig, xs: list[dict], base_tokens: dict, base_time: dict, bas
     last = int(np.nonzero(hist)[0].max()) + 1 if hist.any() else 1
     cfg = c.config
     return dict(
-        label=c.label, k_max=cfg.k_max, threshold=cfg.threshold, speculative=cfg.speculative, temperature=cfg.temperature,
-        strategy=cfg.strategy, chunk_bound=cfg.chunk_bound, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed,
-        tokens=tok, seconds=sec, tokens_per_second=tok / sec, speedup=(tok / sec) / base_rate,
+        label=c.label,
+        k_max=cfg.k_max,
+        threshold=cfg.threshold,
+        speculative=cfg.speculative,
+        temperature=cfg.temperature,
+        strategy=cfg.strategy,
+        chunk_bound=cfg.chunk_bound,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        seed=cfg.seed,
+        tokens=tok,
+        seconds=sec,
+        tokens_per_second=tok / sec,
+        speedup=(tok / sec) / base_rate,
         speedup_per_prompt_median=float(np.median(per_prompt)),
         speedup_per_prompt_q25=float(np.percentile(per_prompt, 25)),
         speedup_per_prompt_q75=float(np.percentile(per_prompt, 75)),

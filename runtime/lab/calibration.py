@@ -25,6 +25,7 @@ Nothing here stores full vocabulary rows: per position it keeps the label and th
 confidence at each temperature of the grid being evaluated (``[n, G]`` float64); the
 refinement runs the draft again (teacher-forced, cheap) for the finer grid.
 """
+
 from __future__ import annotations
 
 import math
@@ -155,9 +156,7 @@ def expected_calibration_error(conf: np.ndarray, labels: np.ndarray, n_bins: int
     """
     r = reliability(conf, labels, n_bins)
     n = sum(r["count"])
-    return float(
-        sum(c / n * abs(a - m) for c, a, m in zip(r["count"], r["accuracy"], r["mean_conf"]) if c > 0)
-    )
+    return float(sum(c / n * abs(a - m) for c, a, m in zip(r["count"], r["accuracy"], r["mean_conf"]) if c > 0))
 
 
 def binary_nll(conf: np.ndarray, labels: np.ndarray, eps: float = 1e-12) -> np.ndarray:
@@ -451,8 +450,16 @@ def plot_reliability(report: CalibrationReport, path) -> None:
         cnt = np.array(rel["count"], dtype=float)
         ok = cnt > 0
         ax.bar(centers[ok], acc[ok], width=width * 0.95, color="tab:blue", edgecolor="k", label="acceptance rate")
-        ax.bar(centers[ok], (mc - acc)[ok], bottom=acc[ok], width=width * 0.95, color="none", edgecolor="tab:red", hatch="//",
-               label="gap to the bin's mean confidence")
+        ax.bar(
+            centers[ok],
+            (mc - acc)[ok],
+            bottom=acc[ok],
+            width=width * 0.95,
+            color="none",
+            edgecolor="tab:red",
+            hatch="//",
+            label="gap to the bin's mean confidence",
+        )
         ax.plot([0, 1], [0, 1], "k--", lw=1)
         ax2 = ax.twinx()
         ax2.step(edges, np.append(cnt / cnt.sum(), 0), where="post", color="gray", lw=1)

@@ -7,6 +7,7 @@ output position j, the draft's top-1 and confidence *given the true prefix*
 drafting rule the decode loop uses (:func:`specrt.runtime.speculative.propose`). See
 :func:`replay` for exactly which quantities are exact and which are approximated.
 """
+
 from __future__ import annotations
 
 import math
@@ -137,8 +138,15 @@ def position_views(trace: Trace, max_ctx: int | None = None, eos: int | None = N
                     see(g.tail[0] + i, *pred)
         views.append(
             PositionView(
-                prompt_tokens=n_prompt, max_new_tokens=budget, max_ctx=max_ctx, eos=eos, out=np.asarray(out, np.int64),
-                on_tok=on_tok, on_conf=on_conf, off=off, prefill_s=float(np.mean([g.prefill_s for g in gs])),
+                prompt_tokens=n_prompt,
+                max_new_tokens=budget,
+                max_ctx=max_ctx,
+                eos=eos,
+                out=np.asarray(out, np.int64),
+                on_tok=on_tok,
+                on_conf=on_conf,
+                off=off,
+                prefill_s=float(np.mean([g.prefill_s for g in gs])),
                 finish=gs[0].finish,
             )
         )
@@ -202,8 +210,7 @@ class ReplayResult:
     def as_dict(self) -> dict:
         """JSON-ready dict (properties included)."""
         d = dict(self.__dict__)
-        d.update(acceptance_rate=self.acceptance_rate, mean_accepted=self.mean_accepted,
-                 tokens_per_second=self.tokens_per_second, speedup=self.speedup)
+        d.update(acceptance_rate=self.acceptance_rate, mean_accepted=self.mean_accepted, tokens_per_second=self.tokens_per_second, speedup=self.speedup)
         return d
 
 
@@ -335,6 +342,10 @@ def check_replayable(trace: Trace, k_max: int, threshold: float) -> None:
     kmax = max(int(g.settings["k_max"]) for g in gs)
     thmin = min(float(g.settings["threshold"]) for g in gs)
     if k_max > kmax:
-        raise InputError(f"k_max={k_max}; this trace was recorded with k_max <= {kmax}, so it can predict k_max 1..{kmax} only (record with the engine's largest k_max)")
+        raise InputError(
+            f"k_max={k_max}; this trace was recorded with k_max <= {kmax}, so it can predict k_max 1..{kmax} only (record with the engine's largest k_max)"
+        )
     if threshold < thmin:
-        raise InputError(f"threshold={threshold:g}; this trace was recorded with threshold >= {thmin:g}, so it can predict thresholds >= {thmin:g} only (record with threshold 0)")
+        raise InputError(
+            f"threshold={threshold:g}; this trace was recorded with threshold >= {thmin:g}, so it can predict thresholds >= {thmin:g} only (record with threshold 0)"
+        )

@@ -41,6 +41,7 @@ the position after a final full acceptance would be unknown to a replay).
 
 Offline replay of other policies from a trace: :mod:`specrt.runtime.lab.replay`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -239,11 +240,24 @@ class TraceWriter:
         lines = [json.dumps(self._gen)]
         tail = None
         for r in self._rounds:
-            lines.append(json.dumps(dict(
-                rec="round", gen=g, pos=r.pos, pre=None if r.pre is None else [int(r.pre[0]), float(r.pre[1])],
-                draft=[[int(t), float(c)] for t, c in r.steps], n=r.n, m=r.m, q=r.n + 1,
-                commit=[int(t) for t in r.commit], draft_calls=r.draft_calls, draft_s=r.draft_s, target_s=r.target_s,
-            )))
+            lines.append(
+                json.dumps(
+                    dict(
+                        rec="round",
+                        gen=g,
+                        pos=r.pos,
+                        pre=None if r.pre is None else [int(r.pre[0]), float(r.pre[1])],
+                        draft=[[int(t), float(c)] for t, c in r.steps],
+                        n=r.n,
+                        m=r.m,
+                        q=r.n + 1,
+                        commit=[int(t) for t in r.commit],
+                        draft_calls=r.draft_calls,
+                        draft_s=r.draft_s,
+                        target_s=r.target_s,
+                    )
+                )
+            )
             tail = r.tail or tail
         if tail is not None:
             pos, preds = tail
@@ -371,11 +385,20 @@ def _round_record(obj: dict, where: str) -> TraceRound:
     n, m = _need(obj, "n", int, where), _need(obj, "m", int, where)
     commit = _need(obj, "commit", list, where)
     if not 0 <= m <= n or n > len(draft) or not commit or not all(isinstance(t, int) for t in commit):
-        raise InputError(f"{where}: inconsistent round (n={n}, m={m}, {len(draft)} draft steps, commit={commit!r}); need 0 <= m <= n <= len(draft) and a non-empty commit of ints")
+        raise InputError(
+            f"{where}: inconsistent round (n={n}, m={m}, {len(draft)} draft steps, commit={commit!r}); need 0 <= m <= n <= len(draft) and a non-empty commit of ints"
+        )
     return TraceRound(
-        pos=_need(obj, "pos", int, where), pre=pairs[-1] if pre is not None else None, draft=tuple(pairs[: len(draft)]),
-        n=n, m=m, q=int(obj.get("q", n + 1)), commit=tuple(commit), draft_calls=_need(obj, "draft_calls", int, where),
-        draft_s=float(_need(obj, "draft_s", (int, float), where)), target_s=float(_need(obj, "target_s", (int, float), where)),
+        pos=_need(obj, "pos", int, where),
+        pre=pairs[-1] if pre is not None else None,
+        draft=tuple(pairs[: len(draft)]),
+        n=n,
+        m=m,
+        q=int(obj.get("q", n + 1)),
+        commit=tuple(commit),
+        draft_calls=_need(obj, "draft_calls", int, where),
+        draft_s=float(_need(obj, "draft_s", (int, float), where)),
+        target_s=float(_need(obj, "target_s", (int, float), where)),
     )
 
 
@@ -471,5 +494,3 @@ def costs_from_rounds(trace: Trace) -> Costs:
     if not calls:
         raise InputError(f"{trace.path}: no draft call in the trace, cannot estimate the draft's cost; pass measured costs")
     return Costs(d_s / calls, {q: float(np.median(v)) for q, v in by_q.items()}, None, "trace timings")
-
-

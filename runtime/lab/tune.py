@@ -23,20 +23,20 @@ With the models (:func:`tune`), in this order:
 
 From a trace (:func:`tune_from_trace`): steps 3-4 by replay only, nothing measured.
 """
+
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
-from ..config import STRATEGIES, GenerationConfig, check_defaults, check_k_max, check_strategy, check_threshold
-from ..errors import EngineError, InputError
+from ..config import STRATEGIES, GenerationConfig, check_k_max, check_strategy, check_threshold
+from ..errors import InputError
 from ..manifest import write_defaults  # noqa: F401  (re-exported: tune writes its choice with it)
 
 __all__ = [
@@ -152,8 +152,13 @@ def _prediction(views, s: Setting, costs) -> dict | None:
         return None
     r = replay(views, s.k_max, s.threshold, costs)
     return dict(
-        tokens_per_second=r.tokens_per_second, speedup=r.speedup, acceptance_rate=r.acceptance_rate,
-        mean_accepted=r.mean_accepted, passes=r.passes, accepted_hist=r.accepted_hist, approximated=r.approximated,
+        tokens_per_second=r.tokens_per_second,
+        speedup=r.speedup,
+        acceptance_rate=r.acceptance_rate,
+        mean_accepted=r.mean_accepted,
+        passes=r.passes,
+        accepted_hist=r.accepted_hist,
+        approximated=r.approximated,
     )
 
 
@@ -215,8 +220,14 @@ def tune(
     check_grid(ks, thresholds, strategies, (m.k_min, m.k_max))
     ids = [engine.prompt_ids(p["prompt"]) for p in prompts]
     greedy = GenerationConfig(max_new_tokens=max_new_tokens)
-    result: dict = dict(engines=str(engine.folder), prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats,
-                        grid=dict(k_max=ks, threshold=thresholds, strategy=strategies), backend=engine.backend)
+    result: dict = dict(
+        engines=str(engine.folder),
+        prompts=len(prompts),
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        grid=dict(k_max=ks, threshold=thresholds, strategy=strategies),
+        backend=engine.backend,
+    )
     # 1. calibration
     temperature = engine.resolve(greedy).confidence_temperature
     if calibrate:
@@ -244,7 +255,8 @@ def tune(
 
 def _calibrate(engine, ids: list[list[int]], greedy, progress):
     """Step 1: fit the draft confidence temperature on the target's greedy outputs."""
-    from .calibration import calibrate as fit, teacher_forced
+    from .calibration import calibrate as fit
+    from .calibration import teacher_forced
 
     outs = []
     for i, x in enumerate(ids):
@@ -284,14 +296,25 @@ def _sweep(engine, prompts, settings, configs, views, costs, repeats: int, resul
     rows = []
     for s, c in zip(settings, configs[1:]):
         r = by_label[c.label]
-        rows.append(dict(
-            label=r["label"], k_max=s.k_max, threshold=s.threshold, strategy=s.strategy,
-            tokens_per_second=r["tokens_per_second"], speedup=r["speedup"], acceptance_rate=r["acceptance_rate"],
-            mean_accepted=r["mean_accepted"], accepted_hist=r["accepted_hist"], equal_to_target=r["equal_to_target"],
-            predicted=_prediction(views, s, costs),
-        ))
-    result["target_only"] = dict(tokens_per_second=by_label["target-only"]["tokens_per_second"],
-                                 predicted_tokens_per_second=sum(len(v.out) for v in views) / replay_baseline_seconds(views, costs))
+        rows.append(
+            dict(
+                label=r["label"],
+                k_max=s.k_max,
+                threshold=s.threshold,
+                strategy=s.strategy,
+                tokens_per_second=r["tokens_per_second"],
+                speedup=r["speedup"],
+                acceptance_rate=r["acceptance_rate"],
+                mean_accepted=r["mean_accepted"],
+                accepted_hist=r["accepted_hist"],
+                equal_to_target=r["equal_to_target"],
+                predicted=_prediction(views, s, costs),
+            )
+        )
+    result["target_only"] = dict(
+        tokens_per_second=by_label["target-only"]["tokens_per_second"],
+        predicted_tokens_per_second=sum(len(v.out) for v in views) / replay_baseline_seconds(views, costs),
+    )
     result["rows"] = rows
     best = max(rows, key=lambda r: r["tokens_per_second"])
     fixed = _best_fixed(rows, "tokens_per_second")
@@ -312,8 +335,13 @@ def _confirm(engine, prompts, configs, best: dict, fixed: dict | None, repeats: 
     conf = run_bench(engine, prompts, cc, repeats=repeats, progress=(lambda d, t: progress("confirm", d, t)) if progress else None)
     t_tuned, t_fixed = conf["rows"][1]["tokens_per_second"], conf["rows"][2]["tokens_per_second"]
     return dict(
-        repeats=repeats, target_only=conf["rows"][0]["tokens_per_second"], tuned=t_tuned, fixed=t_fixed,
-        ratio=t_tuned / t_fixed, tuned_speedup=conf["rows"][1]["speedup"], fixed_speedup=conf["rows"][2]["speedup"],
+        repeats=repeats,
+        target_only=conf["rows"][0]["tokens_per_second"],
+        tuned=t_tuned,
+        fixed=t_fixed,
+        ratio=t_tuned / t_fixed,
+        tuned_speedup=conf["rows"][1]["speedup"],
+        fixed_speedup=conf["rows"][2]["speedup"],
     )
 
 
@@ -367,9 +395,21 @@ def tune_from_trace(trace_path: str | Path, ks: Sequence[int] | None, thresholds
         for th in thresholds:
             s = Setting(k, th, "/".join(sorted(strategies)))
             p = _prediction(views, s, costs)
-            rows.append(dict(label=s.label(False), k_max=k, threshold=th, strategy=s.strategy, tokens_per_second=None,
-                             speedup=None, acceptance_rate=p["acceptance_rate"], mean_accepted=p["mean_accepted"],
-                             accepted_hist=p["accepted_hist"], predicted=p, predicted_tokens_per_second=p["tokens_per_second"]))
+            rows.append(
+                dict(
+                    label=s.label(False),
+                    k_max=k,
+                    threshold=th,
+                    strategy=s.strategy,
+                    tokens_per_second=None,
+                    speedup=None,
+                    acceptance_rate=p["acceptance_rate"],
+                    mean_accepted=p["mean_accepted"],
+                    accepted_hist=p["accepted_hist"],
+                    predicted=p,
+                    predicted_tokens_per_second=p["tokens_per_second"],
+                )
+            )
     for r in rows:
         r["predicted_speedup"] = r["predicted"]["speedup"]
     best = max(rows, key=lambda r: r["predicted_tokens_per_second"])
@@ -403,8 +443,10 @@ def format_table(result: dict) -> str:
     head = f"  {'setting':<24}{'tok/s':>9}{'speedup':>9}{'accept':>8}{'acc/pass':>9}{'pred tok/s':>12}{'pred x':>8}{'pred acc':>9}"
     lines = [head, "-" * len(head)]
     t0 = result["target_only"]
-    lines.append(f"  {'target-only':<24}{_f(t0.get('tokens_per_second'), '9.1f'):>9}{'1.00x':>9}{'-':>8}{'-':>9}"
-                 f"{_f(t0.get('predicted_tokens_per_second'), '12.1f'):>12}{'1.00x':>8}{'-':>9}")
+    lines.append(
+        f"  {'target-only':<24}{_f(t0.get('tokens_per_second'), '9.1f'):>9}{'1.00x':>9}{'-':>8}{'-':>9}"
+        f"{_f(t0.get('predicted_tokens_per_second'), '12.1f'):>12}{'1.00x':>8}{'-':>9}"
+    )
     for r in result["rows"]:
         p = r.get("predicted") or {}
         mark = "*" if r["label"] == result["best"]["label"] else " "
@@ -416,9 +458,13 @@ def format_table(result: dict) -> str:
         )
     b, f = result["best"], result.get("best_fixed")
     if measured:
-        lines.append(f"chosen: {b['label']} (T {result['confidence_temperature']:.4g}), {b['tokens_per_second']:.1f} tok/s, {b['speedup']:.2f}x over target-only (sweep)")
+        lines.append(
+            f"chosen: {b['label']} (T {result['confidence_temperature']:.4g}), {b['tokens_per_second']:.1f} tok/s, {b['speedup']:.2f}x over target-only (sweep)"
+        )
         if f is not None:
-            lines.append(f"best fixed-k threshold-0 setting: {f['label']}, {f['tokens_per_second']:.1f} tok/s; sweep ratio tuned/fixed {result['sweep_ratio_best_over_fixed']:.3f}")
+            lines.append(
+                f"best fixed-k threshold-0 setting: {f['label']}, {f['tokens_per_second']:.1f} tok/s; sweep ratio tuned/fixed {result['sweep_ratio_best_over_fixed']:.3f}"
+            )
         c = result.get("confirm")
         if c and "skipped" not in c:
             lines.append(
@@ -427,9 +473,11 @@ def format_table(result: dict) -> str:
             )
         elif c:
             lines.append(f"confirmation skipped: {c['skipped']}")
-        lines.append(f"prompts {result['prompts']} x {result['repeats']} repeats, {result['max_new_tokens']} new tokens; "
-                     "pred = cost model (replay of the wide trace with the measured per-call costs; it times every strategy's "
-                     "verification as one full-width target pass)")
+        lines.append(
+            f"prompts {result['prompts']} x {result['repeats']} repeats, {result['max_new_tokens']} new tokens; "
+            "pred = cost model (replay of the wide trace with the measured per-call costs; it times every strategy's "
+            "verification as one full-width target pass)"
+        )
         eq = [r["label"] for r in result["rows"] if r.get("equal_to_target") is not None and r["equal_to_target"] != result["prompts"]]
         if eq:
             lines.append(f"WARNING: outputs differ from target-only in {', '.join(eq)}")

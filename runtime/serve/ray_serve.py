@@ -21,6 +21,7 @@ Two ways to start it::
 Requirements on every node: ``pip install 'specrt[serve,ray]'`` and the engine folder at
 the same path (or a shared file system). Ray is imported only inside these functions.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,9 +29,18 @@ from pathlib import Path
 __all__ = ["specrt_deployment", "app_builder"]
 
 
-def specrt_deployment(engines: str | Path, *, num_replicas: int = 2, workers: int = 1, threads: int = 1, max_queue: int = 64,
-                      model_name: str | None = None, backend: str | None = None, num_cpus: float | None = None,
-                      round_delay: float = 0.0):
+def specrt_deployment(
+    engines: str | Path,
+    *,
+    num_replicas: int = 2,
+    workers: int = 1,
+    threads: int = 1,
+    max_queue: int = 64,
+    model_name: str | None = None,
+    backend: str | None = None,
+    num_cpus: float | None = None,
+    round_delay: float = 0.0,
+):
     """A bound Ray Serve application serving ``engines`` with ``num_replicas`` replicas.
 
     Args:
@@ -65,8 +75,11 @@ def specrt_deployment(engines: str | Path, *, num_replicas: int = 2, workers: in
         from specrt.runtime.backends.base import ThreadConfig
         from specrt.runtime.serve.server import build_service, create_app
 
-        return create_app(build_service(folder, workers=workers, max_queue=max_queue, threads=ThreadConfig(intra_op=threads),
-                                        backend=backend, model_name=name, round_delay=round_delay))
+        return create_app(
+            build_service(
+                folder, workers=workers, max_queue=max_queue, threads=ThreadConfig(intra_op=threads), backend=backend, model_name=name, round_delay=round_delay
+            )
+        )
 
     class SpecrtReplica:
         """One replica: the ``specrt serve`` app (completions, /metrics of this replica)."""

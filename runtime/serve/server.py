@@ -21,6 +21,7 @@ Layout (one process)::
 FastAPI and uvicorn are the optional ``[serve]`` extra: this module imports them only in
 :func:`create_app` and :func:`serve`, so the base runtime imports without them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -170,8 +171,12 @@ class Metrics:
         """The counters as a dict (for tests and /health)."""
         with self._lock:
             return dict(
-                requests=dict(self.requests), prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                proposed=self.proposed, accepted=self.accepted, passes=self.passes,
+                requests=dict(self.requests),
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens,
+                proposed=self.proposed,
+                accepted=self.accepted,
+                passes=self.passes,
             )
 
     def render(self, gauges: dict[str, tuple[str, float]]) -> str:
@@ -184,28 +189,59 @@ class Metrics:
                 lines.append(f"# TYPE {name} {kind}")
                 lines.extend(samples)
 
-            metric("specrt_requests_total", "counter", "Completion requests by outcome (ok, cancelled, invalid, rejected, error).",
-                   [f'specrt_requests_total{{outcome="{o}"}} {n}' for o, n in self.requests.items()])
+            metric(
+                "specrt_requests_total",
+                "counter",
+                "Completion requests by outcome (ok, cancelled, invalid, rejected, error).",
+                [f'specrt_requests_total{{outcome="{o}"}} {n}' for o, n in self.requests.items()],
+            )
             metric("specrt_prompt_tokens_total", "counter", "Prompt tokens of finished generations.", [f"specrt_prompt_tokens_total {self.prompt_tokens}"])
-            metric("specrt_generation_tokens_total", "counter", "Tokens generated (finished generations).",
-                   [f"specrt_generation_tokens_total {self.completion_tokens}"])
-            metric("specrt_draft_tokens_proposed_total", "counter", "Draft candidates proposed to the target.",
-                   [f"specrt_draft_tokens_proposed_total {self.proposed}"])
-            metric("specrt_draft_tokens_accepted_total", "counter", "Draft candidates the target accepted.",
-                   [f"specrt_draft_tokens_accepted_total {self.accepted}"])
-            metric("specrt_verify_passes_total", "counter", "Target passes after prefill (verification or plain decode).",
-                   [f"specrt_verify_passes_total {self.passes}"])
+            metric(
+                "specrt_generation_tokens_total",
+                "counter",
+                "Tokens generated (finished generations).",
+                [f"specrt_generation_tokens_total {self.completion_tokens}"],
+            )
+            metric(
+                "specrt_draft_tokens_proposed_total",
+                "counter",
+                "Draft candidates proposed to the target.",
+                [f"specrt_draft_tokens_proposed_total {self.proposed}"],
+            )
+            metric(
+                "specrt_draft_tokens_accepted_total",
+                "counter",
+                "Draft candidates the target accepted.",
+                [f"specrt_draft_tokens_accepted_total {self.accepted}"],
+            )
+            metric(
+                "specrt_verify_passes_total",
+                "counter",
+                "Target passes after prefill (verification or plain decode).",
+                [f"specrt_verify_passes_total {self.passes}"],
+            )
             rate = self.accepted / self.proposed if self.proposed else math.nan
             mean = self.accepted / self.passes if self.passes else math.nan
             metric("specrt_acceptance_rate", "gauge", "Accepted / proposed draft candidates since start (NaN before any).", [f"specrt_acceptance_rate {rate}"])
-            metric("specrt_mean_accepted_length", "gauge", "Mean accepted draft candidates per target pass since start (tokens per pass = this + 1).",
-                   [f"specrt_mean_accepted_length {mean}"])
-            metric("specrt_request_latency_seconds", "histogram", "Request arrival to last byte (finished requests).",
-                   self.latency.lines("specrt_request_latency_seconds"))
-            metric("specrt_time_to_first_token_seconds", "histogram", "Request arrival to the first text piece (streamed requests).",
-                   self.ttft.lines("specrt_time_to_first_token_seconds"))
-            metric("specrt_queue_wait_seconds", "histogram", "Time a job waited in the queue for a worker.",
-                   self.queue_wait.lines("specrt_queue_wait_seconds"))
+            metric(
+                "specrt_mean_accepted_length",
+                "gauge",
+                "Mean accepted draft candidates per target pass since start (tokens per pass = this + 1).",
+                [f"specrt_mean_accepted_length {mean}"],
+            )
+            metric(
+                "specrt_request_latency_seconds",
+                "histogram",
+                "Request arrival to last byte (finished requests).",
+                self.latency.lines("specrt_request_latency_seconds"),
+            )
+            metric(
+                "specrt_time_to_first_token_seconds",
+                "histogram",
+                "Request arrival to the first text piece (streamed requests).",
+                self.ttft.lines("specrt_time_to_first_token_seconds"),
+            )
+            metric("specrt_queue_wait_seconds", "histogram", "Time a job waited in the queue for a worker.", self.queue_wait.lines("specrt_queue_wait_seconds"))
             for name, (help_, value) in gauges.items():
                 metric(name, "gauge", help_, [f"{name} {value}"])
             return "\n".join(lines) + "\n"
@@ -262,7 +298,9 @@ class WorkerPool:
             t.start()
 
     @classmethod
-    def load(cls, folder: str | Path, workers: int = 1, max_queue: int = 64, threads=None, backend: str | None = None, round_delay: float = 0.0) -> "WorkerPool":
+    def load(
+        cls, folder: str | Path, workers: int = 1, max_queue: int = 64, threads=None, backend: str | None = None, round_delay: float = 0.0
+    ) -> "WorkerPool":
         """Load the engine folder once and give each of ``workers`` threads its own Engine:
         :meth:`Engine.fork` where the backend can (shared onnxruntime sessions, own KV and
         work buffers), else one more loaded Engine per worker.
@@ -430,18 +468,30 @@ class CompletionService:
         from ..config import GenerationConfig
 
         if req.model is not None and req.model != self.model_name:
-            raise RequestError(f"model {req.model!r} is not served here; this server serves {self.model_name!r} (GET /v1/models)", "model", 404, "model_not_found")
+            raise RequestError(
+                f"model {req.model!r} is not served here; this server serves {self.model_name!r} (GET /v1/models)", "model", 404, "model_not_found"
+            )
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise RequestError(f"prompt: a batch of {len(prompt)} prompts; this server takes one prompt per request (a string, a list of token ids, or a list of one of those)", "prompt")
+                raise RequestError(
+                    f"prompt: a batch of {len(prompt)} prompts; this server takes one prompt per request (a string, a list of token ids, or a list of one of those)",
+                    "prompt",
+                )
             prompt = prompt[0]
         stop = req.stop
         if isinstance(stop, str):
             stop = (stop,)
         cfg = GenerationConfig(
-            max_new_tokens=req.max_tokens, k_max=req.k_max, threshold=req.threshold, speculative=req.speculative,
-            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed, stop=tuple(stop or ()),
+            max_new_tokens=req.max_tokens,
+            k_max=req.k_max,
+            threshold=req.threshold,
+            speculative=req.speculative,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop=tuple(stop or ()),
         )
         try:
             cfg = self.engine.resolve(cfg)
@@ -500,7 +550,10 @@ class CompletionService:
     def chunk(self, cid: str, created: int, text: str, finish_reason: str | None = None) -> str:
         """One server-sent event carrying a ``text_completion`` chunk."""
         body = {
-            "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model_name,
             "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
         }
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -546,7 +599,8 @@ def request_model():
         model_config = ConfigDict(extra="forbid")
         model: Optional[StrictStr] = None
         prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]] = Field(
-            description="a string, a list of token ids, or a list of one of those")
+            description="a string, a list of token ids, or a list of one of those"
+        )
         max_tokens: StrictInt = Field(DEFAULT_MAX_TOKENS, ge=1, description="tokens to generate at most")
         temperature: StrictFloat = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy")
         top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
@@ -590,8 +644,14 @@ _RequestModel = None
 
 # OpenAI fields accepted only at the values that change nothing
 _NO_OP_VALUES = {
-    "n": (1,), "best_of": (None, 1), "echo": (False,), "logprobs": (None,), "suffix": (None, ""),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None, {}),
+    "n": (1,),
+    "best_of": (None, 1),
+    "echo": (False,),
+    "logprobs": (None,),
+    "suffix": (None, ""),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": (None, {}),
 }
 _UNSUPPORTED_HINTS = {
     "logit_bias": "logit_bias is not supported; send null or {}",
@@ -708,8 +768,14 @@ def create_app(service: CompletionService):
     @app.get("/health")
     async def health():
         """Liveness plus the worker and queue figures."""
-        return {"status": "ok", "model": service.model_name, "workers": service.pool.workers, "busy": service.pool.busy,
-                "queued": service.pool.queued, **metrics.snapshot()}
+        return {
+            "status": "ok",
+            "model": service.model_name,
+            "workers": service.pool.workers,
+            "busy": service.pool.busy,
+            "queued": service.pool.queued,
+            **metrics.snapshot(),
+        }
 
     return app
 
@@ -743,8 +809,10 @@ def _install_error_handlers(app, metrics: Metrics, fields: list[str]):
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        hint = {404: f"no route {request.url.path}; routes: POST /v1/completions, GET /v1/models, GET /metrics, GET /health",
-                405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        hint = {
+            404: f"no route {request.url.path}; routes: POST /v1/completions, GET /v1/models, GET /metrics, GET /health",
+            405: f"method {request.method} not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
         return err(exc.status_code, hint, None, "invalid_request_error")
 
     return err
@@ -806,8 +874,14 @@ async def _sse(service: CompletionService, job: Job, events: asyncio.Queue, cid:
                 metrics.record("ok", payload.stats, latency=time.perf_counter() - t0, ttft=first, queue_wait=_qwait(job))
                 yield service.chunk(cid, created, "", payload.finish_reason)
                 if include_usage:
-                    body = {"id": cid, "object": "text_completion", "created": created, "model": service.model_name, "choices": [],
-                            "usage": usage_block(payload)}
+                    body = {
+                        "id": cid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": service.model_name,
+                        "choices": [],
+                        "usage": usage_block(payload),
+                    }
                     yield f"data: {json.dumps(body)}\n\n"
             elif kind == "cancelled":
                 metrics.record("cancelled", queue_wait=_qwait(job))
@@ -830,8 +904,15 @@ async def _sse(service: CompletionService, job: Job, events: asyncio.Queue, cid:
 
 
 # ---- running -------------------------------------------------------------------------
-def build_service(engines: str | Path, workers: int = 1, max_queue: int = 64, threads=None, backend: str | None = None,
-                  model_name: str | None = None, round_delay: float = 0.0) -> CompletionService:
+def build_service(
+    engines: str | Path,
+    workers: int = 1,
+    max_queue: int = 64,
+    threads=None,
+    backend: str | None = None,
+    model_name: str | None = None,
+    round_delay: float = 0.0,
+) -> CompletionService:
     """Load the worker pool and wrap it in a :class:`CompletionService`.
 
     Args:
@@ -848,8 +929,18 @@ def build_service(engines: str | Path, workers: int = 1, max_queue: int = 64, th
     return CompletionService(pool, model_name or Path(engines).resolve().name)
 
 
-def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max_queue: int = 64, threads=None,
-          backend: str | None = None, model_name: str | None = None, log_level: str = "info", round_delay: float = 0.0) -> None:
+def serve(
+    engines: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    workers: int = 1,
+    max_queue: int = 64,
+    threads=None,
+    backend: str | None = None,
+    model_name: str | None = None,
+    log_level: str = "info",
+    round_delay: float = 0.0,
+) -> None:
     """Load the engines, then serve them with uvicorn until interrupted (Ctrl-C / SIGTERM).
 
     Raises:

@@ -16,6 +16,7 @@ Any error inside an operation is answered as {"ok": false, "error": "Type: messa
 worker goes on. Libraries that print to stdout cannot corrupt the protocol: ``serve`` points
 fd 1 at stderr first, and the answers go to a private duplicate of the original stdout.
 """
+
 from __future__ import annotations
 
 import json

@@ -13,6 +13,7 @@ Variants (``init["variant"]["kind"]``):
 
 Time to first token is the arrival of the first generated token at a streamer.
 """
+
 from __future__ import annotations
 
 import sys
@@ -76,7 +77,7 @@ def setup(init: dict):
                 streamer=streamer,
             )
         seconds = clock() - t
-        tokens = out[0, len(ids):].tolist()
+        tokens = out[0, len(ids) :].tolist()
         ttft = (streamer.first - t) if streamer.first is not None else None
         return tokens, seconds, ttft, {}
 

@@ -6,6 +6,7 @@ there on later runs (a stamp file records the source checkpoint's size and mtime
 options: ``intra_op_num_threads`` = the benchmark's thread count, 1 inter-op thread, spinning
 as the benchmark says; everything else (IO binding included) is optimum's default.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,7 +68,7 @@ def setup(init: dict):
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, streamer=streamer)
         seconds = clock() - t
         ttft = (streamer.first - t) if streamer.first is not None else None
-        return out[0, len(ids):].tolist(), seconds, ttft, {}
+        return out[0, len(ids) :].tolist(), seconds, ttft, {}
 
     for ids in init.get("warmup", [])[:2]:
         generate(ids, 8)

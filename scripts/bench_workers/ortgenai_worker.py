@@ -20,6 +20,7 @@ worker (default)
     generator is timed with the rest (a user does it per request). onnxruntime-genai has
     no confidence threshold: its speculative decoding drafts a fixed k per round.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _protocol import send, serve, set_thread_env  # noqa: E402
 
-
 # ---- build -----------------------------------------------------------------------------
+
 
 def _stamp(src: str) -> dict:
     st = {}
@@ -105,6 +106,7 @@ def build_main(a) -> int:
 
 # ---- worker ----------------------------------------------------------------------------
 
+
 def setup(init: dict):
     threads = int(init["threads"])
     set_thread_env(threads)
@@ -124,9 +126,22 @@ def setup(init: dict):
     load_s = time.perf_counter() - t0
     k = int(v.get("max_draft_tokens", 4))
     clock = time.perf_counter
-    keep = ("rounds", "draft_tokens_proposed", "draft_tokens_evaluated", "draft_tokens_accepted", "draft_forward_passes",
-            "target_forward_passes", "target_verify_forward_passes", "full_accept_rounds", "partial_accept_rounds",
-            "zero_accept_rounds", "total_draft_ms", "total_target_ms", "acceptance_rate", "effective_k")
+    keep = (
+        "rounds",
+        "draft_tokens_proposed",
+        "draft_tokens_evaluated",
+        "draft_tokens_accepted",
+        "draft_forward_passes",
+        "target_forward_passes",
+        "target_verify_forward_passes",
+        "full_accept_rounds",
+        "partial_accept_rounds",
+        "zero_accept_rounds",
+        "total_draft_ms",
+        "total_target_ms",
+        "acceptance_rate",
+        "effective_k",
+    )
 
     def generate(ids, max_new_tokens):
         arr = np.asarray([ids], dtype=np.int32)
@@ -154,7 +169,7 @@ def setup(init: dict):
             # the first rejection, draft_tokens_evaluated; kept in the extra as is)
             extra["proposed"] = st.get("draft_tokens_proposed")
             extra["accepted"] = st.get("draft_tokens_accepted")
-        return seq[len(ids):], seconds, ttft, extra
+        return seq[len(ids) :], seconds, ttft, extra
 
     for ids in init.get("warmup", [])[:2]:
         generate(ids, 8)
@@ -164,8 +179,15 @@ def setup(init: dict):
         ort_version = version("onnxruntime")
     except Exception:  # noqa: BLE001
         ort_version = None
-    info = dict(system="onnxruntime-genai", onnxruntime_genai=og.__version__, onnxruntime=ort_version, load_seconds=load_s, variant=v,
-                model_dir=init["model_dir"], session_options=so)
+    info = dict(
+        system="onnxruntime-genai",
+        onnxruntime_genai=og.__version__,
+        onnxruntime=ort_version,
+        load_seconds=load_s,
+        variant=v,
+        model_dir=init["model_dir"],
+        session_options=so,
+    )
     return generate, info, {}
 
 

@@ -13,6 +13,7 @@ Runs in the main venv. Besides ``run`` it answers three analysis operations, use
 ``--pyspy SETTINGS.json`` runs the speculative loop once, standalone, for py-spy to sample
 (see ``pyspy_breakdown``), and exits.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,9 +61,17 @@ def setup(init: dict):
         res = engine.generate(ids, cfg)
         seconds = clock() - t
         s = res.stats
-        extra = dict(proposed=s.proposed, accepted=s.accepted, passes=s.passes, draft_calls=s.draft_calls,
-                     hist=list(s.accepted_hist), draft_seconds=s.draft_seconds, target_seconds=s.target_seconds,
-                     prefill_seconds=s.prefill_seconds, loop_seconds=s.total_seconds)
+        extra = dict(
+            proposed=s.proposed,
+            accepted=s.accepted,
+            passes=s.passes,
+            draft_calls=s.draft_calls,
+            hist=list(s.accepted_hist),
+            draft_seconds=s.draft_seconds,
+            target_seconds=s.target_seconds,
+            prefill_seconds=s.prefill_seconds,
+            loop_seconds=s.total_seconds,
+        )
         return res.tokens, seconds, s.ttft_seconds, extra
 
     def sweep(msg):
@@ -124,6 +133,7 @@ def setup(init: dict):
 
 
 # ---- profiling -------------------------------------------------------------------------
+
 
 def _category_cprofile(key) -> str:
     filename, _, name = key
@@ -246,7 +256,7 @@ def pyspy_breakdown(raw_file: str, marker: str = "_profiled_section") -> dict:
         m = _PY_FRAME.match(frames[py_idx])
         name, file, lno = m["name"], m["file"], int(m["line"])
         short = name.split(".")[-1]
-        below = frames[py_idx + 1:]
+        below = frames[py_idx + 1 :]
         native = native or bool(below)
         if file.endswith("backends/ort.py") and lno == run_line:
             c = _native_category(below[-1]) if below else "onnxruntime run_with_iobinding"
