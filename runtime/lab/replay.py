@@ -101,41 +101,9 @@ def position_views(trace: Trace, max_ctx: int | None = None, eos: int | None = N
             "temperature 0 and speculation on (e.g. `specrt tune --trace FILE`)"
         )
     views = []
-    for (key, n_prompt, budget), gs in groups.items():
-        outs = [g.tokens for g in gs]
-        out = max(outs, key=len)
-        for o, g in zip(outs, gs):
-            if o != out[: len(o)]:
-                j = next(i for i, (a, b) in enumerate(zip(o, out)) if a != b)
-                raise InputError(
-                    f"{trace.path}: generations {gs[0].gen} and {g.gen} of one prompt disagree at output position {j}; "
-                    "greedy outputs must not depend on the policy (does the trace mix engines?)"
-                )
-        n = len(out)
-        on_tok = np.full(n, -1, np.int64)
-        on_conf = np.full(n, np.nan)
-        off: dict[int, list[tuple[int, float]]] = {}
-
-        def see(j, tok, conf):
-            if 0 <= j < n and on_tok[j] < 0:
-                on_tok[j], on_conf[j] = tok, conf
-
-        for g in gs:
-            for r in g.rounds:
-                s = r.pos
-                if r.pre is not None:
-                    see(s - 1, *r.pre)
-                for i in range(min(r.m + 1, len(r.draft))):
-                    see(s + i, *r.draft[i])
-                if r.m < r.n:
-                    cont = list(r.draft[r.m + 1 :])
-                    if len(cont) > len(off.get(s + r.m, ())):
-                        off[s + r.m] = cont
-                    else:
-                        off.setdefault(s + r.m, cont)
-            if g.tail is not None:
-                for i, pred in enumerate(g.tail[1]):
-                    see(g.tail[0] + i, *pred)
+    for (_, n_prompt, budget), gs in groups.items():
+        out = _agreed_output(trace, gs)
+        on_tok, on_conf, off = _observations(gs, len(out))
         views.append(
             PositionView(
                 prompt_tokens=n_prompt,
@@ -151,6 +119,54 @@ def position_views(trace: Trace, max_ctx: int | None = None, eos: int | None = N
             )
         )
     return views
+
+
+def _agreed_output(trace: Trace, gs: list[TraceGen]) -> list[int]:
+    """The longest output of one prompt's generations, which must all be prefixes of it.
+
+    Raises:
+        InputError: two generations disagree (the trace mixes engines).
+    """
+    outs = [g.tokens for g in gs]
+    out = max(outs, key=len)
+    for o, g in zip(outs, gs):
+        if o != out[: len(o)]:
+            j = next(i for i, (a, b) in enumerate(zip(o, out)) if a != b)
+            raise InputError(
+                f"{trace.path}: generations {gs[0].gen} and {g.gen} of one prompt disagree at output position {j}; "
+                "greedy outputs must not depend on the policy (does the trace mix engines?)"
+            )
+    return out
+
+
+def _observations(gs: list[TraceGen], n: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(on_tok, on_conf, off) of :class:`PositionView` from one prompt's rounds (rules in
+    :func:`position_views`)."""
+    on_tok = np.full(n, -1, np.int64)
+    on_conf = np.full(n, np.nan)
+    off: dict[int, list[tuple[int, float]]] = {}
+
+    def see(j, tok, conf):
+        if 0 <= j < n and on_tok[j] < 0:
+            on_tok[j], on_conf[j] = tok, conf
+
+    for g in gs:
+        for r in g.rounds:
+            s = r.pos
+            if r.pre is not None:
+                see(s - 1, *r.pre)
+            for i in range(min(r.m + 1, len(r.draft))):
+                see(s + i, *r.draft[i])
+            if r.m < r.n:
+                cont = list(r.draft[r.m + 1 :])
+                if len(cont) > len(off.get(s + r.m, ())):
+                    off[s + r.m] = cont
+                else:
+                    off.setdefault(s + r.m, cont)
+        if g.tail is not None:
+            for i, pred in enumerate(g.tail[1]):
+                see(g.tail[0] + i, *pred)
+    return on_tok, on_conf, off
 
 
 @dataclass
