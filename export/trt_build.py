@@ -1,7 +1,8 @@
 """Build TensorRT plans (serialized engines) for an engine folder and record them in the
 manifest's ``extra`` (the format version is unchanged; the CPU runtime ignores the extra).
 
-NOT RUN WITH THE REAL TENSORRT YET (docs/GPU.md); the call sequence is tested on CPU
+Needs TensorRT >= 10.1 (refused otherwise, with the installed version named). NOT RUN WITH
+THE REAL TENSORRT YET (docs/GPU.md); the call sequence is tested on CPU
 against a recording stand-in (tests/fake_gpu.py).
 
 Per model (draft, target)::
@@ -77,12 +78,18 @@ class TrtBuildConfig:
 
 
 def tensorrt_unavailable(trt=None, cuda_rt=None) -> str | None:
-    """None when plans can be built here (tensorrt importable and a GPU visible), else why not."""
+    """None when plans can be built here (tensorrt >= 10.1 importable and a GPU visible),
+    else why not (one line)."""
+    from specrt.runtime.backends.trt import tensorrt_version_problem
+
     if trt is None:
         try:
-            importlib.import_module("tensorrt")
+            trt = importlib.import_module("tensorrt")
         except ImportError as e:
             return f"the tensorrt Python package is not installed ({e})"
+    problem = tensorrt_version_problem(trt)
+    if problem:
+        return problem
     from specrt.runtime.backends.cuda_mem import gpu_count
 
     if cuda_rt is None:
@@ -99,7 +106,9 @@ def tensorrt_unavailable(trt=None, cuda_rt=None) -> str | None:
 
 def network_flags(trt) -> int:
     """``create_network`` flags: STRONGLY_TYPED where the enum has it (TensorRT 10.x);
-    0 where it is gone (TensorRT versions whose networks are always strongly typed)."""
+    0 where it is gone (TensorRT versions whose networks are always strongly typed).
+    No EXPLICIT_BATCH: TensorRT 10 networks are always explicit-batch; on TensorRT 8 these
+    flags would be wrong, which is why the builder refuses TensorRT < 10.1 first."""
     flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     return 1 << int(flag) if flag is not None else 0
 
@@ -118,8 +127,12 @@ def build_plan(trt, onnx_path: Path, entry: ModelEntry, pset: ProfileSet, cfg: T
         the serialized engine bytes.
 
     Raises:
+        BackendError: TensorRT older than 10.1 (:data:`specrt.runtime.backends.trt.MIN_TENSORRT`).
         TrtBuildError: parse errors (listed) or a failed build.
     """
+    from specrt.runtime.backends.trt import check_tensorrt_version
+
+    check_tensorrt_version(trt)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(network_flags(trt))
@@ -154,13 +167,13 @@ def build_plans(folder: str | Path, manifest: Manifest, cfg: TrtBuildConfig = Tr
     the record in ``extra["tensorrt"]`` (not written: the caller writes it last).
 
     Raises:
-        TrtBuildError, PrecisionError, ValueError; BackendError/ImportError when tensorrt
-        is missing and ``trt`` is None.
+        TrtBuildError, PrecisionError, ValueError; BackendError when tensorrt is missing
+        (``trt`` None) or older than 10.1 (checked before anything is written).
     """
-    if trt is None:
-        from specrt.runtime.backends.trt import load_tensorrt
+    from specrt.runtime.backends.trt import check_tensorrt_version, load_tensorrt
 
-        trt = load_tensorrt()
+    trt = trt if trt is not None else load_tensorrt()
+    check_tensorrt_version(trt)
     folder = Path(folder)
     pcfg = ProfileConfig(k_max=manifest.k_max, max_ctx=manifest.max_ctx, prefill_q=cfg.prefill_q, past_min=PAST_MIN, pad=cfg.past_pad)
     models = {}

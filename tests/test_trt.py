@@ -1,7 +1,10 @@
 """GPU backends on CPU: TensorRT profiles and shape validation, KV offsets, the precision
 and dummy-row ONNX rewrites, the manifest's TensorRT record, and the call sequences of
-the plan builder and of TrtModel against recording stand-ins for ``tensorrt`` and
-``cuda.bindings.runtime`` (tests/fake_gpu.py) that execute the ONNX with onnxruntime.
+the plan builder and of TrtModel against stand-ins for ``tensorrt`` and
+``cuda.bindings.runtime`` (tests/fake_gpu.py) that execute the ONNX with onnxruntime and
+refuse what TensorRT / CUDA document as refused (misaligned tensor addresses, shapes
+outside the profile, a profile another context holds, bad 2D copies). Also: every address
+aligned at every L, close() frees everything, TensorRT < 10.1 refused, ort-cuda fork/close.
 
 Tests marked ``gpu`` need a real NVIDIA GPU with tensorrt / onnxruntime-gpu and
 cuda-python; they skip elsewhere (nothing in this file has been run on a GPU yet).
@@ -10,6 +13,7 @@ cuda-python; they skip elsewhere (nothing in this file has been run on a GPU yet
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -291,6 +295,38 @@ def test_build_plans_call_sequence_and_manifest_record(engine_copy):
     assert ("profile.set_shape", "past_key_0", (1, 0, h, d), (1, m.max_ctx // 2, h, d), (1, m.max_ctx - 4, h, d)) in verify3
 
 
+def test_build_records_tensorrt10_flags_pool_and_a_profile_for_every_q(engine_copy):
+    """What build_plans asks of TensorRT: a strongly typed network (1 << STRONGLY_TYPED, no
+    EXPLICIT_BATCH), the workspace pool limit, and per model one profile per use such that
+    every call width q = 1..k_max+1 has a profile tuned exactly for it (the target) and every
+    width up to the prefill chunk is accepted; the plan then loads with those profiles."""
+    log = []
+    trt = fake_gpu.FakeTRT(log, fake_gpu.FakeCuda(log))
+    m = _build(engine_copy, trt, precision="fp16", workspace_gb=2.0, prefill_q=64)
+    assert [e for e in log if e[0] == "builder.create_network"] == [("builder.create_network", 1 << 1)] * 2
+    assert [e for e in log if e[0] == "config.set_memory_pool_limit"] == [("config.set_memory_pool_limit", "WORKSPACE", 2 << 30)] * 2
+    built, cur = [], []
+    for e in log:  # input_ids (min, opt, max) of every profile, per built model
+        if e[0] == "profile.set_shape" and e[1] == "input_ids":
+            cur.append((e[2][1], e[3][1], e[4][1]))
+        elif e[0] == "builder.build_serialized_network":
+            assert e[1] == len(cur)
+            built.append(cur)
+            cur = []
+    draft, target = built
+    assert target == [(1, 1, 1)] + [(q, q, q) for q in range(2, m.k_max + 2)] + [(1, 64, 64)]
+    assert draft == [(1, 1, 2), (1, 64, 64)]
+    for q in range(1, m.k_max + 2):
+        assert sum(t == (q, q, q) for t in target) == 1  # exactly one profile tuned for each verification width
+    for q in range(1, 65):
+        assert any(a <= q <= b for a, _, b in target) and any(a <= q <= b for a, _, b in draft)
+    adds = [e[1] for e in log if e[0] == "config.add_optimization_profile"]
+    assert adds == list(range(len(draft))) + list(range(len(target)))
+    rec = m.extra["tensorrt"]["models"]["target"]
+    plan = json.loads((engine_copy / rec["plan"]).read_text())  # the stand-in's plan: what the builder was given
+    assert [p["input_ids"] for p in plan["profiles"]] == [[[1, a], [1, o], [1, b]] for a, o, b in target]
+
+
 def test_manifest_with_trt_record_serves_unchanged_on_ort_cpu(engine_copy, tiny_pair):
     from specrt import Engine, GenerationConfig
 
@@ -350,76 +386,205 @@ def test_build_skips_plainly_without_tensorrt(engine_copy, capsys):
 # ----------------------------------------------------- TrtModel against the stand-ins
 
 
-def _trt_model(folder, role, pad=0, log=None, max_q=PREFILL):
+@pytest.fixture(scope="module")
+def mixed_pair(tmp_path_factory):
+    """Engine folder with the default pair's two KV row shapes: the target's rows are
+    1 KV head x 64 = 256 bytes (written in place), the draft's 2 KV heads x 48 = 384 bytes
+    (not 256-aligned: staged). The tiny pair's rows (128 and 64 bytes) are both staged."""
+    pytest.importorskip("torch")
+    from helpers import make_tokenizer, save_llama
+
+    from specrt.export.pipeline import export_pair
+
+    root = tmp_path_factory.mktemp("mixed")
+    tok = make_tokenizer()
+    save_llama(root / "target", tok, seed=11, hidden=64, layers=2, heads=1, kv_heads=1)
+    save_llama(root / "draft", tok, seed=12, hidden=96, layers=1, heads=2, kv_heads=2, inter=64)
+    export_pair(root / "draft", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None, lazy_head=False)
+    return root / "engine"
+
+
+@pytest.fixture
+def mixed_copy(mixed_pair, tmp_path):
+    dst = tmp_path / "mixed"
+    shutil.copytree(mixed_pair, dst)
+    return dst
+
+
+def _trt_model(folder, role, pad=0, log=None, max_q=PREFILL, prefill_q=PREFILL):
     from specrt.runtime.backends.trt import TrtModel
 
     log = [] if log is None else log
     cuda = fake_gpu.FakeCuda(log)
     trt = fake_gpu.FakeTRT(log, cuda)
     m = load_manifest(folder)
-    _build(folder, trt, precision="fp32", past_pad=pad)
+    _build(folder, trt, precision="fp32", past_pad=pad, prefill_q=prefill_q)
     rec = load_manifest(folder).extra["tensorrt"]["models"][role]
     entry = getattr(m, role)
     model = TrtModel(folder / rec["plan"], entry, ProfileSet.from_json(rec["profiles"]), max_q, trt=trt, cuda=CudaRuntime(cuda))
     return model, m, log
 
 
+def _refusals(log):
+    return [e for e in log if e[0] == "refused"]
+
+
 def test_trt_model_setup_sequence(engine_copy):
     model, m, log = _trt_model(engine_copy, "target")
+    cuda = model.cuda.rt
     n_prof = m.k_max + 2
     ctxs = [e for e in log if e[0] == "engine.create_execution_context"]
     assert ctxs == [("engine.create_execution_context", "USER_MANAGED")] * n_prof
     mem = [e for e in log if e[0] == "ctx.set_device_memory"]
     assert len(mem) == n_prof and len({(e[2], e[3]) for e in mem}) == 1  # one shared scratch
-    assert mem[0][3] == 4096 * n_prof  # the largest profile's size
+    sizes = [model.engine.get_device_memory_size_for_profile_v2(i) for i in range(n_prof)]
+    assert len(set(sizes)) > 1  # the engine reports a different size per profile ...
+    assert mem[0][3] == model.scratch_bytes == max(sizes)  # ... and the scratch is the largest
+    assert cuda.device[mem[0][2]] >= max(sizes) and mem[0][2] % ALIGN == 0
     prof = [e for e in log if e[0] == "ctx.set_optimization_profile_async"]
     assert [e[2] for e in prof] == list(range(n_prof)) and {e[3] for e in prof} == {model.stream}
-    # past inputs bound once, at load, to the buffer bases
-    past_addr = [e for e in log if e[0] == "ctx.set_tensor_address" and e[2].startswith("past_")]
+    # constant addresses, bound once at load: past inputs at the buffer bases, ids and
+    # positions in two aligned rows, new-KV outputs at the staging buffers (128-byte rows)
+    addr = [e for e in log if e[0] == "ctx.set_tensor_address"]
+    assert all(e[3] % ALIGN == 0 for e in addr) and not _refusals(log)
+    past_addr = [e for e in addr if e[2].startswith("past_")]
     assert len(past_addr) == n_prof * 2 * m.target.n_layers
     assert {e[3] for e in past_addr if e[2] == "past_value_1"} == {model.kv_bases[3]}
+    assert {e[3] for e in addr if e[2] == "position_ids"} == {model.d_pos} and model.d_pos - model.d_ids == align_up(8 * model.max_q)
+    assert not model.in_place and {e[3] for e in addr if e[2] == "new_value_1"} == {model.stage_bases[3]}
+
+
+def _per_call(log, model, q, L, profile):
+    """Common checks of one run's log; returns (per-call addresses, copies)."""
+    i = [p.name for p in model.profiles.profiles].index(profile)
+    assert {e[1] for e in log if e[0].startswith("ctx.")} == {id(model.contexts[i])}, "only the selected profile's context is used"
+    lay = model.layout
+    shapes = {e[2]: e[3] for e in log if e[0] == "ctx.set_input_shape"}
+    assert shapes["input_ids"] == shapes["position_ids"] == (1, q)
+    assert all(shapes[p] == lay.past_shape(L) for p, _ in lay.names())
+    assert [e[0] for e in log].count("ctx.execute_async_v3") == 1
+    assert [e[0] for e in log].count("cudaStreamSynchronize") == 1
+    assert not any(e[0].startswith("cudaMalloc") for e in log), "no allocation on the hot path"
+    assert not _refusals(log)
+    addr = {e[2]: e[3] for e in log if e[0] == "ctx.set_tensor_address"}
+    copies = [e for e in log if e[0].startswith("cudaMemcpy")]
+    return addr, copies
+
+
+CALLS = ((1, 0, "decode"), (5, 10, "verify_k4"), (9, 21, "verify_k8"), (30, 43, "prefill"), (2, 71, "verify_k1"), (3, 1, "verify_k2"))
 
 
 @pytest.mark.parametrize("pad", [0, 1])
-def test_trt_model_call_sequence(engine_copy, pad):
+def test_trt_model_call_sequence_staged_rows(engine_copy, pad):
     model, m, log = _trt_model(engine_copy, "target", pad=pad)
-    lay = model.layout
-    V, h, d = m.target.vocab_size, m.target.n_kv_heads, m.target.head_dim
-    for q, L, profile in ((1, 0, "decode"), (5, 10, "verify_k4"), (9, 20, "verify_k8"), (30, 40, "prefill"), (2, 70, "verify_k1")):
+    lay, V = model.layout, m.target.vocab_size
+    assert lay.row_bytes % ALIGN and not model.in_place
+    for q, L, profile in CALLS:
         del log[:]
         model.run(list(range(1, q + 1)), L)
-        i = [p.name for p in model.profiles.profiles].index(profile)
-        ctx_id = id(model.contexts[i])
-        assert {e[1] for e in log if e[0].startswith("ctx.")} == {ctx_id}, "only the selected profile's context is used"
-        shapes = {e[2]: e[3] for e in log if e[0] == "ctx.set_input_shape"}
-        assert shapes["input_ids"] == shapes["position_ids"] == (1, q)
-        assert all(shapes[f"past_{k}_{j}"] == (1, pad + L, h, d) for j in range(m.target.n_layers) for k in ("key", "value"))
-        addr = {e[2]: e[3] for e in log if e[0] == "ctx.set_tensor_address"}
-        assert addr["position_ids"] == model.d_pos + 8 * L
-        for j, (_, new) in enumerate(lay.names()):
-            assert addr[new] == model.kv_bases[j] + (pad + L) * lay.row_bytes  # base + L * row stride
-        assert not any(n.startswith("past_") or n in ("input_ids", "logits") for n in addr)  # constant, set at load
-        copies = [e for e in log if e[0] == "cudaMemcpyAsync"]
-        assert copies == [("cudaMemcpyAsync", "H2D", 8 * q), ("cudaMemcpyAsync", "D2H", 4 * q * V)]  # only what is needed
-        assert [e[0] for e in log].count("ctx.execute_async_v3") == 1
-        assert [e[0] for e in log].count("cudaStreamSynchronize") == 1
-        assert not any(e[0].startswith("cudaMalloc") for e in log), "no allocation on the hot path"
+        addr, copies = _per_call(log, model, q, L, profile)
+        assert addr == {}, "every address is constant: set once at load"
+        assert copies == [
+            ("cudaMemcpy2DAsync", "H2D", 8 * q, 2),  # ids and positions, one copy, two aligned rows
+            ("cudaMemcpy2DAsync", "D2D", q * lay.row_bytes, 2 * lay.n_layers),  # new rows: staging -> base + (pad+L)*row
+            ("cudaMemcpyAsync", "D2H", 4 * q * V),  # only the q logits rows
+        ]
 
 
-@pytest.mark.parametrize("role, pad", [("target", 0), ("draft", 0), ("target", 1)])
-def test_trt_model_matches_ort_model(engine_copy, role, pad):
+@pytest.mark.parametrize("pad", [0, 1])
+def test_trt_model_call_sequence_in_place_rows(mixed_copy, pad):
+    model, m, log = _trt_model(mixed_copy, "target", pad=pad)
+    lay, V = model.layout, m.target.vocab_size
+    assert lay.row_bytes == 256 and model.in_place and model.stage_bases == []
+    for q, L, profile in CALLS:
+        del log[:]
+        model.run(list(range(1, q + 1)), L)
+        addr, copies = _per_call(log, model, q, L, profile)
+        assert addr == {new: base + (pad + L) * lay.row_bytes for (_, new), base in zip(lay.names(), model.kv_bases)}
+        assert all(a % ALIGN == 0 for a in addr.values())
+        assert copies == [("cudaMemcpy2DAsync", "H2D", 8 * q, 2), ("cudaMemcpyAsync", "D2H", 4 * q * V)]
+
+
+def test_stand_in_refuses_misaligned_addresses_shapes_and_a_taken_profile(engine_copy):
+    model, m, log = _trt_model(engine_copy, "draft")
+    lay, ctx = model.layout, model.contexts[0]
+    assert lay.row_bytes == 64
+    # the old binding: positions at arange + 8*L, new rows at base + L*row_bytes
+    assert ctx.set_tensor_address("position_ids", model.d_pos + 8) is False
+    assert ctx.set_tensor_address("new_key_0", model.kv_bases[0] + lay.new_offset(1)) is False
+    assert ctx.addresses["position_ids"] == model.d_pos and ctx.addresses["new_key_0"] == model.stage_bases[0]
+    assert [e[1] for e in _refusals(log)] == ["address not 256-byte aligned"] * 2
+    assert ctx.set_tensor_address("position_ids", model.d_pos) is True
+    assert ctx.set_input_shape("input_ids", (1, 3)) is False  # the draft's decode profile takes q <= 2
+    # one context per profile: a second context of the same engine can take none of them
+    other = model.engine.create_execution_context(fake_gpu.FakeTRT.ExecutionContextAllocationStrategy.USER_MANAGED)
+    assert all(other.set_optimization_profile_async(i, model.stream) is False for i in range(len(model.contexts)))
+    assert other.set_input_shape("input_ids", (1, 1)) is False  # no profile selected
+    del other
+    np.testing.assert_array_equal(model.run([5, 6], 0), model.run([5, 6], 0))  # still serves
+    with pytest.raises(BackendError, match="cannot fork a model: TensorRT allows one execution context per optimization profile"):
+        model.fork()
+
+
+def test_stand_in_cuda_enforces_its_documented_refusals():
+    log = []
+    cuda = fake_gpu.FakeCuda(log)
+    rt = CudaRuntime(cuda)
+    s = rt.stream_create()
+    d, h = rt.malloc(1024), rt.malloc_host(1024)
+    pageable = np.zeros(1024, np.uint8)
+    rt.htod_2d_async(d, 512, h, 512, 64, 2, s)
+    with pytest.raises(EngineError, match="cudaMemcpy2DAsync.*cudaErrorInvalidValue"):
+        rt.htod_2d_async(d, 512, pageable.ctypes.data, 512, 64, 2, s)  # 2D copies need pinned memory
+    with pytest.raises(EngineError, match="cudaErrorInvalidPitchValue"):
+        rt.dtod_2d_async(d, 64, d + 512, 64, 128, 2, s)  # width > pitch
+    with pytest.raises(EngineError, match="cudaErrorInvalidValue"):
+        rt.dtod_2d_async(d + 256, 256, d, 256, 256, 3, s)  # overlapping areas
+    with pytest.raises(EngineError, match="cudaErrorInvalidValue"):
+        rt.htod_async(d + 1000, h, 64, s)  # past the end of the allocation
+    assert cuda.outstanding() == {"device": 1, "pinned": 1, "streams": 1}
+    rt.free(d), rt.free_host(h), rt.stream_destroy(s)
+    assert cuda.outstanding() == {"device": 0, "pinned": 0, "streams": 0}
+    with pytest.raises(EngineError, match="cudaFree failed: cudaErrorInvalidValue"):
+        rt.free(d)  # double free
+
+
+def _device_rows(model, j, rows):
+    """KV rows [0, rows) of buffer j read from the stand-in's device memory."""
+    lay = model.layout
+    return fake_gpu._read(model.kv_bases[j] + lay.pad * lay.row_bytes, (rows, lay.n_kv_heads, lay.head_dim), np.float32)
+
+
+@pytest.mark.parametrize("pair, role, pad", [("tiny", "target", 0), ("tiny", "draft", 1), ("mixed", "draft", 0), ("mixed", "draft", 1), ("mixed", "target", 1)])
+def test_trt_model_aligned_at_every_L_and_equal_to_ort_model(engine_copy, mixed_copy, pair, role, pad):
+    """A walk over the whole context with speculative-like commits and rollbacks: every
+    address TensorRT is given is 256-byte aligned, the logits equal OrtModel's at every
+    call and the device KV equals OrtModel's KV at the end."""
     from specrt.runtime.backends.ort import OrtModel
 
-    model, m, _ = _trt_model(engine_copy, role, pad=pad)
+    folder = engine_copy if pair == "tiny" else mixed_copy
+    model, m, log = _trt_model(folder, role, pad=pad)
     entry = getattr(m, role)
-    ref = OrtModel(engine_copy / entry.file, entry, m.max_ctx, PREFILL)
-    rng = np.random.default_rng(7)
-    toks = rng.integers(0, m.vocab_size, 80).tolist()
-    L = 0
-    for q in (33, 1, 2, 5, 9, 1, 2) if role == "target" else (33, 1, 2, 1, 2, 7):
+    assert model.in_place == (entry.n_kv_heads * entry.head_dim * 4 % ALIGN == 0)
+    ref = OrtModel(folder / entry.file, entry, m.max_ctx, PREFILL)
+    rng = np.random.default_rng(3)
+    toks = rng.integers(0, m.vocab_size, m.max_ctx).tolist()
+    widths = [17, 1, 2, 3, 9, 5, 1, 4, 2, 7, 6, 8, 1, 2] if role == "target" else [17, 1, 2, 1, 2, 5, 2, 1]
+    L, n, seen = 0, 0, set()
+    while True:
+        q = widths[n % len(widths)]
+        if L + q > m.max_ctx:
+            break
         np.testing.assert_array_equal(model.run(toks[L : L + q], L), ref.run(toks[L : L + q], L))
-        L += q
-    np.testing.assert_array_equal(model.run(toks[3:5], 3), ref.run(toks[3:5], 3))  # rollback: a smaller L
+        seen.add(L % 4)
+        L += 1 + int(rng.integers(0, q))  # commit 1..q rows; the rest is rolled back
+        n += 1
+    assert n > 40 and seen == {0, 1, 2, 3}  # offsets (pad + L) * row_bytes of every residue mod 256
+    addrs = [e[3] for e in log if e[0] == "ctx.set_tensor_address"]
+    assert addrs and all(a % ALIGN == 0 for a in addrs) and not _refusals(log)
+    for j in range(2 * entry.n_layers):  # device KV = OrtModel's KV (the rows both committed)
+        kv = (ref.keys if j % 2 == 0 else ref.values)[j // 2][0, :L]
+        np.testing.assert_array_equal(_device_rows(model, j, L), kv)
 
 
 def test_trt_model_refuses_before_any_tensorrt_call(engine_copy):
@@ -444,34 +609,117 @@ def test_trt_model_refuses_a_plan_from_another_build(engine_copy):
     (engine_copy / "garbage.plan").write_bytes(b"\x00not a plan")
     with pytest.raises(EngineError, match="could not deserialize"):
         TrtModel(engine_copy / "garbage.plan", m.target, other, PREFILL, trt=fake_gpu.FakeTRT(log, cuda), cuda=CudaRuntime(cuda))
+    assert cuda.outstanding() == {"device": 0, "pinned": 0, "streams": 0}
+
+
+def test_trt_model_close_frees_everything_once(engine_copy):
+    model, m, log = _trt_model(engine_copy, "target")
+    cuda = model.cuda.rt
+    assert cuda.outstanding() == {"device": 5, "pinned": 2, "streams": 1}  # scratch, KV, ids+positions, logits, staging
+    engine = model.engine
+    model.run([1, 2, 3], 0)
+    model.close()
+    assert cuda.outstanding() == {"device": 0, "pinned": 0, "streams": 0}
+    assert len(engine.contexts) == 0  # the contexts are gone (their profiles free again)
+    n = len(log)
+    model.close()  # idempotent: nothing is freed twice
+    assert len(log) == n
+    with pytest.raises(EngineError, match="closed"):
+        model.run([1], 0)
+
+
+def test_trt_model_failed_load_frees_what_it_allocated(engine_copy):
+    from specrt.runtime.backends.trt import TrtModel
+
+    _, m, log = _trt_model(engine_copy, "target")
+    rec = load_manifest(engine_copy).extra["tensorrt"]["models"]["target"]
+    for n_ok in (0, 2, 4):
+        cuda = fake_gpu.FakeCuda(log)
+        cuda.fail_malloc_after = n_ok
+        with pytest.raises(EngineError, match=r"cudaMalloc\(\d+\) failed: cudaErrorMemoryAllocation"):
+            TrtModel(
+                engine_copy / rec["plan"], m.target, ProfileSet.from_json(rec["profiles"]), PREFILL, trt=fake_gpu.FakeTRT(log, cuda), cuda=CudaRuntime(cuda)
+            )
+        assert cuda.outstanding() == {"device": 0, "pinned": 0, "streams": 0}
 
 
 def test_cuda_errors_name_the_call():
     log = []
     cuda = fake_gpu.FakeCuda(log)
     cuda.fail_malloc = True
-    with pytest.raises(EngineError, match=r"cudaMalloc\(64\) failed: cudaError2"):
+    with pytest.raises(EngineError, match=r"cudaMalloc\(64\) failed: cudaErrorMemoryAllocation"):
         CudaRuntime(cuda).malloc(64)
 
 
-@pytest.mark.parametrize("pad", [0, 1])
-def test_engine_on_tensorrt_stand_in_equals_ort_cpu(engine_copy, tiny_pair, monkeypatch, pad):
-    from specrt import Engine, GenerationConfig
+@pytest.mark.parametrize("version", ["9.3.0.1", "8.6.1", "10.0.1.6", "unknown"])
+def test_tensorrt_older_than_10_1_refused_with_its_version(engine_copy, monkeypatch, capsys, version):
+    from specrt.export.trt_build import TrtBuildConfig, build_plans, main, tensorrt_unavailable
+    from specrt.runtime.backends.trt import TrtModel, load_tensorrt
+
+    trt, cuda, log = fake_gpu.install(monkeypatch, version=version)
+    line = f"specrt needs TensorRT >= 10.1, the installed tensorrt is {version} ("
+    with pytest.raises(BackendError) as e:
+        load_tensorrt()
+    assert str(e.value).startswith(f"backend 'tensorrt': {line}") and "\n" not in str(e.value)
+    with pytest.raises(BackendError, match=re.escape(line)):
+        TrtModel(
+            engine_copy / "target.fp32.plan", load_manifest(engine_copy).target, target_profiles(ProfileConfig(8, 256, 16)), 16, trt=trt, cuda=CudaRuntime(cuda)
+        )
+    assert tensorrt_unavailable().startswith(line)
+    with pytest.raises(BackendError, match=re.escape(line)):
+        build_plans(engine_copy, load_manifest(engine_copy), TrtBuildConfig(precision="fp32"), trt=trt, log=lambda *_: None)
+    assert main([str(engine_copy)]) == 2 and main([str(engine_copy), "--if-available"]) == 0
+    assert f"TensorRT plans: skipped ({line}" in capsys.readouterr().err
+    assert not any(e[0].startswith(("builder.", "runtime.", "cudaMalloc")) for e in log)  # refused before any work
+    assert "tensorrt" not in load_manifest(engine_copy).extra and not list(engine_copy.glob("*.plan"))
+
+
+@pytest.mark.parametrize("version", ["10.1.0", "10.13.3.9", "11.0.0"])
+def test_tensorrt_10_1_and_later_accepted(version):
+    from types import SimpleNamespace
+
+    from specrt.runtime.backends.trt import tensorrt_version_problem
+
+    assert tensorrt_version_problem(SimpleNamespace(__version__=version)) is None
+
+
+def _trt_engine(folder, monkeypatch, pad=0, prefill_q=16):
+    """Plans built with the stand-in (prefill width ``prefill_q``), Engine on backend tensorrt."""
+    from specrt import Engine
 
     log = []
-    _build(engine_copy, fake_gpu.FakeTRT(log, fake_gpu.FakeCuda(log)), precision="fp32", past_pad=pad)
-    fake_gpu.install(monkeypatch)  # sys.modules: tensorrt, cuda.bindings.runtime
-    trt_engine = Engine(engine_copy, backend="tensorrt")
-    assert trt_engine.backend == "tensorrt" and Engine(engine_copy).backend == "ort-cpu"  # ort-cpu unless named
-    cpu = Engine(tiny_pair[2], backend="ort-cpu")
-    long_prompt = "class Foo:\n    def __init__(self, x):\n        self.x = x\n" * 8
-    for prompt in ("def add(a, b):", long_prompt):
+    _build(folder, fake_gpu.FakeTRT(log, fake_gpu.FakeCuda(log)), precision="fp32", past_pad=pad, prefill_q=prefill_q)
+    trt, cuda, log = fake_gpu.install(monkeypatch)  # sys.modules: tensorrt, cuda.bindings.runtime
+    return Engine(folder, backend="tensorrt"), cuda, log
+
+
+LONG_PROMPT = "class Foo:\n    def __init__(self, x):\n        self.x = x\n" * 8
+
+
+@pytest.mark.parametrize("pair, pad", [("tiny", 0), ("tiny", 1), ("mixed", 0)])
+def test_engine_on_tensorrt_stand_in_equals_ort_cpu(engine_copy, mixed_copy, tiny_pair, mixed_pair, monkeypatch, pair, pad):
+    """Greedy tokens equal ort-cpu's for several k and thresholds, with prompts longer than
+    the plans' prefill width (16: fed in chunks) and every TensorRT address aligned."""
+    from specrt import Engine, GenerationConfig
+
+    folder, src = (engine_copy, tiny_pair[2]) if pair == "tiny" else (mixed_copy, mixed_pair)
+    trt_engine, cuda, log = _trt_engine(folder, monkeypatch, pad)
+    assert trt_engine.backend == "tensorrt" and Engine(folder).backend == "ort-cpu"  # ort-cpu unless named
+    assert trt_engine.target.max_q == trt_engine.draft.max_q == 16
+    cpu = Engine(src, backend="ort-cpu")
+    assert len(cpu.prompt_ids(LONG_PROMPT)) > 3 * 16
+    for prompt in ("def add(a, b):", LONG_PROMPT):
         for k in (1, 3, 8):
             for th in (0.0, 0.5):
                 cfg = GenerationConfig(max_new_tokens=24, k_max=k, threshold=th)
                 assert trt_engine.generate(prompt, cfg).tokens == cpu.generate(prompt, cfg).tokens
         base = GenerationConfig(max_new_tokens=24, speculative=False)
         assert trt_engine.generate(prompt, base).tokens == cpu.generate(prompt, base).tokens
+    assert not _refusals(log) and all(e[3] % ALIGN == 0 for e in log if e[0] == "ctx.set_tensor_address")
+    with pytest.raises(BackendError, match="cannot fork"):
+        trt_engine.fork()
+    trt_engine.close()
+    assert cuda.outstanding() == {"device": 0, "pinned": 0, "streams": 0}  # both models, everything
 
 
 # ------------------------------------------------------------------- ort-cuda, selection
@@ -495,27 +743,58 @@ def test_ort_cuda_model_code_path_on_cpu_equals_ort_model(tiny_pair):
         a.run([1, 2], m.max_ctx - 1)
 
 
-def test_gpu_backends_refused_clearly_without_a_gpu(tiny_pair):
+def test_ort_cuda_model_fork_and_close(tiny_pair):
+    from specrt.runtime.backends.ort import OrtModel
+    from specrt.runtime.backends.ort_cuda import OrtCudaModel
+
+    folder = tiny_pair[2]
+    m = load_manifest(folder)
+    a = OrtCudaModel(folder / m.target.file, m.target, m.max_ctx, PREFILL, device_type="cpu")
+    b = a.fork()
+    assert b.session is a.session and b._kv_value is not a._kv_value and b.kv_bases[0] != a.kv_bases[0]
+    ra, rb = (OrtModel(folder / m.target.file, m.target, m.max_ctx, PREFILL) for _ in range(2))
+    rng = np.random.default_rng(2)
+    ta, tb = rng.integers(0, m.vocab_size, 40).tolist(), rng.integers(0, m.vocab_size, 40).tolist()
+    L = 0
+    for q in (12, 1, 5, 2, 9):  # interleaved calls: each object keeps its own KV
+        np.testing.assert_array_equal(a.run(ta[L : L + q], L), ra.run(ta[L : L + q], L))
+        np.testing.assert_array_equal(b.run(tb[L : L + q], L), rb.run(tb[L : L + q], L))
+        L += q
+    a.close()
+    a.close()  # idempotent
+    with pytest.raises(EngineError, match="closed"):
+        a.run([1], 0)
+    with pytest.raises(EngineError, match="closed"):
+        a.fork()
+    np.testing.assert_array_equal(b.run(tb[L : L + 1], L), rb.run(tb[L : L + 1], L))  # the fork lives on
+    b.close()
+
+
+def test_gpu_backends_refused_clearly_where_unavailable(tiny_pair):
+    """On any machine: ort-cpu unless a backend is named; a GPU backend this machine or
+    folder cannot run is refused with its reason (API and CLI); one it can run resolves.
+    The tiny folder has no TensorRT plans, so tensorrt is refused on a GPU machine too."""
     from click.testing import CliRunner
 
     from specrt import Engine
     from specrt.cli import cli
     from specrt.runtime.backends import backend_status, resolve_backend
 
-    status = backend_status(load_manifest(tiny_pair[2]))
-    assert status["ort-cpu"] is None
+    m = load_manifest(tiny_pair[2])
+    status = backend_status(m)
+    assert status["ort-cpu"] is None and status["tensorrt"] is not None
+    assert resolve_backend(None, m) == "ort-cpu" and Engine(tiny_pair[2]).backend == "ort-cpu"
     with pytest.raises(BackendError, match="backend='cpu'; choose one of ort-cpu, ort-cuda, tensorrt"):
         resolve_backend("cpu")
     for name in ("ort-cuda", "tensorrt"):
-        if status[name] is None:
+        if status[name] is None:  # a GPU machine with onnxruntime-gpu
+            assert resolve_backend(name, m) == name
             continue
         with pytest.raises(BackendError, match=f"backend '{name}' is unavailable here: .*; available: ort-cpu"):
             Engine(tiny_pair[2], backend=name)
         res = CliRunner().invoke(cli, ["generate", "--engines", str(tiny_pair[2]), "--prompt", "x", "--backend", name])
         assert res.exit_code == 1 and f"backend '{name}' is unavailable here" in res.output
         assert "Traceback" not in res.output
-    if status["ort-cuda"] and status["tensorrt"]:
-        assert Engine(tiny_pair[2]).backend == "ort-cpu"
 
 
 # ------------------------------------------------------------------ real GPU (skip here)

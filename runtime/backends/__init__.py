@@ -5,7 +5,7 @@ name     model class                                  needs
 ======== ============================================ =========================================
 ort-cpu  :class:`~.ort.OrtModel`                      onnxruntime (always available)
 ort-cuda :class:`~.ort_cuda.OrtCudaModel`             onnxruntime-gpu and an NVIDIA GPU
-tensorrt :class:`~.trt.TrtModel`                      tensorrt >= 10, cuda-python, a GPU and the
+tensorrt :class:`~.trt.TrtModel`                      tensorrt >= 10.1, cuda-python, a GPU and the
                                                       plans in the manifest's extra
 ======== ============================================ =========================================
 

@@ -62,6 +62,7 @@ class CudaRuntime:
         self.rt = rt if rt is not None else load_cuda_runtime()
         self._h2d = self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice
         self._d2h = self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        self._d2d = self.rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
 
     def _check(self, res, what: str):
         err = res[0] if isinstance(res, tuple) else res
@@ -103,6 +104,17 @@ class CudaRuntime:
     def dtoh_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Queue a device-to-host copy of ``nbytes`` on ``stream``."""
         self._check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self._d2h, stream), "cudaMemcpyAsync(device->host)")
+
+    def htod_2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
+        """Queue a strided host-to-device copy (``cudaMemcpy2DAsync``): ``height`` rows of
+        ``width`` bytes, source rows ``spitch`` bytes apart in page-locked host memory,
+        destination rows ``dpitch`` bytes apart. ``width`` <= both pitches."""
+        self._check(self.rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, self._h2d, stream), "cudaMemcpy2DAsync(host->device)")
+
+    def dtod_2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
+        """Queue a strided device-to-device copy (``cudaMemcpy2DAsync``), as :meth:`htod_2d_async`;
+        the two areas must not overlap."""
+        self._check(self.rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, self._d2d, stream), "cudaMemcpy2DAsync(device->device)")
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
         """Queue a byte fill of device memory on ``stream``."""

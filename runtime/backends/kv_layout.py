@@ -5,12 +5,17 @@ One buffer per layer and per K/V, each ``[1, pad + max_ctx, n_kv_heads, head_dim
 For a call with q new tokens after L committed rows::
 
     past input   -> base                       shape [1, pad + L, h, d]  (read)
-    new output   -> base + (pad + L) * row     shape [1, q, h, d]        (written in place)
-    position_ids -> positions + 8 * L          shape [1, q]              (preallocated arange)
+    new rows     -> base + (pad + L) * row     shape [1, q, h, d]        (written)
 
 ``row`` = ``n_kv_heads * head_dim * itemsize`` bytes. ``pad`` is 0, or 1 for the
-min-past workaround of :mod:`specrt.runtime.profiles` (row 0 is a dummy that the graph
-slices off). Rolling back is a smaller L on the next call; nothing is copied.
+min-past workaround of :mod:`specrt.runtime.backends.profiles` (row 0 is a dummy that the
+graph slices off). Rolling back is a smaller L on the next call; nothing is copied.
+
+``base + (pad + L) * row`` is 256-byte aligned for every L only when ``row % 256 == 0``
+(:attr:`KVLayout.rows_aligned`). TensorRT needs aligned tensor addresses, so the TensorRT
+backend binds new rows there only in that case and otherwise stages them
+(:mod:`specrt.runtime.backends.trt`); onnxruntime-CUDA binds them in place
+(:mod:`specrt.runtime.backends.ort_cuda`).
 """
 
 from __future__ import annotations
@@ -102,6 +107,11 @@ class KVLayout:
     def new_shape(self, q: int) -> tuple[int, int, int, int]:
         """Shape of a new-KV output for q tokens: ``(1, q, h, d)``."""
         return (1, q, self.n_kv_heads, self.head_dim)
+
+    @property
+    def rows_aligned(self) -> bool:
+        """Whether every row offset is a multiple of :data:`ALIGN` (``row_bytes % ALIGN == 0``)."""
+        return self.row_bytes % ALIGN == 0
 
     def new_offset(self, past: int) -> int:
         """Byte offset of the first new row inside a buffer: ``(pad + L) * row_bytes``."""
