@@ -27,8 +27,9 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -q $(PIP_FIND) -e '.[export,dev]'
 
-# models/tuned_defaults.json: the decoding defaults chosen with `specrt tune` (README, "Measured figures")
-$(ENGINES)/manifest.json: models/target/model.safetensors models/draft/model.safetensors models/tuned_defaults.json
+# models/tuned_defaults.json: the decoding defaults chosen with `specrt tune` (README, "Measured figures");
+# models/target/tokenizer_config.json holds the chat template copied into the engine folder
+$(ENGINES)/manifest.json: models/target/model.safetensors models/draft/model.safetensors models/tuned_defaults.json models/target/tokenizer_config.json
 	$(BIN)/specrt export --draft models/draft --target models/target --out $(ENGINES) --k-max $(K_MAX) --max-ctx $(MAX_CTX) --defaults models/tuned_defaults.json
 
 TRT_PRECISION ?= fp16
