@@ -575,6 +575,31 @@ def _print_tune_report(result: dict, out: Path) -> None:
 @click.option("--model-name", default=None, help="model id clients send (default: the engine folder's name)")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
 @click.option(
+    "--chat-template",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Jinja2 chat template file for /v1/chat/completions (default: the engine folder's chat_template.jinja, copied from the target at export)",
+)
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="SPECRT_API_KEY",
+    help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); also read from $SPECRT_API_KEY",
+)
+@click.option(
+    "--allowed-origins",
+    "allowed_origins",
+    multiple=True,
+    help="browser origin allowed by CORS (repeatable; '*' = any; default: none, no CORS headers)",
+)
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(1),
+    default=1 << 20,
+    show_default=True,
+    help="request bodies above this get 413 before they are parsed",
+)
+@click.option(
     "--round-delay",
     type=click.FloatRange(0, 10),
     default=0.0,
@@ -584,8 +609,25 @@ def _print_tune_report(result: dict, out: Path) -> None:
 @_threads_option
 @_backend_option
 @_clean_errors
-def serve(engines, host, port, workers, max_queue, model_name, log_level, round_delay, threads, spinning, backend):
-    """Serve ENGINES over HTTP: OpenAI-compatible /v1/completions (SSE streaming), /metrics (docs/SERVING.md)."""
+def serve(
+    engines,
+    host,
+    port,
+    workers,
+    max_queue,
+    model_name,
+    log_level,
+    chat_template,
+    api_key,
+    allowed_origins,
+    max_body_bytes,
+    round_delay,
+    threads,
+    spinning,
+    backend,
+):
+    """Serve ENGINES over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions
+    (SSE streaming), /v1/models, /metrics (docs/SERVING.md)."""
     from .runtime.serve.server import serve as run_server
 
     tc = ThreadConfig(intra_op=threads or ThreadConfig().intra_op, spinning=spinning)
@@ -600,6 +642,10 @@ def serve(engines, host, port, workers, max_queue, model_name, log_level, round_
         model_name=model_name,
         log_level=log_level,
         round_delay=round_delay,
+        chat_template=chat_template,
+        api_key=api_key,
+        allowed_origins=allowed_origins,
+        max_body_bytes=max_body_bytes,
     )
 
 
