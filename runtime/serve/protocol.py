@@ -26,6 +26,7 @@ __all__ = [
     "completion_request_model",
     "chat_request_model",
     "validation_message",
+    "field_names",
 ]
 
 OPENAI_MAX_STOPS = 4  # what the OpenAI API allows per request
@@ -194,6 +195,14 @@ def chat_request_model():
 
     _models["chat"] = ChatCompletionRequest
     return ChatCompletionRequest
+
+
+def field_names(model) -> list[str]:
+    """A request model's fields for messages: ``model``, then the route's own fields
+    (``prompt``/``messages`` first), then the shared ones."""
+    common = list(_common_fields().model_fields)
+    own = [f for f in model.model_fields if f not in common]
+    return ["model", *own, *(f for f in common if f != "model")]
 
 
 def validation_message(errors: list[dict], fields: Sequence[str]) -> tuple[str, str | None]:

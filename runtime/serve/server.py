@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import BackendError, InputError, SpecRTError
-from .protocol import DEFAULT_MAX_TOKENS, chat_request_model, completion_request_model, validation_message
+from .protocol import DEFAULT_MAX_TOKENS, chat_request_model, completion_request_model, field_names, validation_message
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -882,7 +882,7 @@ def create_app(service: CompletionService, api_key: str | None = None, allowed_o
     metrics = service.metrics
     app = FastAPI(title="specrt", summary="OpenAI-compatible completions and chat completions with speculative decoding", version="1")
     app.state.service = service
-    fields = {"/v1/completions": list(CompletionRequest.model_fields), "/v1/chat/completions": list(ChatRequest.model_fields)}
+    fields = {"/v1/completions": field_names(CompletionRequest), "/v1/chat/completions": field_names(ChatRequest)}
     err = _install_error_handlers(app, metrics, fields)
 
     async def handle(body, request: Request, prepare):
