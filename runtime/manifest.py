@@ -267,7 +267,7 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     return m
 
 
-def write_defaults(folder: str | Path, defaults: dict, extra: dict | None = None) -> dict:
+def write_defaults(folder: str | Path, defaults: dict, extra: dict | None = None, replace: bool = False) -> dict:
     """Update ``defaults`` (and top-level keys of ``extra``) in ``folder/manifest.json``.
 
     The file is rewritten atomically (a temporary file in the same folder, then
@@ -280,6 +280,8 @@ def write_defaults(folder: str | Path, defaults: dict, extra: dict | None = None
         defaults: keys to set in ``defaults`` (e.g. k_max, threshold, strategy,
             draft_confidence_temperature).
         extra: keys to set in ``extra`` (e.g. ``"tune"``, ``"calibration"`` records).
+        replace: ``defaults`` replaces the whole ``defaults`` object instead of updating it
+            (``specrt tune --restore-previous``).
 
     Returns:
         the new ``defaults`` dict.
@@ -292,7 +294,10 @@ def write_defaults(folder: str | Path, defaults: dict, extra: dict | None = None
     load_manifest(folder, verify_hashes=False)  # refuse a broken folder before touching it
     old_text = path.read_text()
     raw = json.loads(old_text)
-    raw.setdefault("defaults", {}).update(defaults)
+    if replace:
+        raw["defaults"] = dict(defaults)
+    else:
+        raw.setdefault("defaults", {}).update(defaults)
     if extra:
         raw.setdefault("extra", {}).update(extra)
     tmp = folder / (MANIFEST + ".tune.tmp")
