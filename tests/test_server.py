@@ -371,3 +371,23 @@ def test_runtime_imports_and_serve_refuses_cleanly_without_the_extra(tiny_pair):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
     assert out.stdout.strip().endswith("OK")
+
+
+# ---- scripts/load_test.py ----------------------------------------------------------------
+@pytest.mark.parametrize("extra", [[], ["--chat", "--stream"]], ids=["completions", "chat-stream"])
+def test_load_test_script(server, extra, capsys):
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import load_test
+
+    before = read_metrics(server.port)
+    s = load_test.main(["--url", f"http://{HOST}:{server.port}", "--requests", "6", "--concurrency", "2", "--max-tokens", "8", "--temperature", "0", *extra])
+    after = read_metrics(server.port)
+    assert s["ok"] == 6 and s["statuses"] == {"200": 6}
+    assert s["endpoint"] == ("/v1/chat/completions" if extra else "/v1/completions")
+    assert s["completion_tokens_per_s"] > 0 and s["latency_s"]["p50"] > 0
+    assert (s["ttft_s"]["p50"] > 0) if extra else s["ttft_s"] is None
+    proposed = after["specrt_draft_tokens_proposed_total"] - before["specrt_draft_tokens_proposed_total"]
+    accepted = after["specrt_draft_tokens_accepted_total"] - before["specrt_draft_tokens_accepted_total"]
+    assert proposed > 0 and s["acceptance_rate"] == round(accepted / proposed, 4)
