@@ -365,6 +365,7 @@ class _PhaseBars:
         self.last = done
 
     def close(self) -> None:
+        """End the current phase's bar (if any)."""
         if self.bar is not None:
             self.bar.__exit__(None, None, None)
         self.bar, self.label = None, None

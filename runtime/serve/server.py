@@ -886,6 +886,7 @@ def create_app(service: CompletionService, api_key: str | None = None, allowed_o
     err = _install_error_handlers(app, metrics, fields)
 
     async def handle(body, request: Request, prepare):
+        """Validate (off the loop), queue, then answer JSON or server-sent events."""
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         work = await loop.run_in_executor(None, prepare, body)
