@@ -69,7 +69,9 @@ class TextCodec:
                 ``"\\ud800"``, which has no UTF-8 form).
         """
         try:
-            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            # encode_batch releases the GIL while it works (encode holds it): a long prompt
+            # tokenized in a server's executor thread then does not stall its event loop
+            ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError:  # tokenizers refuses str values with lone surrogates this way
             try:
                 text.encode("utf-8")

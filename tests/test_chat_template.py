@@ -185,3 +185,31 @@ def test_token_bytes(tiny_pair):
     eos = codec.tokenizer.token_to_id(EOS)
     assert codec.token_bytes(eos) == EOS.encode() and codec.token_text(eos) == EOS
     assert codec.max_token_bytes == max(len(codec.token_bytes(i)) for i in range(codec.vocab_size)) >= len(EOS)
+
+
+def test_encoding_releases_the_gil(tiny_pair):
+    """The server tokenizes in executor threads: TextCodec.encode must let the event loop's
+    thread run meanwhile (tokenizers' encode holds the GIL, encode_batch releases it)."""
+    import threading
+    import time
+
+    codec = Engine(tiny_pair[2]).codec
+    text = "def add(a, b):\n    return a + b\n" * 20000
+    done, took = threading.Event(), []
+
+    def work():
+        t0 = time.perf_counter()
+        codec.encode(text)
+        took.append(time.perf_counter() - t0)
+        done.set()
+
+    t = threading.Thread(target=work)
+    t.start()
+    ticks = 0
+    while not done.is_set():
+        ticks += 1
+        time.sleep(0.001)
+    t.join()
+    if took[0] < 0.05:
+        pytest.skip(f"encoding took only {took[0] * 1000:.0f} ms here: too fast to tell")
+    assert ticks >= 10, f"the main thread ran {ticks} times in {took[0] * 1000:.0f} ms of encoding"
