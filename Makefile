@@ -27,8 +27,9 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -q $(PIP_FIND) -e '.[export,dev]'
 
-# models/tuned_defaults.json: the decoding defaults chosen with `specrt tune` (README, "Measured figures")
-$(ENGINES)/manifest.json: models/target/model.safetensors models/draft/model.safetensors models/tuned_defaults.json
+# models/tuned_defaults.json: the decoding defaults chosen with `specrt tune` (README, "Measured figures");
+# models/target/tokenizer_config.json holds the chat template copied into the engine folder
+$(ENGINES)/manifest.json: models/target/model.safetensors models/draft/model.safetensors models/tuned_defaults.json models/target/tokenizer_config.json
 	$(BIN)/specrt export --draft models/draft --target models/target --out $(ENGINES) --k-max $(K_MAX) --max-ctx $(MAX_CTX) --defaults models/tuned_defaults.json
 
 TRT_PRECISION ?= fp16
@@ -82,9 +83,11 @@ bench-compare: export bench-envs
 	$(BIN)/python scripts/bench_compare.py --target models/target --draft models/draft --engines $(ENGINES) --prompts $(PROMPTS) \
 		--max-new-tokens 128 --repeats $(REPEATS) --threads $(THREADS) --out $(COMPARE_OUT)
 
-# serving (docs/SERVING.md): a bounded loopback load run against `specrt serve` on the default pair
+# serving (docs/SERVING.md): bounded loopback load runs against `specrt serve` on the default pair:
+# /v1/completions, then /v1/chat/completions (the engine's chat template)
 load-test: export
 	$(BIN)/python scripts/load_test.py --engines $(ENGINES) --workers 2 --threads 1 --requests 200 --concurrency 8 --max-tokens 64 --out bench_out/load.json
+	$(BIN)/python scripts/load_test.py --engines $(ENGINES) --workers 2 --threads 1 --requests 200 --concurrency 8 --max-tokens 64 --chat --out bench_out/load_chat.json
 
 # scale-out: Ray Serve (own venv: ray is large) with 2 replicas of the default pair on 127.0.0.1, checked end to end
 RAY_VENV ?= .venv-ray

@@ -9,6 +9,7 @@ specialises dimensions whose example is 0 or 1.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,23 @@ from specrt.runtime.manifest import ModelEntry, sha256_file
 from .kv_model import HeadModel, KVBodyModel, KVExportModel
 
 PARITY_TOL = 1e-4  # max |logit difference| allowed, fp32
+
+
+class _NoTorchvisionNotice(logging.Filter):
+    """Drops torch.onnx's "torchvision is not installed. Skipping torchvision::<op>" notices.
+
+    torch's ONNX exporter registers its torchvision op translations on first use and logs
+    one WARNING per op (8 lines) when torchvision is absent (logger
+    ``torch.onnx._internal.exporter._registration``); language models use none of those
+    ops, and the lines read like failures. Only records with that message are dropped;
+    every other warning of that logger still shows.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("torchvision is not installed")
+
+
+logging.getLogger("torch.onnx._internal.exporter._registration").addFilter(_NoTorchvisionNotice())
 
 
 @dataclass(frozen=True)

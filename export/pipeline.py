@@ -2,8 +2,9 @@
 
 Writes ``OUT/{draft.onnx, target.onnx, tokenizer.json, manifest.json}`` (plus the lazy-head
 split of the target, ``target_body.onnx`` and ``target_head.onnx``, unless ``lazy_head`` is
-off); the manifest is written last (atomically), so a folder without one is a half-written
-export and the runtime refuses it.
+off, and the target's chat template as ``chat_template.jinja`` when it has one); the
+manifest is written last (atomically), so a folder without one is a half-written export and
+the runtime refuses it.
 """
 
 from __future__ import annotations
@@ -130,6 +131,44 @@ def _special_ids(target_dir: Path) -> tuple[int, int | None, bool, int]:
     return int(eos), (int(bos) if bos is not None else None), add_bos, len(tok)
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def find_chat_template(checkpoint: str | Path) -> str | None:
+    """The chat template of a Hugging Face checkpoint folder, as transformers finds it.
+
+    ``chat_template.jinja`` beside the weights wins (transformers >= 4.43 saves templates
+    there); else ``tokenizer_config.json``'s ``chat_template``: a string, or a list of
+    ``{"name", "template"}`` of which the one named ``"default"`` is taken (as
+    ``apply_chat_template`` does without a name).
+
+    Returns:
+        the template text, or None when the checkpoint has none.
+
+    Raises:
+        PairError: ``tokenizer_config.json`` is unreadable, or its ``chat_template`` is
+            neither a string nor a list of named templates with a ``"default"``.
+    """
+    d = Path(checkpoint)
+    jinja = d / CHAT_TEMPLATE_FILE
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    cfg = d / "tokenizer_config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        tpl = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError) as e:
+        raise PairError(f"{cfg} is not a readable JSON object ({e})") from None
+    if tpl is None or isinstance(tpl, str):
+        return tpl
+    if isinstance(tpl, list):
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise PairError(f"{cfg}: chat_template must be a string or a list of {{name, template}} with a 'default' one; got {type(tpl).__name__}")
+
+
 def _pad_id(target_dir: Path) -> int | None:
     """The target's pad token id (config first, then tokenizer), or ``None``."""
     from transformers import AutoConfig, AutoTokenizer
@@ -160,7 +199,9 @@ def export_pair(
     both architectures and config options supported for ``max_ctx``. The target's
     special tokens (BOS/EOS/pad) are recorded in the manifest and used for draft, target
     and baseline alike; the tokenizer's vocab hash is recorded per model so the runtime
-    can refuse a mismatched pair at load.
+    can refuse a mismatched pair at load. The target's chat template
+    (:func:`find_chat_template`), when it has one, is copied as ``chat_template.jinja``
+    and recorded with its SHA-256.
 
     Args:
         draft_dir, target_dir: local HF checkpoint folders (config, safetensors, tokenizer).
@@ -219,6 +260,12 @@ def export_pair(
         if e.vocab_size < n_vocab:
             raise PairError(f"{role} has {e.vocab_size} logits but the tokenizer has {n_vocab} ids; they must come from one tokenizer")
     shutil.copyfile(tok_json, out / "tokenizer.json")
+    template = find_chat_template(target_dir)
+    if template is not None:
+        (out / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+        log(f"chat template of {target_dir} -> {out / CHAT_TEMPLATE_FILE}")
+    else:
+        (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         name=out.name,
@@ -231,6 +278,8 @@ def export_pair(
         bos_token_id=bos,
         add_bos=add_bos,
         pad_token_id=_pad_id(target_dir),
+        chat_template_file=CHAT_TEMPLATE_FILE if template is not None else None,
+        chat_template_sha256=sha256_file(out / CHAT_TEMPLATE_FILE) if template is not None else None,
         max_ctx=max_ctx,
         k_min=1,
         k_max=k_max,

@@ -34,11 +34,14 @@ __all__ = [
     "check_max_new_tokens",
     "check_sampling_params",
     "check_stops",
+    "check_logprobs",
+    "MAX_LOGPROBS",
 ]
 
 STRATEGIES = ("full", "chunked", "lazy-head")  # verification strategies (specrt.runtime.decode)
 DEFAULT_CHUNK_BOUND = 0.5  # chunk_bound when neither the call nor the manifest sets one
 MAX_STOPS = 16  # most stop strings per call
+MAX_LOGPROBS = 20  # most alternatives per token in GenerationConfig.logprobs (OpenAI chat's top_logprobs bound)
 # manifest ``defaults`` keys (specrt tune / export --defaults) -> GenerationConfig field
 DEFAULT_KEYS = {
     "k_max": "k_max",
@@ -82,6 +85,14 @@ class GenerationConfig:
             candidate where the product of the draft's confidences since its start is
             <= this (:func:`~specrt.runtime.speculative.chunk_sizes`); None = manifest
             default, else :data:`DEFAULT_CHUNK_BOUND`. Ignored by ``full``.
+        logprobs: None (default) records nothing; an integer N in 0..:data:`MAX_LOGPROBS`
+            records, for every committed token, its log-probability under the *target's
+            raw* distribution (log_softmax of its logits at temperature 1, before top-k/top-p:
+            what vLLM calls raw logprobs) and the N most probable tokens with theirs
+            (:mod:`specrt.runtime.logprobs`; :attr:`GenerationResult.logprobs
+            <specrt.runtime.engine.GenerationResult>`). Under sampling these are the
+            model's distribution, not the warped one the token was drawn from. Costs one
+            log-softmax over the vocabulary per committed token; the tokens never change.
     """
 
     max_new_tokens: int = 128
@@ -96,6 +107,7 @@ class GenerationConfig:
     confidence_temperature: float | None = None
     strategy: str | None = None
     chunk_bound: float | None = None
+    logprobs: int | None = None
 
 
 # ---- one check per field ------------------------------------------------------------------
@@ -200,6 +212,19 @@ def check_sampling_params(temperature, top_k, top_p, seed=None) -> None:
         raise InputError(f"seed={seed!r}; seed must be None or an integer >= 0", "seed")
 
 
+def check_logprobs(n) -> int | None:
+    """``n`` as int if it is None or an integer in 0..:data:`MAX_LOGPROBS`.
+
+    Raises:
+        InputError: (param ``logprobs``) otherwise.
+    """
+    if n is None:
+        return None
+    if not _is_int(n) or not 0 <= n <= MAX_LOGPROBS:
+        raise InputError(f"logprobs={n!r}; logprobs must be None (off) or an integer in 0..{MAX_LOGPROBS} (alternatives per token)", "logprobs")
+    return int(n)
+
+
 def check_stops(stop) -> tuple[str, ...]:
     """Validated stop strings as a tuple.
 
@@ -267,6 +292,7 @@ def resolve_config(config: GenerationConfig, defaults: Mapping[str, Any], k_rang
         strategy=check_strategy(pick("strategy", "strategy", "full")),
         chunk_bound=check_chunk_bound(pick("chunk_bound", "chunk_bound", DEFAULT_CHUNK_BOUND)),
         speculative=bool(config.speculative),
+        logprobs=check_logprobs(config.logprobs),
     )
 
 

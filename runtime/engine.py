@@ -26,6 +26,7 @@ from .config import GenerationConfig, resolve_config
 from .decode import Plan, Round, decode
 from .errors import BackendError, InputError
 from .flops import flop_coefficients
+from .logprobs import LogprobRecorder, TokenLogprob, token_logprob
 from .manifest import LAZY_HEAD_HINT, LAZY_HEAD_KEY, Manifest, load_manifest
 from .sampling import SampledAcceptor
 from .speculative import GreedyAcceptor
@@ -52,6 +53,9 @@ class GenerationResult:
         stats: :class:`~specrt.runtime.stats.Stats` (``new_tokens`` == ``len(tokens)``).
         stop_reason: the stop string that ended the output; None when EOS ended it or
             the reason is "length".
+        logprobs: with ``GenerationConfig(logprobs=N)``, one
+            :class:`~specrt.runtime.logprobs.TokenLogprob` per entry of ``tokens`` (the
+            target's raw distribution, :mod:`specrt.runtime.logprobs`); else None.
     """
 
     tokens: list[int]
@@ -59,6 +63,7 @@ class GenerationResult:
     finish_reason: str
     stats: Stats
     stop_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Stream:
@@ -73,13 +78,24 @@ class Stream:
     finish or close a stream before starting another generation on the same Engine in
     the same thread (that raises :class:`~specrt.runtime.errors.InputError` instead of
     deadlocking).
+
+    Attributes:
+        result: the :class:`GenerationResult` once exhausted (None before, or after close).
+        tokens: the ids committed so far that belong to the output (a live list: it grows
+            as rounds commit; a token is never removed once here).
+        logprobs: with ``GenerationConfig(logprobs=N)``, the
+            :class:`~specrt.runtime.logprobs.TokenLogprob` of each entry of ``tokens``
+            (live, same length); else None. Their text may still be held back (UTF-8
+            boundaries, possible stop-string starts): pieces and tokens do not align.
     """
 
-    __slots__ = ("_run", "result")
+    __slots__ = ("_run", "result", "tokens", "logprobs")
 
-    def __init__(self, run: Iterator[str]):
+    def __init__(self, run: Iterator[str], tokens: list[int] | None = None, logprobs: list[TokenLogprob] | None = None):
         self._run = run
         self.result: GenerationResult | None = None
+        self.tokens = tokens if tokens is not None else []
+        self.logprobs = logprobs
 
     def __iter__(self) -> "Stream":
         return self
@@ -143,6 +159,8 @@ class Engine:
         self._flops = flop_coefficients(m.target)
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread holding _lock (deadlock check)
+        # the folder's chat template (specrt export copies the target's; its SHA-256 was checked with the manifest)
+        self.chat_template: str | None = (self.folder / m.chat_template_file).read_text(encoding="utf-8") if m.chat_template_file else None
 
     def fork(self) -> "Engine":
         """Another Engine over the same loaded models (weights, manifest, tokenizer shared)
@@ -228,7 +246,7 @@ class Engine:
                 this Engine is still open.
             NumericsError: NaN/inf logits.
         """
-        run = self._run(self.prompt_ids(prompt), self.resolve(config), False, trace)
+        run = self._run(self.prompt_ids(prompt), self.resolve(config), False, trace, [], None)
         while True:
             try:
                 next(run)
@@ -247,7 +265,41 @@ class Engine:
                 :meth:`generate` raises.
         """
         cfg = self.resolve(config)
-        return Stream(self._run(self.prompt_ids(prompt), cfg, True, trace))
+        tokens: list[int] = []
+        lps: list[TokenLogprob] | None = [] if cfg.logprobs is not None else None
+        return Stream(self._run(self.prompt_ids(prompt), cfg, True, trace, tokens, lps), tokens, lps)
+
+    def prompt_logprobs(self, prompt: str | Sequence[int] | np.ndarray, top_n: int = 0) -> list[TokenLogprob | None]:
+        """Log-probabilities of the prompt's own tokens under the target (one scoring pass
+        of the target over the prompt, in chunks of its widest call; under this Engine's lock).
+
+        Entry i > 0 is token i's :class:`~specrt.runtime.logprobs.TokenLogprob` from the
+        target's raw distribution at position i - 1 (log_softmax of its logits, temperature
+        1) with the ``top_n`` most probable ids; entry 0 is None (nothing precedes the
+        first token), as OpenAI's ``echo`` with ``logprobs`` gives.
+
+        Args:
+            prompt: text or ids (validated as :meth:`prompt_ids`).
+            top_n: alternatives per token, 0..:data:`~specrt.runtime.config.MAX_LOGPROBS`.
+
+        Raises:
+            InputError: bad prompt or ``top_n``; the calling thread's own stream is open.
+            NumericsError: NaN/inf logits.
+        """
+        from .config import check_logprobs
+
+        ids = self.prompt_ids(prompt)
+        top_n = check_logprobs(top_n) or 0
+        vocab = self.manifest.vocab_size
+        out: list[TokenLogprob | None] = [None]
+        with self._locked():
+            step = self.target.max_q
+            for lo in range(0, len(ids), step):
+                rows = self.target.run(ids[lo : lo + step], lo)  # rows are overwritten by the next call: read them now
+                for j in range(len(rows)):
+                    if lo + j + 1 < len(ids):
+                        out.append(token_logprob(rows[j], vocab, ids[lo + j + 1], top_n))
+        return out
 
     def acceptor(self, cfg: GenerationConfig):
         """The acceptor of one generation with resolved settings ``cfg``: greedy
@@ -262,13 +314,13 @@ class Engine:
         m = self.manifest
         return Plan(cfg.k_max, cfg.threshold, cfg.max_new_tokens, m.eos_token_id, m.max_ctx, cfg.speculative, cfg.strategy, cfg.chunk_bound, observe)
 
-    def rounds(self, ids: list[int], cfg: GenerationConfig, observe: bool = False) -> Iterator[Round]:
-        """The round records of one generation under this Engine's lock (validated ``ids``,
-        resolved ``cfg``); closing the iterator early releases the lock.
+    def _locked(self):
+        """This Engine's lock as a context manager, refusing (instead of deadlocking) a
+        thread that already holds it.
 
         Raises:
             InputError: the calling thread already holds this Engine's lock (its own
-                stream is still open): waiting would deadlock.
+                stream is still open).
         """
         me = threading.get_ident()
         if self._owner == me:
@@ -276,36 +328,57 @@ class Engine:
                 "this thread has an unfinished stream on this Engine; exhaust or close() it first "
                 "(one generation at a time per Engine; use Engine.fork() for concurrent ones)"
             )
-        with self._lock:
-            self._owner = me
-            try:
-                yield from decode(self.target, self.draft, ids, self.plan(cfg, observe), self.acceptor(cfg))
-            finally:
-                self._owner = None
+        return _Owned(self, me)
 
-    def _run(self, ids: list[int], cfg: GenerationConfig, streaming: bool, trace=None):
+    def rounds(self, ids: list[int], cfg: GenerationConfig, observe: bool = False, acceptor=None) -> Iterator[Round]:
+        """The round records of one generation under this Engine's lock (validated ``ids``,
+        resolved ``cfg``); closing the iterator early releases the lock.
+
+        Args:
+            acceptor: the acceptor to decide with (default :meth:`acceptor`; e.g. a
+                :class:`~specrt.runtime.logprobs.LogprobRecorder` around it).
+
+        Raises:
+            InputError: the calling thread already holds this Engine's lock (its own
+                stream is still open): waiting would deadlock.
+        """
+        with self._locked():
+            yield from decode(self.target, self.draft, ids, self.plan(cfg, observe), acceptor if acceptor is not None else self.acceptor(cfg))
+
+    def _run(self, ids: list[int], cfg: GenerationConfig, streaming: bool, trace=None, out: list[int] | None = None, lps: list | None = None):
         """One generation: yields text pieces (``streaming``; else one "" per round) and
         returns the :class:`GenerationResult`. Round records go to the stats and the trace;
-        the round loop is closed on every exit, which releases the Engine's lock."""
+        the round loop is closed on every exit, which releases the Engine's lock. ``out``
+        (and ``lps`` with ``cfg.logprobs``) receive the output's tokens (and their logprob
+        entries) as rounds commit them."""
         stats = Stats(prompt_tokens=len(ids), accepted_hist=[0] * (cfg.k_max + 1), proposed_hist=[0] * (cfg.k_max + 1))
-        out: list[int] = []
+        out = [] if out is None else out
+        recorder = None
+        if cfg.logprobs is not None:
+            recorder = LogprobRecorder(self.acceptor(cfg), self.manifest.vocab_size, cfg.logprobs)
+            lps = [] if lps is None else lps
         finish, stop_reason = "length", None
         text_out = IncrementalText(self.codec, cfg.stop) if (streaming or cfg.stop) else None
         if trace is not None:
             trace.begin(ids, cfg)
         t0 = time.perf_counter()
-        rounds = self.rounds(ids, cfg, observe=trace is not None)
+        rounds = self.rounds(ids, cfg, observe=trace is not None, acceptor=recorder)
         try:
             for rec in rounds:
                 stats.add(rec, self._flops)
                 if trace is not None:
                     trace.add(rec)
                 piece = rec.commit
+                entries = recorder.take()[: len(piece)] if recorder is not None else None  # the commit is cut after EOS
                 if text_out is not None and (kept := text_out.push(piece)) is not None:
                     out.extend(piece[:kept])
+                    if entries is not None:
+                        lps.extend(entries[:kept])
                     finish, stop_reason = "stop", text_out.stop_reason
                     break
                 out.extend(piece)
+                if entries is not None:
+                    lps.extend(entries)
                 finish = rec.finish or finish
                 yield text_out.take() if streaming else ""
         finally:
@@ -319,7 +392,27 @@ class Engine:
                 yield last
             text = text_out.text
         stats.new_tokens = len(out)
-        result = GenerationResult(tokens=out, text=text, finish_reason=finish, stats=stats, stop_reason=stop_reason)
+        result = GenerationResult(
+            tokens=list(out), text=text, finish_reason=finish, stats=stats, stop_reason=stop_reason, logprobs=list(lps) if recorder is not None else None
+        )
         if trace is not None:
             trace.end(result)
         return result
+
+
+class _Owned:
+    """Holds an Engine's lock and records the owning thread (see :meth:`Engine._locked`)."""
+
+    __slots__ = ("engine", "me")
+
+    def __init__(self, engine: Engine, me: int):
+        self.engine, self.me = engine, me
+
+    def __enter__(self):
+        self.engine._lock.acquire()
+        self.engine._owner = self.me
+        return self
+
+    def __exit__(self, *exc):
+        self.engine._owner = None
+        self.engine._lock.release()

@@ -3,7 +3,9 @@
 An engine folder holds ``manifest.json``, ``draft.onnx``, ``target.onnx`` and
 ``tokenizer.json`` (and, unless exported with ``--no-lazy-head``, the target split at its
 vocabulary projection: ``target_body.onnx`` and ``target_head.onnx``, recorded in
-``extra["lazy_head"]``, see :func:`lazy_head_files`). The manifest records, per model,
+``extra["lazy_head"]``, see :func:`lazy_head_files`), and, when the target checkpoint has
+one, its chat template as ``chat_template.jinja`` (``chat_template_file`` and
+``chat_template_sha256``; optional fields, so older manifests stay loadable). The manifest records, per model,
 the dims the runtime needs to allocate KV buffers, the I/O names, the parity figures
 measured at export, and the SHA-256 of every file; plus the shared tokenizer hash, vocab
 size, special tokens, maximum context, the allowed k range and the default decoding
@@ -132,6 +134,8 @@ class Manifest:
     tools: dict[str, str] = field(default_factory=dict)  # tool versions used at export
     extra: dict[str, Any] = field(default_factory=dict)  # backend files etc. (forward compatible)
     pad_token_id: int | None = None  # the target's pad token (recorded; batch-1 decoding never pads)
+    chat_template_file: str | None = None  # the target's chat template copied at export (None: it had none)
+    chat_template_sha256: str | None = None  # its SHA-256, checked at load like the other files
 
     def to_json(self) -> str:
         """The manifest as indented JSON text (the dataclass fields, in order)."""
@@ -211,7 +215,8 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     Raises:
         EngineError: folder or file missing, JSON unreadable, unknown ``format_version``,
             draft/target vocab sizes that differ, draft/target tokenizer vocab hashes that
-            differ, or a file whose hash does not match.
+            differ, or a file whose hash does not match (the chat template included, when
+            the manifest records one).
     """
     folder = Path(folder)
     hint = REEXPORT_HINT.format(folder=folder)
@@ -249,6 +254,10 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     if m.kv_layout != KV_LAYOUT or m.kv_dtype != "float32":
         raise EngineError(f"{path}: KV layout {m.kv_layout}/{m.kv_dtype} is not supported (need {KV_LAYOUT}/float32); {hint}")
     files = {m.draft.file: m.draft.sha256, m.target.file: m.target.sha256, m.tokenizer_file: m.tokenizer_sha256}
+    if m.chat_template_file is not None:
+        if not isinstance(m.chat_template_file, str) or not isinstance(m.chat_template_sha256, str):
+            raise EngineError(f"{path}: chat_template_file/chat_template_sha256 must both be strings; {hint}")
+        files[m.chat_template_file] = m.chat_template_sha256
     for name, digest in files.items():
         p = folder / name
         if not p.is_file():
@@ -258,7 +267,7 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     return m
 
 
-def write_defaults(folder: str | Path, defaults: dict, extra: dict | None = None) -> dict:
+def write_defaults(folder: str | Path, defaults: dict, extra: dict | None = None, replace: bool = False) -> dict:
     """Update ``defaults`` (and top-level keys of ``extra``) in ``folder/manifest.json``.
 
     The file is rewritten atomically (a temporary file in the same folder, then
@@ -271,6 +280,8 @@ def write_defaults(folder: str | Path, defaults: dict, extra: dict | None = None
         defaults: keys to set in ``defaults`` (e.g. k_max, threshold, strategy,
             draft_confidence_temperature).
         extra: keys to set in ``extra`` (e.g. ``"tune"``, ``"calibration"`` records).
+        replace: ``defaults`` replaces the whole ``defaults`` object instead of updating it
+            (``specrt tune --restore-previous``).
 
     Returns:
         the new ``defaults`` dict.
@@ -283,7 +294,10 @@ def write_defaults(folder: str | Path, defaults: dict, extra: dict | None = None
     load_manifest(folder, verify_hashes=False)  # refuse a broken folder before touching it
     old_text = path.read_text()
     raw = json.loads(old_text)
-    raw.setdefault("defaults", {}).update(defaults)
+    if replace:
+        raw["defaults"] = dict(defaults)
+    else:
+        raw.setdefault("defaults", {}).update(defaults)
     if extra:
         raw.setdefault("extra", {}).update(extra)
     tmp = folder / (MANIFEST + ".tune.tmp")

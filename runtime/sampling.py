@@ -32,7 +32,7 @@ import numpy as np
 from .config import check_sampling_params
 from .speculative import _raise_nonfinite
 
-__all__ = ["warp", "sample_token", "residual", "sample_residual", "accept_candidate", "final_token", "SampledAcceptor", "RESIDUAL_EPS"]
+__all__ = ["warp", "sample_token", "residual", "sample_residual", "accept_candidate", "final_token", "SampledAcceptor", "RESIDUAL_EPS", "derive_seed"]
 
 # A residual max(0, p - q) whose total mass is at most this is numerical noise: rejection
 # only happens where q(x) > p(x), so in exact arithmetic the residual mass equals
@@ -42,6 +42,26 @@ __all__ = ["warp", "sample_token", "residual", "sample_residual", "accept_candid
 RESIDUAL_EPS = 1e-12
 
 _TOP_P_FIRST = 64  # top-p looks at this many largest probabilities first, then 4x, ...
+
+
+def derive_seed(seed: int | None, i: int) -> int | None:
+    """The seed of choice ``i`` of a request for several samples (OpenAI's ``n``/``best_of``).
+
+    Choice 0 keeps ``seed`` itself (so ``n=1`` gives what a plain call with that seed gives);
+    choice i > 0 uses the first 64-bit word of ``numpy.random.SeedSequence(seed,
+    spawn_key=(i,))`` (numpy's documented way to derive independent streams from one seed).
+    ``seed`` None stays None: every choice draws fresh OS entropy.
+
+    Args:
+        seed: the request's seed (an integer >= 0) or None.
+        i: the choice's index (>= 0).
+
+    Returns:
+        an integer in [0, 2**64), or None.
+    """
+    if seed is None or i == 0:
+        return seed
+    return int(np.random.SeedSequence(seed, spawn_key=(i,)).generate_state(1, np.uint64)[0])
 
 
 def warp(

@@ -7,12 +7,32 @@ only when the manifest says so (``add_bos``), and special-token text inside a pr
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
 from .errors import EngineError, InputError
 
-__all__ = ["TextCodec"]
+__all__ = ["TextCodec", "byte_level_decoder"]
+
+
+@lru_cache(maxsize=1)
+def byte_level_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's ``bytes_to_unicode`` table (character -> byte), the alphabet
+    of byte-level BPE vocabularies (GPT-2, Llama 3, Qwen, the default pair).
+
+    Source: openai/gpt-2 ``encoder.py`` ``bytes_to_unicode``; Hugging Face ``tokenizers``
+    ``ByteLevel`` pre-tokenizer.
+    """
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 class TextCodec:
@@ -35,27 +55,70 @@ class TextCodec:
         except Exception as e:  # tokenizers raises a bare Exception subclass
             raise EngineError(f"{path}: cannot read the tokenizer ({e})") from None
         self.bos = bos_token_id if add_bos else None
+        self._byte_level = type(self.tokenizer.decoder).__name__ == "ByteLevel"
+        self._special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
+        self._max_token_bytes: int | None = None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (list of int), BOS first when the manifest asks for it.
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (list of int), BOS first when the manifest asks for it and
+        ``add_special_tokens`` (False: the text alone, as transformers' ``apply_chat_template``
+        tokenizes a rendered chat, whose template writes any BOS itself).
 
         Raises:
             InputError: ``text`` is not encodable Unicode (a lone surrogate such as
                 ``"\\ud800"``, which has no UTF-8 form).
         """
         try:
-            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            # encode_batch releases the GIL while it works (encode holds it): a long prompt
+            # tokenized in a server's executor thread then does not stall its event loop
+            ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError:  # tokenizers refuses str values with lone surrogates this way
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as e:
                 raise InputError(f"prompt text is not valid Unicode: {e.reason} at index {e.start} ({text[e.start]!r})") from None
             raise
-        return [self.bos, *ids] if self.bos is not None else list(ids)
+        return [self.bos, *ids] if self.bos is not None and add_special_tokens else list(ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens (BOS/EOS) left out."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for (OpenAI's ``bytes`` of a logprob entry).
+
+        Byte-level BPE vocabularies: the exact bytes (the token's string through the inverse
+        of the byte-level alphabet, :func:`byte_level_decoder`), so a token holding part of a
+        multi-byte character gives those bytes. Special/added tokens: their text. Other
+        tokenizers: the UTF-8 of the token decoded alone (an approximation: partial
+        characters decode to U+FFFD there).
+        """
+        tok = self.tokenizer.id_to_token(int(token_id))
+        if tok is None:
+            return b""
+        if tok in self._special:
+            return tok.encode("utf-8")
+        if self._byte_level:
+            table = byte_level_decoder()
+            if all(c in table for c in tok):
+                return bytes(table[c] for c in tok)
+        return self.tokenizer.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text for logprob listings: its bytes as UTF-8 when they are valid
+        UTF-8, else ``"bytes:\\xNN..."`` (the form OpenAI's API uses for partial characters)."""
+        b = self.token_bytes(token_id)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes any one token stands for (computed once over the vocabulary)."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(1, max(len(self.token_bytes(i)) for i in range(self.vocab_size)))
+        return self._max_token_bytes
 
     @property
     def vocab_size(self) -> int:

@@ -3,13 +3,16 @@
 
 Either point it at a running server (``--url http://127.0.0.1:8000``) or let it start one
 (``--engines DIR``: ``specrt serve`` on a free loopback port, stopped at the end). C client
-threads (keep-alive connections) send N ``/v1/completions`` requests in total, never more,
-and stop issuing new ones after ``--max-seconds``. Prints (and writes with ``--out``)
-requests/s, latency p50/p90/p99, time to first token (streamed), tokens/s, errors by
-status, and the server's acceptance figures (from /metrics, before/after).
+threads (keep-alive connections) send N ``/v1/completions`` requests (``--chat``:
+``/v1/chat/completions``, each prompt as one user message) in total, never more, and stop
+issuing new ones after ``--max-seconds``. Prints (and writes with ``--out``) requests/s,
+latency p50/p90/p99, time to first token (streamed), tokens/s, errors by status, and the
+server's acceptance figures (from /metrics, before/after).
 
     python scripts/load_test.py --engines engines/default --workers 2 --threads 1 \\
         --requests 200 --concurrency 8 --max-tokens 64 --out bench_out/load.json
+    python scripts/load_test.py --engines engines/default --workers 2 --threads 1 \\
+        --requests 200 --concurrency 8 --max-tokens 64 --chat --out bench_out/load_chat.json
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 def read_metrics(host: str, port: int) -> dict[str, float]:
-    """The server's /metrics as {sample name: value}."""
+    """The server's /metrics as {sample name without labels: value summed over its label sets}."""
     conn = http.client.HTTPConnection(host, port, timeout=30)
     try:
         conn.request("GET", "/metrics")
@@ -75,7 +78,8 @@ def read_metrics(host: str, port: int) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+            name = name.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
@@ -124,9 +128,9 @@ def start_server(args) -> tuple[subprocess.Popen, int]:
 class Client(threading.Thread):
     """One client: a keep-alive connection sending requests while tickets and time last."""
 
-    def __init__(self, host, port, body_for, tickets, deadline, stream, timeout, out):
+    def __init__(self, host, port, body_for, tickets, deadline, stream, timeout, out, path="/v1/completions"):
         super().__init__(daemon=True)
-        self.host, self.port, self.body_for, self.tickets = host, port, body_for, tickets
+        self.host, self.port, self.body_for, self.tickets, self.path = host, port, body_for, tickets, path
         self.deadline, self.stream, self.timeout, self.out = deadline, stream, timeout, out
         self.conn = None
 
@@ -143,14 +147,15 @@ class Client(threading.Thread):
             t0 = time.perf_counter()
             rec = {"i": i, "status": None, "latency": None, "ttft": None, "tokens": 0}
             try:
-                self.conn.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+                self.conn.request("POST", self.path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
                 r = self.conn.getresponse()
                 rec["status"] = r.status
                 if r.status == 200 and self.stream:
                     for line in r:
                         if line.startswith(b"data: {"):
                             ev = json.loads(line[6:])
-                            if ev.get("choices") and ev["choices"][0]["text"] and rec["ttft"] is None:
+                            ch = ev.get("choices")
+                            if ch and (ch[0].get("text") or (ch[0].get("delta") or {}).get("content")) and rec["ttft"] is None:
                                 rec["ttft"] = time.perf_counter() - t0
                             if ev.get("usage"):
                                 rec["tokens"] = ev["usage"]["completion_tokens"]
@@ -200,6 +205,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--stream", action="store_true", help="streamed requests (adds time to first token)")
+    ap.add_argument("--chat", action="store_true", help="POST /v1/chat/completions, each prompt as one user message (the engine's chat template)")
     ap.add_argument("--prompts", help='JSONL with {"prompt": ...} per line (default: built-in code prompts)')
     ap.add_argument("--out", help="write the summary JSON here")
     args = ap.parse_args(argv)
@@ -228,7 +234,9 @@ def main(argv=None) -> dict:
     try:
 
         def body_for(i):
-            b = {"prompt": prompts[i % len(prompts)], "max_tokens": args.max_tokens, "temperature": args.temperature}
+            p = prompts[i % len(prompts)]
+            b = {"messages": [{"role": "user", "content": p}]} if args.chat else {"prompt": p}
+            b.update(max_tokens=args.max_tokens, temperature=args.temperature)
             if args.temperature > 0:
                 b["seed"] = i
             if args.stream:
@@ -241,7 +249,8 @@ def main(argv=None) -> dict:
         out: list[dict] = []
         tickets = Tickets(args.requests)
         t0 = time.perf_counter()
-        clients = [Client(host, port, body_for, tickets, t0 + args.max_seconds, args.stream, args.timeout, out) for _ in range(args.concurrency)]
+        path = "/v1/chat/completions" if args.chat else "/v1/completions"
+        clients = [Client(host, port, body_for, tickets, t0 + args.max_seconds, args.stream, args.timeout, out, path) for _ in range(args.concurrency)]
         for c in clients:
             c.start()
         for c in clients:
@@ -275,6 +284,9 @@ def main(argv=None) -> dict:
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "stream": args.stream,
+        "endpoint": "/v1/chat/completions" if args.chat else "/v1/completions",
+        "requests": args.requests,
+        "max_seconds": args.max_seconds,
         "workers": args.workers if args.engines else None,
         "threads": args.threads if args.engines else None,
         "wall_s": round(wall, 3),

@@ -316,23 +316,18 @@ def bench(
             for st in strategies or (None,):
                 cfg = engine.resolve(GenerationConfig(max_new_tokens=max_new_tokens, k_max=k, threshold=th, strategy=st, chunk_bound=chunk_bound, **samp))
                 configs.append(BenchConfig(f"spec k={k} th={th:g}" + (f" {st}" if st else ""), cfg))
-    with click.progressbar(length=len(prompts) * repeats * len(configs), label="bench", file=sys.stderr) as bar:
-        last = [0]
+    bars = _PhaseBars()
+    tw = None
+    if trace_file:
+        from .runtime.lab.trace import TraceWriter
 
-        def progress(done, total):
-            bar.update(done - last[0])
-            last[0] = done
-
-        tw = None
-        if trace_file:
-            from .runtime.lab.trace import TraceWriter
-
-            tw = TraceWriter(trace_file, engine, note="specrt bench")
-        try:
-            result = run_bench(engine, prompts, configs, repeats=repeats, progress=progress, trace=tw)
-        finally:
-            if tw is not None:
-                tw.close()
+        tw = TraceWriter(trace_file, engine, note="specrt bench")
+    try:
+        result = run_bench(engine, prompts, configs, repeats=repeats, progress=lambda done, total: bars("bench", done, total), trace=tw)
+    finally:
+        bars.close()
+        if tw is not None:
+            tw.close()
     result["command"] = " ".join(["specrt"] + sys.argv[1:])
     result["backend"] = engine.backend
     click.echo(format_table(result))
@@ -342,25 +337,38 @@ def bench(
         click.echo(f"wrote {out_json}", err=True)
 
 
+PROGRESS_EVERY = 10  # without a terminal: one progress line per this many generations (and at each phase's end)
+
+
 class _PhaseBars:
-    """One click progress bar per phase of ``specrt tune`` (``progress(label, done, total)``)."""
+    """Progress of ``specrt bench``/``tune`` (``progress(label, done, total)``): on a terminal
+    one click progress bar per phase; otherwise (a log file, CI) one line on stderr every
+    :data:`PROGRESS_EVERY` steps and at each phase's end, e.g. ``bench: 20/300 (6%), 14.2 s``
+    (click's bar prints nothing but its label when stderr is not a terminal)."""
 
     def __init__(self):
-        self.bar, self.label, self.last = None, None, 0
+        self.bar, self.label, self.last, self.t0 = None, None, 0, 0.0
+        self.tty = sys.stderr.isatty()
 
     def __call__(self, label: str, done: int, total: int) -> None:
         if label != self.label:
             self.close()
-            self.bar = click.progressbar(length=total, label=f"{label:<9}", file=sys.stderr)
-            self.bar.__enter__()
-            self.label, self.last = label, 0
-        self.bar.update(done - self.last)
+            self.label, self.last, self.t0 = label, 0, time.perf_counter()
+            if self.tty:
+                self.bar = click.progressbar(length=total, label=f"{label:<9}", file=sys.stderr)
+                self.bar.__enter__()
+        if self.bar is not None:
+            self.bar.update(done - self.last)
+        elif done // PROGRESS_EVERY > self.last // PROGRESS_EVERY or (done == total and self.last != total):
+            pct = f" ({100 * done / total:.0f}%)" if total else ""
+            click.echo(f"{label}: {done}/{total}{pct}, {time.perf_counter() - self.t0:.1f} s", err=True)
         self.last = done
 
     def close(self) -> None:
+        """End the current phase's bar (if any)."""
         if self.bar is not None:
             self.bar.__exit__(None, None, None)
-            self.bar, self.label = None, None
+        self.bar, self.label = None, None
 
 
 DEFAULT_TUNE_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.5)
@@ -415,6 +423,16 @@ DEFAULT_TUNE_KS = (1, 2, 3, 4, 6, 8)
 @click.option("--cost-reps", type=click.IntRange(1), default=50, show_default=True, help="repetitions of the per-call cost measurement")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="tune_out", show_default=True, help="folder for tune.json and the PNG plots")
 @click.option("--write/--no-write", default=True, show_default=True, help="write the chosen defaults into the engine folder's manifest.json")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="measure and write tune.json, but only print the defaults it would write (the manifest is not changed)",
+)
+@click.option(
+    "--restore-previous",
+    is_flag=True,
+    help="put back the defaults the last tune replaced (kept in the manifest's extra.previous_defaults) and exit; nothing is measured",
+)
 @_threads_option
 @_backend_option
 @_clean_errors
@@ -435,14 +453,24 @@ def tune(
     cost_reps,
     out_dir,
     write,
+    dry_run,
+    restore_previous,
     threads,
     spinning,
     backend,
 ):
     """Sweep threshold x k_max x strategy on validation prompts, pick the highest measured
-    tokens/s and write it into the engine's manifest (specrt generate then uses it)."""
+    tokens/s and write it into the engine's manifest (specrt generate then uses it). The
+    defaults it replaces are kept in the manifest (extra.previous_defaults;
+    --restore-previous puts them back); --dry-run only prints what it would write."""
     from .runtime.lab.tune import chosen_defaults, tune_from_trace
     from .runtime.lab.tune import tune as run_tune
+
+    if restore_previous:
+        if prompts_file or from_trace or dry_run:
+            raise InputError("--restore-previous only puts back the previous defaults of --engines; drop --prompts/--from-trace/--dry-run")
+        _restore_previous_defaults(engines or DEFAULT_ENGINES)
+        return
 
     thresholds = thresholds or DEFAULT_TUNE_THRESHOLDS
     for th in thresholds:
@@ -504,14 +532,40 @@ def tune(
     defaults = chosen_defaults(result)
     result["chosen_defaults"] = defaults
     target = engines or (None if from_trace else DEFAULT_ENGINES)
-    if write and target:
+    if write and target and not dry_run:
         _write_tune_defaults(result, defaults, target, from_trace)
     (out / "tune.json").write_text(json.dumps(result, indent=1))
     _print_tune_report(result, out)
+    if dry_run and target:
+        from .runtime.manifest import load_manifest
+
+        now = load_manifest(target, verify_hashes=False).defaults
+        click.echo(f"dry run: would write defaults {defaults} into {Path(target) / 'manifest.json'} (now {now}); manifest not changed", err=True)
     click.echo(
-        f"wrote {out / 'tune.json'}" + (f"; defaults {defaults} -> {result['wrote_manifest']}" if result.get("wrote_manifest") else "; manifest not changed"),
+        f"wrote {out / 'tune.json'}"
+        + (
+            f"; defaults {defaults} -> {result['wrote_manifest']} (previous {result['previous_defaults']} kept in extra.previous_defaults)"
+            if result.get("wrote_manifest")
+            else "; manifest not changed"
+        ),
         err=True,
     )
+
+
+def _restore_previous_defaults(target: str) -> None:
+    """Swap ``target``'s defaults with those the last ``specrt tune`` replaced.
+
+    Raises:
+        InputError: the manifest keeps no previous defaults.
+    """
+    from .runtime.manifest import load_manifest, write_defaults
+
+    m = load_manifest(target, verify_hashes=False)
+    prev = m.extra.get("previous_defaults")
+    if not isinstance(prev, dict):
+        raise InputError(f"{Path(target) / 'manifest.json'} keeps no previous defaults (extra.previous_defaults); nothing to restore")
+    write_defaults(target, prev, {"previous_defaults": dict(m.defaults)}, replace=True)
+    click.echo(f"restored defaults {prev} in {Path(target) / 'manifest.json'} (replaced {dict(m.defaults)}, now kept as extra.previous_defaults)", err=True)
 
 
 def _write_tune_defaults(result: dict, defaults: dict, target: str, from_trace: str | None) -> None:
@@ -539,8 +593,11 @@ def _write_tune_defaults(result: dict, defaults: dict, target: str, from_trace: 
             k: cal[k]
             for k in ("temperature", "n", "prompts", "acceptance", "ece_before", "ece_after", "ece_after_heldout", "nll_before", "nll_after", "n_bins")
         }
+    previous = dict(load_manifest(target, verify_hashes=False).defaults)
+    extra["previous_defaults"] = previous
     write_defaults(target, defaults, extra)
     result["wrote_manifest"] = str(Path(target) / "manifest.json")
+    result["previous_defaults"] = previous
 
 
 def _print_tune_report(result: dict, out: Path) -> None:
@@ -575,6 +632,31 @@ def _print_tune_report(result: dict, out: Path) -> None:
 @click.option("--model-name", default=None, help="model id clients send (default: the engine folder's name)")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
 @click.option(
+    "--chat-template",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Jinja2 chat template file for /v1/chat/completions (default: the engine folder's chat_template.jinja, copied from the target at export)",
+)
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="SPECRT_API_KEY",
+    help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); also read from $SPECRT_API_KEY",
+)
+@click.option(
+    "--allowed-origins",
+    "allowed_origins",
+    multiple=True,
+    help="browser origin allowed by CORS (repeatable; '*' = any; default: none, no CORS headers)",
+)
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(1),
+    default=1 << 20,
+    show_default=True,
+    help="request bodies above this get 413 before they are parsed",
+)
+@click.option(
     "--round-delay",
     type=click.FloatRange(0, 10),
     default=0.0,
@@ -584,8 +666,25 @@ def _print_tune_report(result: dict, out: Path) -> None:
 @_threads_option
 @_backend_option
 @_clean_errors
-def serve(engines, host, port, workers, max_queue, model_name, log_level, round_delay, threads, spinning, backend):
-    """Serve ENGINES over HTTP: OpenAI-compatible /v1/completions (SSE streaming), /metrics (docs/SERVING.md)."""
+def serve(
+    engines,
+    host,
+    port,
+    workers,
+    max_queue,
+    model_name,
+    log_level,
+    chat_template,
+    api_key,
+    allowed_origins,
+    max_body_bytes,
+    round_delay,
+    threads,
+    spinning,
+    backend,
+):
+    """Serve ENGINES over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions
+    (SSE streaming), /v1/models, /metrics (docs/SERVING.md)."""
     from .runtime.serve.server import serve as run_server
 
     tc = ThreadConfig(intra_op=threads or ThreadConfig().intra_op, spinning=spinning)
@@ -600,6 +699,10 @@ def serve(engines, host, port, workers, max_queue, model_name, log_level, round_
         model_name=model_name,
         log_level=log_level,
         round_delay=round_delay,
+        chat_template=chat_template,
+        api_key=api_key,
+        allowed_origins=allowed_origins,
+        max_body_bytes=max_body_bytes,
     )
 
 

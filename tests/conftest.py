@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import make_tokenizer, save_llama
+from helpers import TINY_CHAT_TEMPLATE, make_tokenizer, save_llama
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ENGINES = REPO / "engines" / "default"
@@ -14,13 +14,14 @@ DEFAULT_ENGINES = REPO / "engines" / "default"
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """(draft_dir, target_dir, engine_dir) for a random 2-layer target and 1-layer draft
-    (exported without the lazy-head graphs: the folder of the lazy-head error tests)."""
+    (exported without the lazy-head graphs: the folder of the lazy-head error tests). The
+    target has a chat template (helpers.TINY_CHAT_TEMPLATE), which the export copies."""
     pytest.importorskip("torch")
     from specrt.export.pipeline import export_pair
 
     root = tmp_path_factory.mktemp("tiny")
     tok = make_tokenizer()
-    save_llama(root / "target", tok, seed=1, hidden=64, layers=2)
+    save_llama(root / "target", tok, seed=1, hidden=64, layers=2, chat_template=TINY_CHAT_TEMPLATE)
     save_llama(root / "draft", tok, seed=2, hidden=32, layers=1, heads=2, kv_heads=1, inter=64)
     export_pair(root / "draft", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None, lazy_head=False)
     return root / "draft", root / "target", root / "engine"
@@ -58,3 +59,15 @@ def self_pair(tmp_path_factory):
     save_llama(root / "target", tok, seed=3, hidden=64, layers=2)
     export_pair(root / "target", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None)
     return root / "target", root / "engine"
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_pair):
+    """``specrt serve`` on the tiny pair (its exported chat template included): 2 workers,
+    model id ``tiny`` (tests/serving.py)."""
+    pytest.importorskip("fastapi", reason="the [serve] extra is not installed: pip install -e '.[serve]'")
+    from serving import Server
+
+    s = Server(tiny_pair[2], "--workers", "2", "--max-queue", "64", "--model-name", "tiny")
+    yield s
+    s.stop()

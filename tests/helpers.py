@@ -25,8 +25,23 @@ def make_tokenizer(vocab_size: int = 320):
     return tok
 
 
-def save_llama(out: Path, tok, seed: int, hidden=64, layers=2, heads=4, kv_heads=2, inter=128, vocab_pad=0, max_pos=512):
-    """Save a random LlamaForCausalLM + tokenizer as a HF checkpoint folder; returns the model."""
+# the tiny pair's chat template (tests/conftest.py tiny_pair): BOS written by the template,
+# a raise_exception for roles it does not know, trim_blocks/lstrip_blocks-sensitive layout
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('this template knows no role ' ~ message['role']) }}"
+    "{% endif %}\n"
+    "<|{{ message['role'] }}|>{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_llama(out: Path, tok, seed: int, hidden=64, layers=2, heads=4, kv_heads=2, inter=128, vocab_pad=0, max_pos=512, chat_template=None):
+    """Save a random LlamaForCausalLM + tokenizer (with ``chat_template`` when given) as a HF
+    checkpoint folder; returns the model."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -51,7 +66,7 @@ def save_llama(out: Path, tok, seed: int, hidden=64, layers=2, heads=4, kv_heads
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS).save_pretrained(out)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, chat_template=chat_template).save_pretrained(out)
     return model
 
 

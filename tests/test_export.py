@@ -39,3 +39,28 @@ def test_manifest_records_parity_and_dims(tiny_pair):
     assert m.target.n_layers == 2 and m.target.n_kv_heads == 2 and m.draft.n_layers == 1
     assert m.k_min == 1 and m.k_max == 8 and m.max_ctx == 256
     assert m.tools["torch"].startswith("2.13")
+
+
+def test_export_drops_only_the_torchvision_notices():
+    """torch.onnx logs "torchvision is not installed. Skipping torchvision::<op>" per op when
+    its registry is built (logger ``torch.onnx._internal.exporter._registration``); specrt's
+    export filters exactly those records, every other record of that logger still passes."""
+    import inspect
+    import logging
+
+    from torch.onnx._internal.exporter import _registration
+
+    import specrt.export.onnx_export  # noqa: F401  (installs the filter)
+
+    assert _registration.logger.name == "torch.onnx._internal.exporter._registration"
+    assert 'logger.warning("torchvision is not installed. Skipping %s"' in inspect.getsource(_registration)  # what torch logs
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    _registration.logger.addHandler(handler)
+    try:
+        _registration.logger.warning("torchvision is not installed. Skipping %s", "torchvision::nms")
+        _registration.logger.warning("another warning")
+    finally:
+        _registration.logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["another warning"]

@@ -5,7 +5,6 @@ completions equal ``specrt generate``, streaming, stop strings, 32 concurrent cl
 from __future__ import annotations
 
 import concurrent.futures as cf
-import http.client
 import json
 import socket
 import subprocess
@@ -19,126 +18,14 @@ pytest.importorskip("fastapi", reason="the [serve] extra (fastapi, uvicorn) is n
 pytest.importorskip("uvicorn", reason="the [serve] extra (fastapi, uvicorn) is not installed: pip install -e '.[serve]'")
 
 from click.testing import CliRunner  # noqa: E402
+from serving import HOST, Server, get, post, post_stream, read_metrics  # noqa: E402
 
 from specrt import Engine, GenerationConfig  # noqa: E402
 from specrt.cli import cli  # noqa: E402
 
-HOST = "127.0.0.1"
-
-
-# ---- a real server in a subprocess ----------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``specrt serve`` in a subprocess on a free loopback port."""
-
-    def __init__(self, engines, *args: str):
-        self.port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "specrt.cli",
-            "serve",
-            "--engines",
-            str(engines),
-            "--host",
-            HOST,
-            "--port",
-            str(self.port),
-            "--log-level",
-            "warning",
-            "--threads",
-            "1",
-            *args,
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()[-3000:]}")
-            try:
-                if get(self.port, "/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            if time.time() > deadline:
-                self.stop()
-                raise RuntimeError("server did not come up in 120 s")
-            time.sleep(0.2)
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def get(port, path):
-    conn = http.client.HTTPConnection(HOST, port, timeout=30)
-    try:
-        conn.request("GET", path)
-        r = conn.getresponse()
-        return r.status, r.read().decode()
-    finally:
-        conn.close()
-
-
-def post(port, body=None, raw: bytes | None = None, timeout=120):
-    """POST /v1/completions; returns (status, parsed JSON body, headers)."""
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
-    try:
-        data = raw if raw is not None else json.dumps(body).encode()
-        conn.request("POST", "/v1/completions", body=data, headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        return r.status, json.loads(r.read()), dict(r.getheaders())
-    finally:
-        conn.close()
-
-
-def post_stream(port, body, timeout=120):
-    """POST a streamed completion; returns (status, [event dicts], saw [DONE])."""
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
-    try:
-        conn.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)).encode(), headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        if r.status != 200:
-            return r.status, [json.loads(r.read())], False
-        assert r.getheader("content-type").startswith("text/event-stream")
-        events, done = [], False
-        for line in r:
-            line = line.decode().rstrip("\n")
-            if not line.startswith("data: "):
-                assert line == "", line  # only data lines and blank separators
-                continue
-            data = line[len("data: ") :]
-            if data == "[DONE]":
-                done = True
-                break
-            events.append(json.loads(data))
-        return r.status, events, done
-    finally:
-        conn.close()
-
 
 def stream_text(events):
     return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
-
-
-def read_metrics(port) -> dict[str, float]:
-    status, text = get(port, "/metrics")
-    assert status == 200
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def cli_generate(engine_dir, prompt, max_tokens, temperature=0.0, top_p=1.0, seed=None, k_max=None, extra=()):
@@ -174,10 +61,8 @@ def engine(tiny_pair):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_pair):
-    s = Server(tiny_pair[2], "--workers", "2", "--max-queue", "64", "--model-name", "tiny")
-    yield s
-    s.stop()
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
@@ -300,24 +185,31 @@ def test_32_concurrent_clients(server, engine):
             "frobnicate",
             "frobnicate: unknown field; allowed fields: model, prompt, max_tokens",
         ),
-        (json.dumps(dict(prompt="x", max_tokens=0)).encode(), 400, "max_tokens", "max_tokens: Input should be greater than or equal to 1 (got 0)"),
+        (json.dumps(dict(prompt="x", max_tokens=-1)).encode(), 400, "max_tokens", "max_tokens: Input should be greater than or equal to 0 (got -1)"),
         (json.dumps(dict(prompt="x", max_tokens="5")).encode(), 400, "max_tokens", "max_tokens: Input should be a valid integer"),
         (json.dumps(dict(max_tokens=4)).encode(), 400, "prompt", "prompt: required field missing"),
-        (json.dumps(dict(prompt=5)).encode(), 400, "prompt", "prompt: must be a string, a list of token ids, or a list of one of those"),
-        (json.dumps(dict(prompt=["a", "b"])).encode(), 400, "prompt", "a batch of 2 prompts"),
+        (json.dumps(dict(prompt=5)).encode(), 400, "prompt", "prompt: must be a string, a list of token ids, or a list of those (got 5)"),
+        (json.dumps(dict(prompt=["a", ""])).encode(), 400, "prompt", "prompt[1]: empty prompt"),
         (json.dumps(dict(prompt="")).encode(), 400, "prompt", "empty prompt"),
         (json.dumps(dict(prompt=[3] * 300)).encode(), 400, "prompt", "max_ctx=256, so a prompt may have at most 255"),
         (json.dumps(dict(prompt=[1, 10**6])).encode(), 400, "prompt", "prompt ids must be in 0.."),
         (json.dumps(dict(prompt="x", temperature=2.5)).encode(), 400, "temperature", "temperature: Input should be less than or equal to 2"),
         (json.dumps(dict(prompt="x", top_p=0)).encode(), 400, "top_p", "top_p: Input should be greater than 0"),
         (json.dumps(dict(prompt="x", seed=-1)).encode(), 400, "seed", "seed: Input should be greater than or equal to 0"),
-        (json.dumps(dict(prompt="x", n=2)).encode(), 400, "n", "n: only n=1 is supported"),
-        (json.dumps(dict(prompt="x", echo=True)).encode(), 400, "echo", "only echo=false"),
+        (json.dumps(dict(prompt="x", n=0)).encode(), 400, "n", "n: Input should be greater than or equal to 1 (got 0)"),
+        (json.dumps(dict(prompt="x", n=2, best_of=1)).encode(), 400, "best_of", "best_of=1 must be >= n=2"),
+        (json.dumps(dict(prompt="x", n=1, best_of=2, stream=True)).encode(), 400, "best_of", "best_of > n cannot be streamed"),
+        (json.dumps(dict(prompt=["x"] * 20, n=4)).encode(), 400, "n", "this request asks for 80 generations; this server queues at most 64"),
+        (json.dumps(dict(prompt="x", max_tokens=0)).encode(), 400, "max_tokens", "max_tokens=0 is allowed only with echo=true"),
+        (json.dumps(dict(prompt="x", logprobs=6)).encode(), 400, "logprobs", "logprobs: Input should be less than or equal to 5 (got 6)"),
+        (json.dumps(dict(prompt="x", presence_penalty=0.5)).encode(), 400, "presence_penalty", "only presence_penalty=0 (or null) is supported"),
+        (json.dumps(dict(prompt="x", suffix="y")).encode(), 400, "suffix", "suffix is not supported"),
+        (json.dumps(dict(prompt="x" * 7000)).encode(), 400, "prompt", "prompt has 7000 characters; the context holds at most 255 prompt tokens"),
         (json.dumps(dict(prompt="x", stop=["a", "b", "c", "d", "e"])).encode(), 400, "stop", "at most 4 stop strings"),
         (json.dumps(dict(prompt="x", k_max=99)).encode(), 400, "k_max", "k_max=99; k_max must be an integer in 1..8"),
         (json.dumps(dict(prompt="x", threshold=1.5)).encode(), 400, "threshold", "threshold must be a number in [0, 1]"),
         (json.dumps(dict(prompt="x", stream_options={"include_usage": True})).encode(), 400, "stream_options", "only allowed with stream=true"),
-        (json.dumps(dict(prompt="x", model="gpt-4")).encode(), 404, "model", "model 'gpt-4' is not served here; this server serves 'tiny'"),
+        (json.dumps(dict(prompt="x", model="gpt-4")).encode(), 404, "model", "The model 'gpt-4' does not exist: this server serves 'tiny'"),
     ],
 )
 def test_bad_requests_get_4xx_json(server, raw, status, param, needle):
@@ -326,7 +218,8 @@ def test_bad_requests_get_4xx_json(server, raw, status, param, needle):
     assert set(out) == {"error"} and set(out["error"]) == {"message", "type", "param", "code"}
     assert needle in out["error"]["message"], out
     assert out["error"]["param"] == param
-    assert out["error"]["type"] in ("invalid_request_error", "model_not_found")
+    assert out["error"]["type"] == "invalid_request_error"
+    assert out["error"]["code"] == ("model_not_found" if status == 404 else None)
 
 
 def test_other_routes(server):
@@ -335,16 +228,18 @@ def test_other_routes(server):
     status, text = get(server.port, "/v1/completions")
     assert status == 405 and "not allowed" in json.loads(text)["error"]["message"]
     status, text = get(server.port, "/nope")
-    assert status == 404 and "POST /v1/completions" in json.loads(text)["error"]["message"]
-    _, stream_err, _ = post_stream(server.port, dict(prompt="x", max_tokens=0))  # refused before the stream starts
+    assert status == 404 and "POST /v1/chat/completions" in json.loads(text)["error"]["message"]
+    _, stream_err, _ = post_stream(server.port, dict(prompt="x", max_tokens=-1))  # refused before the stream starts
     assert "max_tokens" in stream_err[0]["error"]["message"]
 
 
 # ---- metrics ---------------------------------------------------------------------------
-def test_metrics_count_what_the_responses_say(server):
+def test_metrics_count_what_the_responses_say(server, engine):
     before = read_metrics(server.port)
-    outs = [post(server.port, dict(prompt=p, max_tokens=20, temperature=0))[1] for p in ("import os", "class Foo:")]
-    post(server.port, dict(prompt="x", max_tokens=0))
+    prompts = ("import os", "class Foo:")
+    outs = [post(server.port, dict(prompt=p, max_tokens=20, temperature=0))[1] for p in prompts]
+    refs = [engine.generate(p, GenerationConfig(max_new_tokens=20, temperature=0)) for p in prompts]
+    post(server.port, dict(prompt="x", max_tokens=-1))
     after = read_metrics(server.port)
 
     def delta(name):
@@ -356,13 +251,25 @@ def test_metrics_count_what_the_responses_say(server):
     assert delta("specrt_prompt_tokens_total") == sum(o["usage"]["prompt_tokens"] for o in outs)
     assert delta("specrt_draft_tokens_proposed_total") == sum(o["usage"]["speculative"]["proposed"] for o in outs)
     assert delta("specrt_draft_tokens_accepted_total") == sum(o["usage"]["speculative"]["accepted"] for o in outs)
-    assert delta("specrt_request_latency_seconds_count") == 2
-    assert after['specrt_request_latency_seconds_bucket{le="+Inf"}'] == after["specrt_request_latency_seconds_count"]
+    assert delta("specrt_e2e_request_latency_seconds_count") == 2
+    assert delta("specrt_time_to_first_token_seconds_count") == 2  # non-streamed requests too
+    assert delta("specrt_time_per_output_token_seconds_count") == 2
+    assert delta('specrt_request_success_total{finished_reason="length"}') == 2
+    assert after['specrt_e2e_request_latency_seconds_bucket{le="+Inf"}'] == after["specrt_e2e_request_latency_seconds_count"]
     assert after["specrt_acceptance_rate"] == pytest.approx(after["specrt_draft_tokens_accepted_total"] / after["specrt_draft_tokens_proposed_total"])
     assert after["specrt_mean_accepted_length"] == pytest.approx(after["specrt_draft_tokens_accepted_total"] / after["specrt_verify_passes_total"])
     assert after["specrt_workers"] == 2
+    # acceptance per draft position i: passes that proposed / accepted more than i candidates
+    for i in range(4):
+        acc_i = sum(sum(o["usage"]["speculative"]["accepted_hist"][i + 1 :]) for o in outs)
+        prop_i = sum(sum(r.stats.proposed_hist[i + 1 :]) for r in refs)
+        assert delta(f'specrt_draft_tokens_accepted_by_position_total{{position="{i}"}}') == acc_i
+        assert delta(f'specrt_draft_tokens_proposed_by_position_total{{position="{i}"}}') == prop_i
+    assert sum(sum(r.stats.proposed_hist[1:]) for r in refs) > 0
     _, text = get(server.port, "/metrics")
-    assert "# TYPE specrt_request_latency_seconds histogram" in text and "# TYPE specrt_requests_total counter" in text
+    assert "# TYPE specrt_e2e_request_latency_seconds histogram" in text and "# TYPE specrt_requests_total counter" in text
+    assert 'specrt_requests_total{model_name="tiny",outcome="ok"}' in text  # every series carries the model label
+    assert "process_cpu_seconds_total" in text and "process_resident_memory_bytes" in text  # prometheus_client's process collector
 
 
 # ---- disconnects and a full queue (one slow worker) ---------------------------------------
@@ -433,7 +340,7 @@ def test_full_queue_answers_503(slow_server):
     socks += [open_stream(port, dict(prompt="def g():", max_tokens=200, temperature=0)) for _ in range(2)]
     wait_for(lambda m: m["specrt_queue_depth"] == 2, port)  # --max-queue 2: full
     status, out, headers = post(port, dict(prompt="x", max_tokens=3), timeout=30)
-    assert status == 503 and out["error"]["type"] == "server_busy" and "2 requests already queued" in out["error"]["message"]
+    assert status == 503 and out["error"]["type"] == "server_busy" and "2 generations already queued" in out["error"]["message"]
     assert headers.get("retry-after") == "1" or headers.get("Retry-After") == "1"
     for s in socks:
         s.close()
@@ -448,7 +355,7 @@ def test_runtime_imports_and_serve_refuses_cleanly_without_the_extra(tiny_pair):
         import sys
         class Block:
             def find_spec(self, name, path=None, target=None):
-                if name.split('.')[0] in ('fastapi', 'uvicorn', 'starlette', 'pydantic'):
+                if name.split('.')[0] in ('fastapi', 'uvicorn', 'starlette', 'pydantic', 'jinja2', 'prometheus_client'):
                     raise ImportError('blocked by test: ' + name)
         sys.meta_path.insert(0, Block())
         from click.testing import CliRunner
@@ -464,3 +371,23 @@ def test_runtime_imports_and_serve_refuses_cleanly_without_the_extra(tiny_pair):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
     assert out.stdout.strip().endswith("OK")
+
+
+# ---- scripts/load_test.py ----------------------------------------------------------------
+@pytest.mark.parametrize("extra", [[], ["--chat", "--stream"]], ids=["completions", "chat-stream"])
+def test_load_test_script(server, extra, capsys):
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import load_test
+
+    before = read_metrics(server.port)
+    s = load_test.main(["--url", f"http://{HOST}:{server.port}", "--requests", "6", "--concurrency", "2", "--max-tokens", "8", "--temperature", "0", *extra])
+    after = read_metrics(server.port)
+    assert s["ok"] == 6 and s["statuses"] == {"200": 6}
+    assert s["endpoint"] == ("/v1/chat/completions" if extra else "/v1/completions")
+    assert s["completion_tokens_per_s"] > 0 and s["latency_s"]["p50"] > 0
+    assert (s["ttft_s"]["p50"] > 0) if extra else s["ttft_s"] is None
+    proposed = after["specrt_draft_tokens_proposed_total"] - before["specrt_draft_tokens_proposed_total"]
+    accepted = after["specrt_draft_tokens_accepted_total"] - before["specrt_draft_tokens_accepted_total"]
+    assert proposed > 0 and s["acceptance_rate"] == round(accepted / proposed, 4)

@@ -324,3 +324,38 @@ def test_export_defaults_file_goes_into_the_manifest(tiny_pair, tmp_path):
     )
     assert r.exit_code != 0 and "k_max=8; k_max must be an integer in 1..4" in r.output
     assert not (tmp_path / "eng2").exists()
+
+
+def test_tune_keeps_the_previous_defaults_and_restores_them(tuned, noisy_pair, tmp_path):
+    folder, _, result, output, _ = tuned
+    original = load_manifest(noisy_pair[1], verify_hashes=False).defaults
+    m = load_manifest(folder, verify_hashes=False)
+    assert m.extra["previous_defaults"] == original != m.defaults
+    assert f"(previous {original} kept in extra.previous_defaults)" in output
+    assert "sweep: " in output and "(100%)" in output  # progress lines: CliRunner's stderr is not a terminal
+    copy = tmp_path / "engine"
+    shutil.copytree(folder, copy)
+    r = run(["tune", "--engines", str(copy), "--restore-previous"])
+    assert r.exit_code == 0, r.output
+    back = load_manifest(copy, verify_hashes=True)
+    assert back.defaults == original and back.extra["previous_defaults"] == m.defaults  # one more restore swaps them again
+    r = CliRunner().invoke(cli, ["tune", "--engines", str(noisy_pair[1]), "--restore-previous"])
+    assert r.exit_code == 1 and "keeps no previous defaults" in r.output
+
+
+def test_tune_dry_run_changes_nothing(folder, prompts, tmp_path):
+    before = (folder / "manifest.json").read_bytes()
+    args = ["tune", "--engines", str(folder), "--prompts", str(prompts), "--max-new-tokens", "4", "--k-max", "2", "--threshold", "0"]
+    args += ["--strategy", "full", "--cost-reps", "1", "--confirm-repeats", "0", "--out", str(tmp_path / "out"), "--dry-run"]
+    r = run(args)
+    assert r.exit_code == 0, r.output
+    assert (folder / "manifest.json").read_bytes() == before
+    chosen = json.loads((tmp_path / "out" / "tune.json").read_text())["chosen_defaults"]
+    assert f"dry run: would write defaults {chosen} into {folder / 'manifest.json'}" in r.output and "manifest not changed" in r.output
+
+
+def test_bench_prints_progress_lines_without_a_terminal(folder, prompts):
+    r = run(["bench", "--engines", str(folder), "--prompts", str(prompts), "--max-new-tokens", "4", "--repeats", "3"])
+    assert r.exit_code == 0, r.output
+    lines = [x for x in r.output.splitlines() if x.startswith("bench: ")]
+    assert [x.split(",")[0] for x in lines] == ["bench: 10/12 (83%)", "bench: 12/12 (100%)"]  # 2 prompts x 2 rows x 3 repeats

@@ -1,0 +1,148 @@
+"""Chat templates: a conversation -> the prompt text the model was trained on, rendered as
+transformers' ``apply_chat_template`` renders it.
+
+The template (Jinja2 source) comes from the engine folder (``chat_template.jinja``, copied by
+``specrt export`` from the target checkpoint and hashed in the manifest) or from
+``specrt serve --chat-template FILE``. It is compiled once in Jinja2's
+``ImmutableSandboxedEnvironment`` with the environment transformers gives templates
+(``transformers.utils.chat_template_utils._cached_compile_jinja_template``): ``trim_blocks``
+and ``lstrip_blocks``, the ``loopcontrols`` extension, the globals ``raise_exception`` and
+``strftime_now``, and a ``tojson`` filter that does not escape non-ASCII
+(``ensure_ascii=False``). A template is untrusted code: the sandbox refuses attribute access
+to Python internals, and the immutable variant refuses mutating lists and dicts.
+
+Rendering passes ``messages``, ``add_generation_prompt=True``, and the tokenizer's special
+tokens as strings (``bos_token``, ``eos_token``, as transformers' ``special_tokens_map``);
+the rendered text is then tokenized *without* adding BOS
+(:meth:`~specrt.runtime.tokenizer.TextCodec.encode` with ``add_special_tokens=False``,
+transformers' rule for ``apply_chat_template(tokenize=True)``): a template that wants BOS
+writes ``{{ bos_token }}`` itself.
+
+Jinja2 is part of the ``[serve]`` extra; it is imported only when a template is compiled.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import InputError, SpecRTError
+
+__all__ = ["ChatTemplate", "TemplateSourceError", "load_chat_template", "normalize_messages"]
+
+
+class TemplateSourceError(SpecRTError):
+    """A chat template that cannot be read or compiled (the server refuses to start)."""
+
+
+class ChatTemplate:
+    """A compiled chat template.
+
+    Args:
+        source: the Jinja2 template text.
+        origin: where it came from (named in messages: a file path).
+        special_tokens: the strings passed to the template besides ``messages`` (e.g.
+            ``{"bos_token": "<s>", "eos_token": "</s>"}``).
+
+    Attributes:
+        source, origin, special_tokens: as given.
+
+    Raises:
+        TemplateSourceError: Jinja2 is missing or the template does not compile (the
+            message names ``origin`` and the line).
+    """
+
+    def __init__(self, source: str, origin: str, special_tokens: dict[str, str] | None = None):
+        try:
+            import jinja2
+            from jinja2.ext import loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError as e:
+            raise TemplateSourceError(f"chat templates need jinja2 (the [serve] extra): pip install 'specrt[serve]' ({e})") from None
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        def strftime_now(fmt):
+            return datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        try:
+            self._template = env.from_string(source)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise TemplateSourceError(f"chat template {origin}: line {e.lineno}: {e.message}") from None
+        self._errors = (jinja2.exceptions.TemplateError,)
+        self.source, self.origin = source, origin
+        self.special_tokens = dict(special_tokens or {})
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation.
+
+        Args:
+            messages: ``[{"role": ..., "content": str, ...}, ...]`` (see :func:`normalize_messages`).
+            add_generation_prompt: append the template's opening of an assistant turn.
+
+        Returns:
+            the rendered text (to be tokenized without adding BOS).
+
+        Raises:
+            InputError: (param ``messages``) the template refused the conversation
+                (``raise_exception``, a sandbox violation, or any other template error);
+                the message carries the template's own text.
+        """
+        try:
+            return self._template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self.special_tokens
+            )
+        except self._errors as e:
+            raise InputError(f"messages: the chat template refused the conversation: {e}", "messages") from None
+
+
+def load_chat_template(path: str | Path, special_tokens: dict[str, str] | None = None) -> ChatTemplate:
+    """Read and compile a template file (``specrt serve --chat-template FILE``).
+
+    Raises:
+        TemplateSourceError: the file cannot be read as UTF-8 text, or does not compile.
+    """
+    p = Path(path)
+    try:
+        source = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TemplateSourceError(f"--chat-template {p}: cannot read it ({e})") from None
+    return ChatTemplate(source, str(p), special_tokens)
+
+
+def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> the dicts a template sees.
+
+    Each message keeps its fields (``None`` values dropped); ``content`` given as a list of
+    parts must hold only ``{"type": "text", "text": ...}`` parts, which are joined with
+    ``"\\n"`` into one string (vLLM's "string" content format; templates written for
+    transformers read ``message['content']`` as a string); ``None`` content becomes ``""``.
+
+    Raises:
+        InputError: (param ``messages``) a part that is not text.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        d = {k: v for k, v in m.items() if v is not None}
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise InputError(f"messages[{i}].content[{j}]: only text parts are supported (type 'text'), got {kind!r}", "messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        d["content"] = "" if content is None else content
+        out.append(d)
+    return out
