@@ -463,8 +463,8 @@ def tune(
     tokens/s and write it into the engine's manifest (specrt generate then uses it). The
     defaults it replaces are kept in the manifest (extra.previous_defaults;
     --restore-previous puts them back); --dry-run only prints what it would write."""
-    from .runtime.lab.tune import chosen_defaults, tune_from_trace
     from .runtime.lab.tune import tune as run_tune
+    from .runtime.lab.tune import tune_from_trace
 
     if restore_previous:
         if prompts_file or from_trace or dry_run:
@@ -480,41 +480,23 @@ def tune(
     if from_trace:
         if prompts_file or calibrate or strategies or trace_file:
             raise InputError("--from-trace predicts from the trace alone; --prompts, --calibrate, --strategy and --trace need the models (drop them)")
-        costs = None
-        if costs_file:
-            from .runtime.lab.trace import Costs
-
-            try:
-                raw = json.loads(Path(costs_file).read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise InputError(f"cannot read costs file {costs_file}: {e}") from None
-            costs = Costs.from_json(raw.get("costs", raw) if isinstance(raw, dict) else raw, str(costs_file))
-        result = tune_from_trace(from_trace, k_values or None, thresholds, costs)
+        result = tune_from_trace(from_trace, k_values or None, thresholds, _costs_file(costs_file))
     else:
         if not prompts_file:
             raise InputError("--prompts VALIDATION.jsonl is required (or --from-trace FILE)")
-        from .runtime.config import GenerationConfig
         from .runtime.lab.bench import load_prompts
 
         prompts = load_prompts(prompts_file, limit)
         engine = _engine(engines or DEFAULT_ENGINES, threads, spinning, backend)
         m = engine.manifest
         ks = k_values or tuple(k for k in DEFAULT_TUNE_KS if m.k_min <= k <= m.k_max)
-        if not strategies:  # every strategy this folder/backend can run
-            strategies = []
-            for st in STRATEGIES:
-                try:
-                    engine.generate(prompts[0]["prompt"], GenerationConfig(max_new_tokens=2, strategy=st))
-                    strategies.append(st)
-                except SpecRTError as e:
-                    click.echo(f"strategy {st} left out: {e}", err=True)
         try:
             result = run_tune(
                 engine,
                 prompts,
                 ks,
                 thresholds,
-                strategies,
+                strategies or _runnable_strategies(engine, prompts[0]["prompt"]),
                 max_new_tokens=max_new_tokens,
                 repeats=repeats,
                 confirm_repeats=confirm_repeats,
@@ -527,11 +509,18 @@ def tune(
         finally:
             bars.close()
         result["prompts_file"] = str(prompts_file)
+    _finish_tune(result, out, engines or (None if from_trace else DEFAULT_ENGINES), from_trace, write, dry_run)
+
+
+def _finish_tune(result: dict, out: Path, target: str | None, from_trace: str | None, write: bool, dry_run: bool) -> None:
+    """Record the chosen defaults (into ``target``'s manifest unless --no-write/--dry-run),
+    write tune.json, print the report and what was (or would be) written."""
+    from .runtime.lab.tune import chosen_defaults
+
     result["command"] = " ".join(["specrt"] + sys.argv[1:])
     out.mkdir(parents=True, exist_ok=True)
     defaults = chosen_defaults(result)
     result["chosen_defaults"] = defaults
-    target = engines or (None if from_trace else DEFAULT_ENGINES)
     if write and target and not dry_run:
         _write_tune_defaults(result, defaults, target, from_trace)
     (out / "tune.json").write_text(json.dumps(result, indent=1))
@@ -550,6 +539,37 @@ def tune(
         ),
         err=True,
     )
+
+
+def _costs_file(costs_file: str | None):
+    """The per-call costs of ``--costs FILE`` (a tune.json's "costs" or a bare costs object), or None.
+
+    Raises:
+        InputError: unreadable JSON or malformed costs.
+    """
+    if not costs_file:
+        return None
+    from .runtime.lab.trace import Costs
+
+    try:
+        raw = json.loads(Path(costs_file).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"cannot read costs file {costs_file}: {e}") from None
+    return Costs.from_json(raw.get("costs", raw) if isinstance(raw, dict) else raw, str(costs_file))
+
+
+def _runnable_strategies(engine, prompt: str) -> list[str]:
+    """Every verification strategy this engine folder and backend can run (one 2-token generation each)."""
+    from .runtime.config import GenerationConfig
+
+    runnable = []
+    for st in STRATEGIES:
+        try:
+            engine.generate(prompt, GenerationConfig(max_new_tokens=2, strategy=st))
+            runnable.append(st)
+        except SpecRTError as e:
+            click.echo(f"strategy {st} left out: {e}", err=True)
+    return runnable
 
 
 def _restore_previous_defaults(target: str) -> None:
