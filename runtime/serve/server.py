@@ -874,7 +874,7 @@ def create_app(service: CompletionService, api_key: str | None = None, allowed_o
     _require_serve_extra()
     from fastapi import FastAPI, Request
     from fastapi.middleware.cors import CORSMiddleware
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
 
     if max_body_bytes < 1:
         raise ServeError(f"max_body_bytes={max_body_bytes}; it must be >= 1")
@@ -925,6 +925,22 @@ def create_app(service: CompletionService, api_key: str | None = None, allowed_o
     app.post("/v1/completions", responses=errors_doc)(completions)
     app.post("/v1/chat/completions", responses=errors_doc)(chat_completions)
 
+    _add_info_routes(app, service, errors_doc)
+    _document_400(app)
+    app.add_middleware(_BodyLimit, limit=max_body_bytes, metrics=metrics)
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key, metrics=metrics)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
+    return app
+
+
+def _add_info_routes(app, service: CompletionService, errors_doc: dict) -> None:
+    """``GET /v1/models``, ``/v1/models/{id}``, ``/metrics`` and ``/health`` on ``app``."""
+    from fastapi.responses import Response
+
+    metrics = service.metrics
+
     def model_card():
         return {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "specrt", "max_model_len": service.engine.manifest.max_ctx}
 
@@ -955,14 +971,6 @@ def create_app(service: CompletionService, api_key: str | None = None, allowed_o
             "queued": service.pool.queued,
             **metrics.snapshot(),
         }
-
-    _document_400(app)
-    app.add_middleware(_BodyLimit, limit=max_body_bytes, metrics=metrics)
-    if api_key:
-        app.add_middleware(_ApiKey, key=api_key, metrics=metrics)
-    if allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
-    return app
 
 
 def _error_responses() -> dict:
