@@ -455,6 +455,8 @@ def runtime_parity(hf_model, folder: Path, entry: ModelEntry, max_ctx: int, qs: 
             agree += int((rows.argmax(-1) == ref.argmax(-1)).sum())
             total += q
     if agree < total / 2:
-        raise ParityError(f"{entry.file}: argmax equals PyTorch's on only {agree}/{total} rows (max |logit diff| {max(figures.values()):.3g}): the graph is miswired")
+        raise ParityError(
+            f"{entry.file}: argmax equals PyTorch's on only {agree}/{total} rows (max |logit diff| {max(figures.values()):.3g}): the graph is miswired"
+        )
     model.close()
     return figures

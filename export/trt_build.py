@@ -166,7 +166,9 @@ def build_plans(folder: str | Path, manifest: Manifest, cfg: TrtBuildConfig = Tr
     models = {}
     for role, entry in (("draft", manifest.draft), ("target", manifest.target)):
         if entry.graph != "standard":
-            raise TrtBuildError(f"the {role} is an onnxruntime-genai builder graph ({entry.precision}); TensorRT plans are built from standard graphs: export --precision fp32|fp16|bf16")
+            raise TrtBuildError(
+                f"the {role} is an onnxruntime-genai builder graph ({entry.precision}); TensorRT plans are built from standard graphs: export --precision fp32|fp16|bf16"
+            )
         if entry.precision not in ("fp32", cfg.precision):
             raise TrtBuildError(f"the {role} graph computes in {entry.precision}; build plans with --precision {entry.precision} (or export fp32)")
         src = folder / entry.file

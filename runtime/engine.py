@@ -267,9 +267,7 @@ class Engine:
     def plan(self, cfg: GenerationConfig, observe: bool = False) -> Plan:
         """The decode loop's :class:`~specrt.runtime.decode.Plan` for resolved settings ``cfg``."""
         m = self.manifest
-        return Plan(
-            cfg.k_max, cfg.threshold, cfg.max_new_tokens, m.eos_token_id, m.max_ctx, cfg.speculative, cfg.strategy, cfg.chunk_bound, observe, m.min_q()
-        )
+        return Plan(cfg.k_max, cfg.threshold, cfg.max_new_tokens, m.eos_token_id, m.max_ctx, cfg.speculative, cfg.strategy, cfg.chunk_bound, observe, m.min_q())
 
     def rounds(self, ids: list[int], cfg: GenerationConfig, observe: bool = False) -> Iterator[Round]:
         """The round records of one generation under this Engine's lock (validated ``ids``,
