@@ -216,8 +216,8 @@ class Manifest:
 LAZY_HEAD_KEY = "lazy_head"  # key of the optional lazy-head record in Manifest.extra
 LAZY_HEAD_HINT = (
     "this engine folder was exported without the lazy-head target (target_body.onnx + target_head.onnx); "
-    "re-run `specrt export --draft DRAFT_DIR --target TARGET_DIR --out {folder}` (lazy-head graphs are written "
-    "unless --no-lazy-head is given), or use strategy 'full' or 'chunked'"
+    "re-run `specrt export --draft DRAFT_DIR --target TARGET_DIR --out {folder} --precision fp32 --lazy-head`, "
+    "or use strategy 'full' or 'chunked'"
 )
 
 
@@ -225,8 +225,8 @@ def lazy_head_files(manifest: Manifest, folder: str | Path, verify_hashes: bool 
     """The lazy-head graphs of an engine folder, checked: ``(body, head)`` records of
     ``manifest.extra["lazy_head"]``, each ``{"file", "sha256", "inputs", "outputs"}``.
 
-    The record is optional (format version 1 manifests without it stay loadable); the
-    export writes it unless ``--no-lazy-head``. Body: the target's inputs -> ``hidden``
+    The record is optional: the export writes it with ``--lazy-head`` (fp32 standard
+    graphs only; format version 1 manifests without it stay loadable). Body: the target's inputs -> ``hidden``
     float32 ``[1, q, hidden]`` + new KV; head: ``hidden`` ``[1, r, hidden]`` -> ``logits``
     float32 ``[1, r, vocab]``.
 
