@@ -112,12 +112,13 @@ def _tensor_key(t) -> tuple:
 def _set_external(t, location: str, offset: int, length: int) -> None:
     """Make initializer ``t`` refer to ``length`` bytes at ``offset`` of ``location``."""
     import onnx
-    from onnx.external_data_helper import set_external_data
 
     for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
         t.ClearField(name)
     del t.external_data[:]
-    set_external_data(t, location=location, offset=offset, length=length)
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
     t.data_location = onnx.TensorProto.EXTERNAL
 
 
