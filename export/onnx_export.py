@@ -337,8 +337,8 @@ def parity_check(hf_model, onnx_path: Path, qs: tuple[int, ...], pasts: tuple[in
 
 STANDARD_PRECISIONS = ("fp32", "fp16", "bf16")
 # max |logit diff| allowed against the fp32 PyTorch model per compute precision (fp16: the
-# default target measured 0.0x at export, see docs/ENGINES.md); bf16 cannot run on CPU
-PARITY_TOLS = {"fp32": PARITY_TOL, "fp16": 0.25}
+# default target measured 5.6e-3, its draft 3.8e-3); bf16 cannot run on onnxruntime's CPU
+PARITY_TOLS = {"fp32": PARITY_TOL, "fp16": 0.05}
 
 
 def export_model(
