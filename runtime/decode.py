@@ -255,10 +255,18 @@ def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, c
     split.body(toks, s)
     calls.append((len(toks), s, 0))
     off = pend - s  # body row of the pending token
+    done = 0  # verification rows already projected
     for lo, hi in head_blocks(sizes):
-        h = max(0, min(off + lo, off + hi - min_q))  # a head block at least min_q rows wide, too
-        calls.append((0, s, off + hi - h))
-        yield lo, split.head(h, off + hi - h)[off + lo - h :]
+        lo = max(lo, done)
+        if lo >= hi:
+            continue
+        # a head block at least min_q rows wide, too: extended over the next rows (projected
+        # once: the next block starts after them), else over earlier body rows at the end
+        e = min(off + n + 1, max(off + hi, off + lo + min_q))
+        h = max(0, min(off + lo, e - min_q))
+        calls.append((0, s, e - h))
+        done = e - off
+        yield lo, split.head(h, e - h)[off + lo - h :]
 
 
 def _draft_steps(draft: Model, seq: list[int], kv: KVLengths, acc: Acceptor, steps: list, pre: list) -> Iterator[tuple[int, float]]:
