@@ -119,9 +119,11 @@ bench-envs: install $(OPT_VENV)/.installed $(OG_VENV)/.installed $(OV_VENV)/.ins
 	$(BIN)/pip install -q matplotlib py-spy
 
 # specrt vs transformers (generate, assisted), optimum, onnxruntime-genai: table, JSON, plots in $(COMPARE_OUT)
+# extra specrt flavors as rows, e.g. COMPARE_FLAVORS="--flavor fp32=engines/fp32" (export them first)
+COMPARE_FLAVORS ?=
 bench-compare: export bench-envs
 	$(BIN)/python scripts/bench_compare.py --target models/target --draft models/draft --engines $(ENGINES) --prompts $(PROMPTS) \
-		--max-new-tokens 128 --repeats $(REPEATS) --threads $(THREADS) --out $(COMPARE_OUT)
+		--max-new-tokens 128 --repeats $(REPEATS) --threads $(THREADS) --out $(COMPARE_OUT) $(COMPARE_FLAVORS)
 
 # serving (docs/SERVING.md): a bounded loopback load run against `specrt serve` on the default pair
 load-test: export
