@@ -10,9 +10,15 @@ MAX_CTX ?= 1024
 # the CPU wheel of torch==2.13.0 lies here on this project's machines (an unpinned torch pulls a CUDA build)
 PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-# benchmark anchors (issue 5): own venvs where their pins clash with the main one
+# benchmark anchors (issues 5, 14): own venvs where their pins clash with the main one
 OPT_VENV ?= .venv-optimum
 OG_VENV ?= .venv-ortgenai
+OV_VENV ?= .venv-openvino
+LL_VENV ?= .venv-llamacpp
+LLAMA_CPP_PYTHON ?= 0.3.36
+LL_SRC := $(LL_VENV)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON)
+# no download at build time (the web UI, curl/openssl) and this CPU's instructions (AVX2/FMA)
+LL_CMAKE := -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
 REPEATS ?= 3
 THREADS ?= 2
 COMPARE_OUT ?= bench_out/compare
@@ -27,17 +33,22 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -q $(PIP_FIND) -e '.[export,dev]'
 
-# models/tuned_defaults.json: the decoding defaults chosen with `specrt tune` (README, "Measured figures");
+# the default flavor: int4 builder graphs, the fastest CPU flavor whose quality holds
+# (docs/ENGINES.md); `make export PRECISION=fp32 ENGINES=engines/fp32` for the fp32 engines
+PRECISION ?= int4
+
+# models/tuned_defaults.json: the decoding defaults chosen with `specrt tune` (README, "Measured figures")
 # models/target/tokenizer_config.json holds the chat template copied into the engine folder
 $(ENGINES)/manifest.json: models/target/model.safetensors models/draft/model.safetensors models/tuned_defaults.json models/target/tokenizer_config.json
-	$(BIN)/specrt export --draft models/draft --target models/target --out $(ENGINES) --k-max $(K_MAX) --max-ctx $(MAX_CTX) --defaults models/tuned_defaults.json
+	$(BIN)/specrt export --draft models/draft --target models/target --out $(ENGINES) --k-max $(K_MAX) --max-ctx $(MAX_CTX) --precision $(PRECISION) --defaults models/tuned_defaults.json
 
 TRT_PRECISION ?= fp16
 
 # export the embedded default pair (models/) to ONNX engines with parity checks; then TensorRT
-# plans only where `import tensorrt` works and a GPU is visible (else it says it skipped)
+# plans only where `import tensorrt` works and a GPU is visible (else it says it skipped);
+# TensorRT plans are built from standard graphs only (fp32/fp16/bf16 exports)
 export: install $(ENGINES)/manifest.json
-	$(BIN)/python -m specrt.export.trt_build $(ENGINES) --precision $(TRT_PRECISION) --if-available --skip-if-built
+	$(if $(filter fp32 fp16 bf16,$(PRECISION)),$(BIN)/python -m specrt.export.trt_build $(ENGINES) --precision $(TRT_PRECISION) --if-available --skip-if-built,@echo "TensorRT plans: not built ($(PRECISION) engines are onnxruntime-genai builder graphs; export --precision fp32|fp16|bf16 for TensorRT)")
 
 # on a GPU machine with TensorRT: plans, GPU tests, a short bench, one JSON (docs/GPU.md)
 gpu-check: export
@@ -75,13 +86,45 @@ $(OG_VENV)/.installed:
 	$(OG_VENV)/bin/pip install -q $(PIP_FIND) torch==2.13.0 'transformers>=5,<6' onnxruntime-genai==0.18.0 onnxruntime==1.32.0 onnx onnx_ir
 	touch $@
 
-bench-envs: install $(OPT_VENV)/.installed $(OG_VENV)/.installed
+# OpenVINO GenAI + optimum-intel (optimum-cli export openvino --weight-format int4); torch==2.13.0
+# CPU for the export, no torchvision
+$(OV_VENV)/.installed:
+	$(PY) -m venv $(OV_VENV)
+	$(OV_VENV)/bin/pip install -q --upgrade pip
+	$(OV_VENV)/bin/pip install -q $(PIP_FIND) torch==2.13.0 'optimum-intel[openvino]' openvino-genai nncf
+	# optimum pulls a torchvision built for another torch, whose import then breaks the export
+	$(OV_VENV)/bin/pip uninstall -y -q torchvision
+	touch $@
+
+# llama.cpp: llama-cpp-python built from its source package (torch + transformers for the
+# convert_hf_to_gguf.py it ships), then the native llama-server built with cmake from the same
+# source's vendor/llama.cpp
+$(LL_VENV)/.installed:
+	$(PY) -m venv $(LL_VENV)
+	$(LL_VENV)/bin/pip install -q --upgrade pip
+	$(LL_VENV)/bin/pip install -q $(PIP_FIND) torch==2.13.0 'transformers>=5,<6' sentencepiece protobuf numpy
+	CMAKE_ARGS="$(LL_CMAKE)" $(LL_VENV)/bin/pip install -q --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	touch $@
+
+$(LL_SRC)/.unpacked: $(LL_VENV)/.installed
+	$(LL_VENV)/bin/pip download -q --no-binary :all: --no-deps -d $(LL_VENV)/src llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	tar xzf $(LL_VENV)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LL_VENV)/src
+	touch $@
+
+$(LL_VENV)/bin/llama-server: $(LL_SRC)/.unpacked
+	cmake -S $(LL_SRC)/vendor/llama.cpp -B $(LL_VENV)/src/build -G Ninja -DCMAKE_BUILD_TYPE=Release $(LL_CMAKE) -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
+	cmake --build $(LL_VENV)/src/build --target llama-server -j 2
+	cp $(LL_VENV)/src/build/bin/llama-server $@
+
+bench-envs: install $(OPT_VENV)/.installed $(OG_VENV)/.installed $(OV_VENV)/.installed $(LL_VENV)/bin/llama-server
 	$(BIN)/pip install -q matplotlib py-spy
 
 # specrt vs transformers (generate, assisted), optimum, onnxruntime-genai: table, JSON, plots in $(COMPARE_OUT)
+# extra specrt flavors as rows, e.g. COMPARE_FLAVORS="--flavor fp32=engines/fp32" (export them first)
+COMPARE_FLAVORS ?=
 bench-compare: export bench-envs
 	$(BIN)/python scripts/bench_compare.py --target models/target --draft models/draft --engines $(ENGINES) --prompts $(PROMPTS) \
-		--max-new-tokens 128 --repeats $(REPEATS) --threads $(THREADS) --out $(COMPARE_OUT)
+		--max-new-tokens 128 --repeats $(REPEATS) --threads $(THREADS) --out $(COMPARE_OUT) $(COMPARE_FLAVORS)
 
 # serving (docs/SERVING.md): bounded loopback load runs against `specrt serve` on the default pair:
 # /v1/completions, then /v1/chat/completions (the engine's chat template)

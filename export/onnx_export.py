@@ -87,11 +87,11 @@ def _example_inputs(wrapper: KVExportModel, q: int, past: int) -> tuple[torch.Te
     return (ids, pos, *kv)
 
 
-def export_onnx(hf_model, out_path: Path, max_ctx: int) -> KVExportModel:
-    """Write ``out_path`` (single ONNX file, weights inline) for ``hf_model``.
-
-    Returns the wrapper (its dims are needed for the manifest).
-    """
+def export_onnx(hf_model, out_path: Path, max_ctx: int, save: bool = True):
+    """Export ``hf_model``'s IO-bound graph; with ``save``, write ``out_path`` (single ONNX
+    file, weights inline) and return the wrapper (its dims are needed for the manifest);
+    without, return ``(wrapper, onnx.ModelProto)`` for the caller to store
+    (:func:`save_sharing_weights`)."""
     from torch.export import Dim
 
     wrapper = KVExportModel(hf_model, max_ctx).eval()
@@ -112,19 +112,84 @@ def export_onnx(hf_model, out_path: Path, max_ctx: int) -> KVExportModel:
             optimize=True,
             verbose=False,
         )
+        if not save:
+            return wrapper, prog.model_proto
         prog.save(str(out_path), external_data=False)
     return wrapper
+
+
+def _tensor_key(t) -> tuple:
+    """(dtype, dims, SHA-256 of the raw little-endian bytes) of an initializer."""
+    import hashlib
+
+    from onnx import numpy_helper
+
+    return t.data_type, tuple(t.dims), hashlib.sha256(numpy_helper.to_array(t).tobytes()).hexdigest()
+
+
+def _set_external(t, location: str, offset: int, length: int) -> None:
+    """Make initializer ``t`` refer to ``length`` bytes at ``offset`` of ``location``."""
+    import onnx
+
+    for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+        t.ClearField(name)
+    del t.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
+    t.data_location = onnx.TensorProto.EXTERNAL
+
+
+def save_sharing_weights(full, full_path: Path, parts: list, size_threshold: int = 1024, align: int = 4096) -> Path:
+    """Store ``full`` at ``full_path`` with its weights in ONE external-data file,
+    ``full_path.name + ".data"``, and every graph of ``parts`` (``(ModelProto, path)``)
+    pointing into that same file for each initializer with the same bytes (the lazy-head
+    body and head graphs hold the full graph's weights: stored once, not three times).
+
+    Initializers under ``size_threshold`` bytes stay inline; offsets are aligned to
+    ``align`` bytes (so onnxruntime can map the file). Matching is by content (dtype,
+    shape, SHA-256 of the bytes), so it holds whatever names the exporter gave the tensors.
+    A part's initializer that the full graph does not hold stays inline.
+
+    Returns:
+        the data file's path.
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    data_path = full_path.with_name(full_path.name + ".data")
+    index: dict[tuple, tuple[int, int]] = {}
+    with open(data_path, "wb") as f:
+        for t in full.graph.initializer:
+            raw = numpy_helper.to_array(t).tobytes()
+            if len(raw) < size_threshold:
+                continue
+            key = _tensor_key(t)
+            if key not in index:
+                pad = (-f.tell()) % align
+                f.write(b"\0" * pad)
+                index[key] = (f.tell(), len(raw))
+                f.write(raw)
+            _set_external(t, data_path.name, *index[key])
+    onnx.save(full, str(full_path))
+    for proto, path in parts:
+        for t in proto.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL and (key := _tensor_key(t)) in index:
+                _set_external(t, data_path.name, *index[key])
+        onnx.save(proto, str(path))
+    return data_path
 
 
 BODY_FILE = "target_body.onnx"
 HEAD_FILE = "target_head.onnx"
 
 
-def export_lazy_head(wrapper: KVExportModel, body_path: Path, head_path: Path, max_ctx: int) -> None:
-    """Write the lazy-head split of ``wrapper``: ``body_path`` (the full interface's inputs
-    -> ``hidden`` float32 ``[1, q, hidden]`` after the final norm, plus the q new KV rows
-    per layer) and ``head_path`` (``hidden`` ``[1, r, hidden]`` -> ``logits`` float32
-    ``[1, r, vocab]``). Dynamic dims: q and past as :func:`export_onnx`, r in 1..max_ctx.
+def export_lazy_head(wrapper: KVExportModel, max_ctx: int) -> tuple:
+    """The lazy-head split of ``wrapper`` as ``(body, head)`` ONNX ModelProtos: the body
+    (the full interface's inputs -> ``hidden`` float32 ``[1, q, hidden]`` after the final
+    norm, plus the q new KV rows per layer) and the head (``hidden`` ``[1, r, hidden]`` ->
+    ``logits`` float32 ``[1, r, vocab]``). Dynamic dims: q and past as :func:`export_onnx`,
+    r in 1..max_ctx. Stored by :func:`save_sharing_weights` beside the full graph.
     """
     from torch.export import Dim
 
@@ -146,7 +211,6 @@ def export_lazy_head(wrapper: KVExportModel, body_path: Path, head_path: Path, m
             optimize=True,
             verbose=False,
         )
-        body.save(str(body_path), external_data=False)
         head = torch.onnx.export(
             HeadModel(wrapper).eval(),
             (torch.zeros((1, 3, hidden)),),
@@ -157,7 +221,7 @@ def export_lazy_head(wrapper: KVExportModel, body_path: Path, head_path: Path, m
             optimize=True,
             verbose=False,
         )
-        head.save(str(head_path), external_data=False)
+    return body.model_proto, head.model_proto
 
 
 def lazy_head_parity_check(
@@ -250,7 +314,7 @@ def _reference(hf_model, rng: np.random.Generator, q: int, p: int):
     return ref_logits, keys, vals, feeds
 
 
-def parity_check(hf_model, onnx_path: Path, qs: tuple[int, ...], pasts: tuple[int, ...], seed: int = 0) -> dict[str, float]:
+def parity_check(hf_model, onnx_path: Path, qs: tuple[int, ...], pasts: tuple[int, ...], seed: int = 0, tol: float = PARITY_TOL) -> dict[str, float]:
     """Compare the ONNX model with a full PyTorch forward.
 
     For every (q, P): PyTorch runs a full forward over P+q random tokens; the ONNX model
@@ -261,8 +325,8 @@ def parity_check(hf_model, onnx_path: Path, qs: tuple[int, ...], pasts: tuple[in
         ``{"logits_q{q}_L{P}": max_abs_diff, "kv_q{q}_L{P}": max_abs_diff, ...}``.
 
     Raises:
-        ParityError: any logits difference above :data:`PARITY_TOL` or KV difference above
-            10x that; the message names the check and the difference.
+        ParityError: any logits difference above ``tol`` (default :data:`PARITY_TOL`) or KV
+            difference above 10x that; the message names the check and the difference.
     """
     import onnxruntime as ort
 
@@ -281,39 +345,71 @@ def parity_check(hf_model, onnx_path: Path, qs: tuple[int, ...], pasts: tuple[in
                 d_kv = max(d_kv, float(np.abs(res[2 + 2 * i][0] - vals[i][p:]).max()))
             figures[f"logits_q{q}_L{p}"] = d_logits
             figures[f"kv_q{q}_L{p}"] = d_kv
-            if d_logits > PARITY_TOL or d_kv > 10 * PARITY_TOL:
+            if d_logits > tol or d_kv > 10 * tol:
                 raise ParityError(
                     f"{onnx_path.name}: parity failed for q={q}, past={p}: max |logit diff| {d_logits:.3g} "
-                    f"(tolerance {PARITY_TOL}), max |new KV diff| {d_kv:.3g} (tolerance {10 * PARITY_TOL})"
+                    f"(tolerance {tol}), max |new KV diff| {d_kv:.3g} (tolerance {10 * tol})"
                 )
     return figures
 
 
-def export_model(model_dir: str | Path, out_path: Path, max_ctx: int, k_max: int, check: bool = True, lazy_head: bool = False) -> ExportedModel:
+STANDARD_PRECISIONS = ("fp32", "fp16", "bf16")
+# max |logit diff| allowed against the fp32 PyTorch model per compute precision (fp16: the
+# default target measured 5.6e-3, its draft 3.8e-3); bf16 cannot run on onnxruntime's CPU
+PARITY_TOLS = {"fp32": PARITY_TOL, "fp16": 0.05}
+
+
+def export_model(
+    model_dir: str | Path, out_path: Path, max_ctx: int, k_max: int, check: bool = True, lazy_head: bool = False, precision: str = "fp32"
+) -> ExportedModel:
     """Export ``model_dir`` to ``out_path`` and check parity for q in {1, k_max+1}, L in {0, 37}.
 
     Args:
         lazy_head: also write :data:`BODY_FILE` and :data:`HEAD_FILE` beside ``out_path``
-            (:func:`export_lazy_head`) and check their parity the same way
-            (:func:`lazy_head_parity_check`); ``ExportedModel.lazy_head`` is then the
-            manifest record (see :mod:`specrt.runtime.manifest`, ``LAZY_HEAD_KEY``).
+            (:func:`export_lazy_head`), all three graphs reading one external weight file
+            ``out_path.name + ".data"`` (:func:`save_sharing_weights`), and check the split's
+            parity the same way (:func:`lazy_head_parity_check`); ``ExportedModel.lazy_head``
+            is then the manifest record (see :mod:`specrt.runtime.manifest`,
+            ``LAZY_HEAD_KEY``). fp32 only.
+        precision: compute precision of the graph, one of :data:`STANDARD_PRECISIONS`
+            (fp16/bf16: :func:`specrt.export.onnx_precision.convert_precision`, float32 I/O;
+            bf16's parity cannot be checked on the CPU and is recorded as not measured).
 
     Raises:
         specrt.export.arch.UnsupportedModelError: architecture/config not supported.
         ParityError: exported model disagrees with PyTorch.
+        PrecisionError: lazy-head with a precision other than fp32.
     """
+    from specrt.runtime.errors import PrecisionError
+
     from .arch import spec_for
 
+    if precision not in STANDARD_PRECISIONS:
+        raise PrecisionError(f"precision={precision!r}; standard graphs are {', '.join(STANDARD_PRECISIONS)}")
+    if lazy_head and precision != "fp32":
+        raise PrecisionError(f"--lazy-head is available with --precision fp32 only (asked for {precision})")
     hf = load_hf(model_dir)
     spec_for(hf.config, max_ctx)
-    wrapper = export_onnx(hf, out_path, max_ctx)
-    parity = parity_check(hf, out_path, qs=(1, k_max + 1), pasts=(0, 37)) if check else {}
     record = None
+    data_file = ""
+    out_path.with_name(out_path.name + ".data").unlink(missing_ok=True)  # a previous export's weights
     if lazy_head:
+        wrapper, full = export_onnx(hf, out_path, max_ctx, save=False)
+        body, head = export_lazy_head(wrapper, max_ctx)
         body_path, head_path = out_path.parent / BODY_FILE, out_path.parent / HEAD_FILE
-        export_lazy_head(wrapper, body_path, head_path, max_ctx)
+        data_file = save_sharing_weights(full, out_path, [(body, body_path), (head, head_path)]).name
         lh_parity = lazy_head_parity_check(hf, wrapper, body_path, head_path, qs=(1, k_max + 1), pasts=(0, 37)) if check else {}
         record = lazy_head_record(wrapper.n_layers, body_path, head_path, lh_parity)
+        record["data_file"] = data_file
+    else:
+        wrapper = export_onnx(hf, out_path, max_ctx)
+    if precision != "fp32":
+        from .onnx_precision import write_variant
+
+        write_variant(out_path, out_path, precision, 0)
+    parity = {}
+    if check and precision in PARITY_TOLS:
+        parity = parity_check(hf, out_path, qs=(1, k_max + 1), pasts=(0, 37), tol=PARITY_TOLS[precision])
     ins, outs = ModelEntry.io_names(wrapper.n_layers)
     cfg = hf.config
     entry = ModelEntry(
@@ -332,5 +428,54 @@ def export_model(model_dir: str | Path, out_path: Path, max_ctx: int, k_max: int
         outputs=outs,
         source=str(model_dir),
         matmul_params=matmul_params(wrapper),
+        precision=precision,
+        data_file=data_file,
+        data_sha256=sha256_file(out_path.parent / data_file) if data_file else "",
+        note="" if precision in PARITY_TOLS else f"{precision}: parity not checked (onnxruntime's CPU provider has no {precision} kernels)",
     )
     return ExportedModel(entry=entry, path=out_path, lazy_head=record)
+
+
+def runtime_parity(hf_model, folder: Path, entry: ModelEntry, max_ctx: int, qs: tuple[int, ...], pasts: tuple[int, ...], seed: int = 0) -> dict[str, float]:
+    """Compare an exported graph, run by the runtime's own model class for its graph form
+    (:func:`specrt.runtime.backends.cpu_model`), with a full PyTorch forward.
+
+    For every (q, P): P random tokens are fed (one call), then q more at position P; the q
+    logits rows are compared with PyTorch's over the same P + q tokens. For a quantized
+    graph the figures are the quantization error (recorded, not a pass/fail tolerance;
+    the quality record measures what it does to the output).
+
+    Returns:
+        ``{"logits_q{q}_L{P}": max_abs_diff, ...}``.
+
+    Raises:
+        ParityError: non-finite logits, or the argmax of fewer than half of the compared
+            rows equal to PyTorch's (a wiring fault, not quantization).
+    """
+    from specrt.runtime.backends import cpu_model
+    from specrt.runtime.backends.base import ThreadConfig
+
+    n = max(pasts) + max(qs)
+    model = cpu_model(folder, entry, min(max_ctx, n), max(max(qs), max(pasts), 1), ThreadConfig())
+    rng = np.random.default_rng(seed)
+    figures: dict[str, float] = {}
+    agree = total = 0
+    for q in qs:
+        for p in pasts:
+            ids = rng.integers(0, hf_model.config.vocab_size, size=p + q)
+            with torch.no_grad():
+                ref = hf_model(input_ids=torch.from_numpy(ids[None].astype(np.int64))).logits[0, p:].float().numpy()
+            if p:
+                model.run(ids[:p], 0)
+            rows = model.run(ids[p:], p)
+            if not np.isfinite(rows).all():
+                raise ParityError(f"{entry.file}: non-finite logits for q={q}, past={p}")
+            figures[f"logits_q{q}_L{p}"] = float(np.abs(rows - ref).max())
+            agree += int((rows.argmax(-1) == ref.argmax(-1)).sum())
+            total += q
+    if agree < total / 2:
+        raise ParityError(
+            f"{entry.file}: argmax equals PyTorch's on only {agree}/{total} rows (max |logit diff| {max(figures.values()):.3g}): the graph is miswired"
+        )
+    model.close()
+    return figures

@@ -1,10 +1,13 @@
 """``specrt export``: a draft/target pair of local HF checkpoints -> an engine folder.
 
-Writes ``OUT/{draft.onnx, target.onnx, tokenizer.json, manifest.json}`` (plus the lazy-head
-split of the target, ``target_body.onnx`` and ``target_head.onnx``, unless ``lazy_head`` is
-off, and the target's chat template as ``chat_template.jinja`` when it has one); the
-manifest is written last (atomically), so a folder without one is a half-written export and
-the runtime refuses it.
+Writes ``OUT/{draft.onnx, target.onnx, tokenizer.json, manifest.json}`` in the flavor asked
+for (``precision``: standard fp32/fp16/bf16 graphs, or int8/int4 onnxruntime-genai builder
+graphs with their weights in ``<role>.onnx.data``), plus, with ``lazy_head``, the split of the
+fp32 target at its vocabulary projection (``target_body.onnx`` and ``target_head.onnx``,
+sharing ``target.onnx.data`` with ``target.onnx``). The target's width exactness is measured
+on the written graph. The manifest is written last (atomically), so a folder without one is
+a half-written export and the runtime refuses it. A chat template of the target checkpoint
+is copied as ``chat_template.jinja``.
 """
 
 from __future__ import annotations
@@ -181,6 +184,54 @@ def _pad_id(target_dir: Path) -> int | None:
     return int(pad) if pad is not None else None
 
 
+def _model_type(model_dir: Path) -> str:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True).model_type
+
+
+def _export_model(role: str, model_dir: Path, out: Path, precision: str, quant, max_ctx: int, k_max: int, lazy_head: bool, log):
+    """One model of the pair in the requested flavor: an :class:`ExportedModel`-like
+    ``(entry, lazy_head record)`` (builder graph for int8/int4 where the builder covers the
+    architecture, else the standard graph)."""
+    from .builder import BUILDER_PRECISIONS, build_model, builder_supports
+    from .kv_model import KVExportModel
+    from .onnx_export import load_hf, matmul_params, runtime_parity
+
+    path = out / f"{role}.onnx"
+    if precision in BUILDER_PRECISIONS:
+        mtype = _model_type(model_dir)
+        if builder_supports(mtype):
+            entry = build_model(model_dir, out, role, quant, max_ctx, out / ".builder_cache", log)
+            hf = load_hf(model_dir)
+            wrapper = KVExportModel(hf, max_ctx)
+            parity = runtime_parity(hf, out, entry, max_ctx, qs=(1, k_max + 1), pasts=(0, 37))
+            entry = replace(entry, params=sum(p.numel() for p in hf.parameters()), matmul_params=matmul_params(wrapper), parity=parity)
+            log(f"  {precision} vs the fp32 PyTorch model (quantization, max |logit diff|): {max(v for k, v in parity.items() if k.startswith('logits')):.3g}")
+            return entry, None
+        note = f"{mtype}: onnxruntime-genai's model builder has no {mtype} models; kept specrt's standard fp32 graph in this {precision} export"
+        log(f"  note: {note}")
+        exported = export_model(model_dir, path, max_ctx, k_max)
+        return replace(exported.entry, note=note), None
+    exported = export_model(model_dir, path, max_ctx, k_max, lazy_head=lazy_head, precision=precision)
+    return exported.entry, exported.lazy_head
+
+
+def measure_exactness(out: Path, entry, max_ctx: int, k_max: int, vocab: int) -> dict:
+    """Width exactness of an exported graph (:func:`specrt.runtime.lab.exactness.measure`):
+    widths 1, 2, 3, k_max + 1 at row offsets 0, 1, 2, with 2 and 1 intra-op threads, on the
+    runtime's own model class for the graph."""
+    from specrt.runtime.backends import cpu_model
+    from specrt.runtime.backends.base import ThreadConfig
+    from specrt.runtime.lab.exactness import measure
+
+    widths = sorted({1, 2, 3, k_max + 1})
+    length = min(max_ctx, max(40, 3 * (k_max + 1) + 4))
+    q = 2 * widths[-1] + 2  # the widest pattern call (pattern_bounds folds a tail into the last call)
+    models = [(f"t{t}", cpu_model(out, entry, length, q, ThreadConfig(t, False, t))) for t in (2, 1)]
+    return measure(models, vocab, widths, offsets=(0, 1, 2), length=length)
+
+
 def export_pair(
     draft_dir: str | Path,
     target_dir: str | Path,
@@ -189,9 +240,14 @@ def export_pair(
     max_ctx: int = 1024,
     log=print,
     tensorrt: str | None = None,
-    lazy_head: bool = True,
+    lazy_head: bool = False,
+    precision: str = "fp32",
+    quant=None,
+    exactness: bool = True,
+    quality=None,
 ) -> Manifest:
-    """Check the pair, export both models, check parity, and write the manifest.
+    """Check the pair, export both models, check parity, measure the target's width
+    exactness, and write the manifest.
 
     Pair rules, checked before anything is exported: one tokenizer (equal token -> id
     map hashes); each model's logit width >= the tokenizer's size (extra rows are
@@ -217,24 +273,54 @@ def export_pair(
             (``target_body.onnx``: hidden states + new KV; ``target_head.onnx``: hidden ->
             logits), parity-checked like the full graph and recorded in
             ``manifest.extra["lazy_head"]``, for the runtime's ``lazy-head`` verification
-            strategy. False removes stale ones from ``out``.
+            strategy; the three graphs share one weight file (``target.onnx.data``).
+            Standard fp32 graphs only. False (the default) removes stale ones from ``out``.
+        precision: one of :data:`~specrt.runtime.manifest.PRECISIONS`. fp32/fp16/bf16:
+            specrt's standard graphs (fp16/bf16 compute, float32 I/O); int8/int4:
+            onnxruntime-genai model builder graphs (:mod:`specrt.export.builder`; a GPT-2
+            model keeps the standard fp32 graph, noted in its entry).
+        quant: :class:`specrt.export.builder.QuantOptions` for int8/int4 (None: block 32,
+            accuracy level 4, specrt's default builder options).
+        exactness: measure the target's width exactness (``ModelEntry.exact_min_q``); off
+            only for tests that do not decode.
+        quality: None, or a :class:`specrt.export.quality.QualityConfig`: score the exported
+            target against the fp32 PyTorch target (``extra["quality"]``).
 
     Returns:
         The written :class:`~specrt.runtime.manifest.Manifest`.
 
     Raises:
         PairError, specrt.export.arch.UnsupportedModelError, specrt.export.onnx_export.ParityError,
-        ValueError: bad k_max/max_ctx.
+        PrecisionError (lazy-head with a builder or non-fp32 flavor), ExportError (the model
+        builder failed), ValueError: bad k_max/max_ctx/precision/quant.
     """
     import onnx
     import onnxruntime
     import torch
     import transformers
 
+    from specrt.runtime.errors import PrecisionError
+    from specrt.runtime.manifest import PRECISIONS
+
+    from .builder import BUILDER_PRECISIONS, QuantOptions
+
     if not 1 <= k_max <= 64:
         raise ValueError(f"k_max={k_max}; k_max must be 1..64")
     if max_ctx < 2:
         raise ValueError(f"max_ctx={max_ctx}; max_ctx must be >= 2")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if lazy_head and precision != "fp32":
+        raise PrecisionError(
+            f"--lazy-head is offered for --precision fp32 (standard graphs) only; {precision} graphs "
+            + ("compute their LM head inside (onnxruntime-genai builder graphs)" if precision in BUILDER_PRECISIONS else "have no body/head split")
+        )
+    if precision in BUILDER_PRECISIONS:
+        quant = quant or QuantOptions(precision)
+        if quant.precision != precision:
+            raise ValueError(f"quant options are for {quant.precision}, the export is {precision}")
+    elif quant is not None:
+        raise ValueError(f"block size / accuracy level apply to int8/int4 exports, not {precision}")
     draft_dir, target_dir, out = Path(draft_dir), Path(target_dir), Path(out)
     for role, d in (("draft", draft_dir), ("target", target_dir)):
         if not (d / "config.json").is_file():
@@ -245,20 +331,26 @@ def export_pair(
     v_hash = vocab_hash(tok_json)
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)  # half-written until the new one lands
-    log(f"exporting target {target_dir} -> {out / 'target.onnx'}")
-    if not lazy_head:
-        for name in (BODY_FILE, HEAD_FILE):
-            (out / name).unlink(missing_ok=True)
-    target = export_model(target_dir, out / "target.onnx", max_ctx, k_max, lazy_head=lazy_head)
-    log(f"  parity (max |diff|): {max(target.entry.parity.values()):.2e}")
-    if target.lazy_head is not None:
-        log(f"  lazy-head graphs {BODY_FILE} + {HEAD_FILE}, parity (max |diff|): {max(target.lazy_head['parity'].values()):.2e}")
-    log(f"exporting draft {draft_dir} -> {out / 'draft.onnx'}")
-    draft = export_model(draft_dir, out / "draft.onnx", max_ctx, k_max)
-    log(f"  parity (max |diff|): {max(draft.entry.parity.values()):.2e}")
-    for e, role in ((draft.entry, "draft"), (target.entry, "target")):
+    for name in (BODY_FILE, HEAD_FILE, "target.onnx.data", "draft.onnx.data"):  # stale files of another flavor
+        (out / name).unlink(missing_ok=True)
+    entries, lazy = {}, None
+    for role, d in (("target", target_dir), ("draft", draft_dir)):
+        log(f"exporting {role} {d} -> {out / (role + '.onnx')} ({precision})")
+        entry, rec = _export_model(role, d, out, precision, quant, max_ctx, k_max, lazy_head and role == "target", log)
+        if entry.graph == "standard" and entry.parity:
+            log(f"  parity (max |diff|): {max(entry.parity.values()):.2e}")
+        if rec is not None:
+            lazy = rec
+            log(f"  lazy-head graphs {BODY_FILE} + {HEAD_FILE} (weights shared in {rec['data_file']}), parity (max |diff|): {max(rec['parity'].values()):.2e}")
+        entries[role] = entry
+    shutil.rmtree(out / ".builder_cache", ignore_errors=True)
+    for role, e in entries.items():
         if e.vocab_size < n_vocab:
             raise PairError(f"{role} has {e.vocab_size} logits but the tokenizer has {n_vocab} ids; they must come from one tokenizer")
+    if exactness:
+        rec = measure_exactness(out, entries["target"], max_ctx, k_max, n_vocab)
+        entries["target"] = replace(entries["target"], exact_min_q=rec["exact_min_q"], exactness=rec)
+        log(f"  width exactness of the target: {rec['note']} (q=1 vs wider: max |diff| {rec['max_abs_diff']['q1']:.3g})")
     shutil.copyfile(tok_json, out / "tokenizer.json")
     template = find_chat_template(target_dir)
     if template is not None:
@@ -266,11 +358,21 @@ def export_pair(
         log(f"chat template of {target_dir} -> {out / CHAT_TEMPLATE_FILE}")
     else:
         (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
+    tools = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+    }
+    if any(e.graph == "builder" for e in entries.values()):
+        tools["onnxruntime_genai"] = next(e.quant["version"] for e in entries.values() if e.graph == "builder")
+    extra: dict = {LAZY_HEAD_KEY: lazy} if lazy is not None else {}
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         name=out.name,
-        draft=replace(draft.entry, vocab_hash=v_hash),
-        target=replace(target.entry, vocab_hash=v_hash),
+        draft=replace(entries["draft"], vocab_hash=v_hash),
+        target=replace(entries["target"], vocab_hash=v_hash),
         tokenizer_file="tokenizer.json",
         tokenizer_sha256=sha256_file(out / "tokenizer.json"),
         vocab_size=n_vocab,
@@ -284,15 +386,15 @@ def export_pair(
         k_min=1,
         k_max=k_max,
         defaults={"k_max": min(k_max, 4), "threshold": 0.0, "strategy": "full", "chunk_bound": 0.5},
-        tools={
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "onnx": onnx.__version__,
-            "onnxruntime": onnxruntime.__version__,
-        },
-        extra={LAZY_HEAD_KEY: target.lazy_head} if target.lazy_head is not None else {},
+        tools=tools,
+        extra=extra,
+        precision=precision,
     )
+    if quality is not None:
+        from .quality import export_quality
+
+        rec = export_quality(manifest, out, target_dir, quality, log)
+        manifest = replace(manifest, extra={**manifest.extra, "quality": rec})
     if tensorrt:
         from .trt_build import tensorrt_hook
 

@@ -178,10 +178,18 @@ def build_plans(folder: str | Path, manifest: Manifest, cfg: TrtBuildConfig = Tr
     pcfg = ProfileConfig(k_max=manifest.k_max, max_ctx=manifest.max_ctx, prefill_q=cfg.prefill_q, past_min=PAST_MIN, pad=cfg.past_pad)
     models = {}
     for role, entry in (("draft", manifest.draft), ("target", manifest.target)):
+        if entry.graph != "standard":
+            raise TrtBuildError(
+                f"the {role} is an onnxruntime-genai builder graph ({entry.precision}); TensorRT plans are built from standard graphs: export --precision fp32|fp16|bf16"
+            )
+        if entry.precision not in ("fp32", cfg.precision):
+            raise TrtBuildError(f"the {role} graph computes in {entry.precision}; build plans with --precision {entry.precision} (or export fp32)")
         src = folder / entry.file
         stem = Path(entry.file).stem
         suffix = cfg.precision + (f".pad{cfg.past_pad}" if cfg.past_pad else "")
-        onnx_path = write_variant(src, folder / f"{stem}.{suffix}.onnx", cfg.precision, cfg.past_pad)
+        # a graph exported at this precision is converted already: only the padding is added
+        convert = cfg.precision if entry.precision == "fp32" else "fp32"
+        onnx_path = write_variant(src, folder / f"{stem}.{suffix}.onnx", convert, cfg.past_pad)
         pset = profiles_for(role, pcfg)
         plan = folder / f"{stem}.{suffix}.plan"
         _write_atomic(plan, build_plan(trt, onnx_path, entry, pset, cfg, log))

@@ -16,7 +16,19 @@ Face assisted generation's ``assistant_confidence_threshold``)::
 Verification strategies only change how the blocks are made (:func:`target_blocks`):
 ``full`` one target pass; ``chunked`` one pass per chunk of candidates; ``lazy-head`` one
 body pass, then the vocabulary projection per block. A round without candidates is one
-q = 1 pass of the full target in every strategy.
+pass of the full target over the pending token in every strategy.
+
+Exactness by construction (``Plan.min_q``): a kernel may round a 1-row call differently
+from a wider one (onnxruntime's GEMV path vs its GEMM path, measured per engine at export:
+``ModelEntry.exact_min_q``, :mod:`specrt.runtime.lab.exactness`), while every call at least
+``min_q`` wide gives bit-identical rows whatever its width and offset. So the loop never
+calls the target narrower than ``min_q``: a call that would be narrower starts earlier and
+recomputes the committed tokens before it (their KV rows are rewritten with the same bits;
+:func:`call_start`), e.g. a target-only step runs ``[previous, pending]`` at ``start - 1``
+and reads row 1; the prefill never ends in a chunk narrower than ``min_q``
+(:func:`chunk_bounds`), and a prompt shorter than ``min_q`` leaves its rows to be recomputed
+by the first round. Every logits row and every KV row the target produces is then the same
+in speculative and target-only decoding, so the greedy outputs are equal bit for bit.
 
 The acceptor decides the tokens: :class:`~specrt.runtime.speculative.GreedyAcceptor`
 (argmax; the output is the target's own greedy output) or
@@ -36,7 +48,7 @@ import numpy as np
 from .backends.base import Model
 from .speculative import chunk_passes, chunk_sizes, commit, draft_limit, head_blocks, propose, rollback_lengths
 
-__all__ = ["Acceptor", "Plan", "Round", "KVLengths", "decode", "one_round", "verify", "target_blocks", "feed"]
+__all__ = ["Acceptor", "Plan", "Round", "KVLengths", "decode", "one_round", "verify", "target_blocks", "feed", "chunk_bounds", "call_start"]
 
 Call = tuple  # (positions through the body, past length, rows projected to logits) of one target call
 
@@ -92,6 +104,7 @@ class Plan:
     strategy: str = "full"
     chunk_bound: float = 0.5
     observe: bool = False
+    min_q: int = 1
 
 
 @dataclass
@@ -137,13 +150,44 @@ class Round:
     tail: tuple | None = None
 
 
-def feed(model: Model, tokens: Sequence[int], start: int) -> np.ndarray:
-    """Run ``tokens`` from KV length ``start`` in chunks of ``model.max_q``; returns the
+def chunk_bounds(n: int, step: int, min_q: int = 1) -> list[tuple[int, int]]:
+    """``[lo, hi)`` chunks of at most ``step`` tokens covering ``0..n`` in order, the last one
+    at least ``min_q`` wide whenever ``n >= min_q`` (the one before it gives up tokens).
+
+    Raises:
+        ValueError: ``step < min_q`` (no chunking can satisfy both).
+    """
+    if step < min_q:
+        raise ValueError(f"chunk step {step} < min_q {min_q}")
+    out, i = [], 0
+    while i < n:
+        w = min(step, n - i)
+        rest = n - i - w
+        if 0 < rest < min_q:
+            w -= min_q - rest
+        out.append((i, i + w))
+        i += w
+    return out
+
+
+def feed(model: Model, tokens: Sequence[int], start: int, min_q: int = 1) -> np.ndarray:
+    """Run ``tokens`` from KV length ``start`` in chunks of at most ``model.max_q``
+    (:func:`chunk_bounds`: the last chunk at least ``min_q`` wide when possible); returns the
     logits rows of the last chunk (float32 ``[q_last, vocab]``, a view valid until the next call)."""
-    step = model.max_q
-    for i in range(0, len(tokens), step):
-        rows = model.run(tokens[i : i + step], start + i)
+    for lo, hi in chunk_bounds(len(tokens), model.max_q, min_q):
+        rows = model.run(tokens[lo:hi], start + lo)
     return rows
+
+
+def call_start(lo: int, hi: int, valid: int, min_q: int) -> int:
+    """First position of a target call that must produce the rows of positions ``[lo, hi)``.
+
+    KV rows ``[0, valid)`` hold committed tokens computed at a width >= ``min_q``, so a call
+    may start anywhere in ``[0, min(valid, lo)]`` (it rewrites those rows with the same bits).
+    It starts as late as possible, but early enough to be at least ``min_q`` wide when the
+    committed prefix allows it.
+    """
+    return max(0, min(valid, lo, hi - min_q))
 
 
 def verify(cands: Sequence[int], blocks, acc: Acceptor) -> tuple[int, int]:
@@ -176,28 +220,53 @@ def verify(cands: Sequence[int], blocks, acc: Acceptor) -> tuple[int, int]:
     raise AssertionError(f"verification blocks ended before row {n}")  # pragma: no cover
 
 
-def target_blocks(target: Model, toks: list[int], start: int, confs: Sequence[float], plan: Plan, calls: list) -> Iterator:
-    """Blocks of target logits for ``toks`` = [pending, c_1..c_n] at KV offset ``start``,
-    computed only when pulled (see :func:`verify`); each target call is appended to
-    ``calls``. Strategy per the module docstring; chunks from the draft confidences
-    (:func:`~specrt.runtime.speculative.chunk_sizes`)."""
-    n = len(toks) - 1
+def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, confs: Sequence[float], plan: Plan, calls: list) -> Iterator:
+    """Blocks of target logits for the verification rows ``[pending, c_1..c_n]`` (pending =
+    ``seq[-1]``, at position ``len(seq) - 1``), computed only when pulled (see :func:`verify`);
+    each target call is appended to ``calls``. Strategy per the module docstring; chunks
+    from the draft confidences (:func:`~specrt.runtime.speculative.chunk_sizes`).
+
+    Every call is at least ``plan.min_q`` wide where the committed prefix allows: it starts
+    at :func:`call_start` (``valid`` = the target's valid KV length), recomputing committed
+    tokens before the pending one, and the rows before the verification rows are dropped.
+    """
+    pend, n, min_q = len(seq) - 1, len(cands), plan.min_q
+
+    def tokens(s: int, hi: int) -> list[int]:  # tokens of positions [s, pend + hi)
+        return seq[s:] + cands[max(0, s - pend - 1) : hi - 1]
+
     if plan.strategy == "full" or n == 0:
-        calls.append((n + 1, start, n + 1))
-        yield 0, target.run(toks, start)
+        s = call_start(pend, pend + n + 1, valid, min_q)
+        toks = tokens(s, n + 1)
+        calls.append((len(toks), s, len(toks)))
+        yield 0, target.run(toks, s)[pend - s :]
         return
     sizes = chunk_sizes(confs, plan.chunk_bound)
     if plan.strategy == "chunked":
         for lo, hi in chunk_passes(sizes):
-            calls.append((hi - lo, start + lo, hi - lo))
-            yield lo, target.run(toks[lo:hi], start + lo)
+            s = call_start(pend + lo, pend + hi, valid if lo == 0 else pend + lo, min_q)
+            toks = tokens(s, hi)
+            calls.append((len(toks), s, len(toks)))
+            yield lo, target.run(toks, s)[pend + lo - s :]
         return
     split = target.split_head()  # lazy-head: Engine.resolve checked the capability
-    split.body(toks, start)
-    calls.append((n + 1, start, 0))
+    s = call_start(pend, pend + n + 1, valid, min_q)
+    toks = tokens(s, n + 1)
+    split.body(toks, s)
+    calls.append((len(toks), s, 0))
+    off = pend - s  # body row of the pending token
+    done = 0  # verification rows already projected
     for lo, hi in head_blocks(sizes):
-        calls.append((0, start, hi - lo))
-        yield lo, split.head(lo, hi - lo)
+        lo = max(lo, done)
+        if lo >= hi:
+            continue
+        # a head block at least min_q rows wide, too: extended over the next rows (projected
+        # once: the next block starts after them), else over earlier body rows at the end
+        e = min(off + n + 1, max(off + hi, off + lo + min_q))
+        h = max(0, min(off + lo, e - min_q))
+        calls.append((0, s, e - h))
+        done = e - off
+        yield lo, split.head(h, e - h)[off + lo - h :]
 
 
 def _draft_steps(draft: Model, seq: list[int], kv: KVLengths, acc: Acceptor, steps: list, pre: list) -> Iterator[tuple[int, float]]:
@@ -230,7 +299,7 @@ def one_round(target: Model, draft: Model, seq: list[int], n_prompt: int, kv: KV
     cands, confs = propose(_draft_steps(draft, seq, kv, acc, steps, pre), n_max, plan.threshold, plan.eos, acc.propose_below)
     t1 = clock()
     calls: list = []
-    m, token = verify(cands, target_blocks(target, [seq[-1], *cands], kv.target, confs, plan, calls), acc)
+    m, token = verify(cands, target_blocks(target, seq, cands, kv.target, confs, plan, calls), acc)
     t2 = clock()
     new, ended = commit(cands, m, token, plan.eos)
     seq.extend(new)
@@ -260,10 +329,13 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     seq = list(prompt)
     n_prompt = len(seq)
     t0 = time.perf_counter()
-    first = acc.bonus(0, feed(target, seq, 0)[-1])
+    chunks = chunk_bounds(n_prompt, target.max_q, plan.min_q)
+    first = acc.bonus(0, feed(target, seq, 0, plan.min_q)[-1])
     seq.append(first)
-    kv = KVLengths(target=n_prompt)
-    calls = [(min(target.max_q, n_prompt - i), i, min(target.max_q, n_prompt - i)) for i in range(0, n_prompt, target.max_q)]
+    lo, hi = chunks[-1]
+    # a prompt shorter than min_q was run narrower: the first round recomputes its rows
+    kv = KVLengths(target=n_prompt if hi - lo >= plan.min_q else lo)
+    calls = [(hi - lo, lo, hi - lo) for lo, hi in chunks]
     finish = "stop" if first == plan.eos else _length_finish(seq, n_prompt, plan)
     rec = Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - t0, calls=calls)
     while True:

@@ -27,7 +27,7 @@ from .decode import Plan, Round, decode
 from .errors import BackendError, InputError
 from .flops import flop_coefficients
 from .logprobs import LogprobRecorder, TokenLogprob, token_logprob
-from .manifest import LAZY_HEAD_HINT, LAZY_HEAD_KEY, Manifest, load_manifest
+from .manifest import GRAPH_BUILDER, LAZY_HEAD_HINT, LAZY_HEAD_KEY, Manifest, load_manifest
 from .sampling import SampledAcceptor
 from .speculative import GreedyAcceptor
 from .stats import Stats
@@ -188,12 +188,19 @@ class Engine:
 
         Raises:
             InputError: a field outside its range (``param`` names it), or lazy-head for a
-                folder exported without it.
+                folder exported without it or whose target is a builder graph.
             BackendError: lazy-head on a backend that offers no body/head split.
         """
         m = self.manifest
         cfg = resolve_config(config, m.defaults, (m.k_min, m.k_max))
         if cfg.strategy == "lazy-head":
+            if m.target.graph == GRAPH_BUILDER:
+                raise InputError(
+                    f"strategy 'lazy-head' needs the standard graph's body/head split; the target in {self.folder} is a "
+                    f"{m.target.precision} builder graph, which computes its LM head inside (use 'full' or 'chunked', "
+                    "or export --precision fp32 --lazy-head)",
+                    "strategy",
+                )
             if not isinstance(self.target, SplitsHead):
                 raise BackendError(
                     f"strategy 'lazy-head' needs a backend with a body/head split; {self.backend!r} has none (use 'full' or 'chunked')", "strategy"
@@ -312,7 +319,7 @@ class Engine:
     def plan(self, cfg: GenerationConfig, observe: bool = False) -> Plan:
         """The decode loop's :class:`~specrt.runtime.decode.Plan` for resolved settings ``cfg``."""
         m = self.manifest
-        return Plan(cfg.k_max, cfg.threshold, cfg.max_new_tokens, m.eos_token_id, m.max_ctx, cfg.speculative, cfg.strategy, cfg.chunk_bound, observe)
+        return Plan(cfg.k_max, cfg.threshold, cfg.max_new_tokens, m.eos_token_id, m.max_ctx, cfg.speculative, cfg.strategy, cfg.chunk_bound, observe, m.min_q())
 
     def _locked(self):
         """This Engine's lock as a context manager, refusing (instead of deadlocking) a

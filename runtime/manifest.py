@@ -1,15 +1,32 @@
 """``manifest.json``: the versioned contract between ``specrt export`` and the runtime.
 
 An engine folder holds ``manifest.json``, ``draft.onnx``, ``target.onnx`` and
-``tokenizer.json`` (and, unless exported with ``--no-lazy-head``, the target split at its
-vocabulary projection: ``target_body.onnx`` and ``target_head.onnx``, recorded in
-``extra["lazy_head"]``, see :func:`lazy_head_files`), and, when the target checkpoint has
-one, its chat template as ``chat_template.jinja`` (``chat_template_file`` and
-``chat_template_sha256``; optional fields, so older manifests stay loadable). The manifest records, per model,
-the dims the runtime needs to allocate KV buffers, the I/O names, the parity figures
-measured at export, and the SHA-256 of every file; plus the shared tokenizer hash, vocab
-size, special tokens, maximum context, the allowed k range and the default decoding
-settings.
+``tokenizer.json``; graphs whose weights are stored beside them (``ModelEntry.data_file``,
+e.g. ``target.onnx.data``) have that file too; with ``--lazy-head`` (standard graphs only)
+the target split at its vocabulary projection, ``target_body.onnx`` and
+``target_head.onnx``, recorded in ``extra["lazy_head"]`` (:func:`lazy_head_files`), which
+read the weights of ``target.onnx.data`` (stored once). The manifest records, per model,
+the graph form (:data:`GRAPH_FORMS`), its precision, the dims the runtime needs to
+allocate KV buffers, the I/O names, the parity figures and the width-exactness measured at
+export, and the SHA-256 of every file; plus the shared tokenizer hash, vocab size, special
+tokens, maximum context, the allowed k range and the default decoding settings; and, when
+the target checkpoint has one, its chat template as ``chat_template.jinja``
+(``chat_template_file`` and ``chat_template_sha256``; optional fields, so older manifests
+stay loadable).
+
+Graph forms (one per model, so a pair may mix them):
+
+* ``standard``: specrt's own IO-bound graph (:mod:`specrt.export.kv_model`): inputs
+  ``input_ids``/``position_ids`` ``[1, q]`` and ``past_key_i``/``past_value_i``
+  ``[1, L, kv_heads, head_dim]``; outputs ``logits`` and only the q new KV rows
+  (``new_key_i``/``new_value_i``). Precisions fp32, fp16, bf16 (compute; I/O float32).
+* ``builder``: onnxruntime-genai's model builder graph (GroupQueryAttention,
+  MatMulNBits, SkipSimplifiedLayerNormalization): inputs ``input_ids`` ``[1, q]``,
+  ``attention_mask`` int64 ``[1, L + q]``, ``past_key_values.i.key``/``.value``
+  ``[1, kv_heads, S, head_dim]`` (BNSH); outputs ``logits`` and ``present.i.key``/``.value``,
+  which the runtime binds to the same buffer as the past (in place,
+  :mod:`specrt.runtime.backends.ort_gqa`). Precisions int8, int4 (weights; fp32 for models
+  the builder does not cover, see :mod:`specrt.export.builder`).
 
 The runtime refuses a manifest whose ``format_version`` it does not know, and a pair
 whose vocab sizes or tokenizer hashes differ, with a message saying what to re-run.
@@ -30,6 +47,10 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
     "KV_LAYOUT",
+    "GRAPH_STANDARD",
+    "GRAPH_BUILDER",
+    "GRAPH_FORMS",
+    "PRECISIONS",
     "REEXPORT_HINT",
     "sha256_file",
     "ModelEntry",
@@ -43,7 +64,11 @@ __all__ = [
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-KV_LAYOUT = "BLHD"  # [batch=1, position, kv_head, head_dim], sequence-major
+KV_LAYOUT = "BLHD"  # [batch=1, position, kv_head, head_dim], sequence-major (standard graphs)
+GRAPH_STANDARD = "standard"  # specrt's IO-bound graph (new KV rows out), BLHD KV
+GRAPH_BUILDER = "builder"  # onnxruntime-genai model builder graph (GQA, past/present shared), BNSH KV
+GRAPH_FORMS = (GRAPH_STANDARD, GRAPH_BUILDER)
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")  # specrt export --precision
 REEXPORT_HINT = "re-run `specrt export --draft DRAFT_DIR --target TARGET_DIR --out {folder}` (or `make export`)"
 
 
@@ -81,6 +106,20 @@ class ModelEntry:
         matmul_params: weights of the decoder layers' matrix multiplications (embeddings,
             norms, biases and LM head excluded), counted at export for the FLOPs figures
             (:mod:`specrt.runtime.flops`); 0 in manifests written before it was recorded.
+        graph: graph form, one of :data:`GRAPH_FORMS` (``standard`` in older manifests).
+        precision: one of :data:`PRECISIONS`: compute precision of a standard graph, weight
+            precision of a builder graph (``fp32`` in older manifests).
+        quant: how the weights were quantized (builder graphs: builder version, block size,
+            accuracy level, extra options); empty otherwise.
+        data_file: external-data weight file beside ``file`` (empty: weights inline).
+        data_sha256: hex digest of ``data_file``.
+        exact_min_q: smallest call width from which logits rows are bit-identical whatever
+            the width and row offset, measured at export on this graph
+            (:mod:`specrt.runtime.lab.exactness`); None when no width is (or it was not
+            measured). The decode loop never calls the target narrower than this.
+        exactness: the figures behind ``exact_min_q`` (widths, offsets, max differences).
+        note: what the export chose for this model and why (e.g. a GPT-2 model kept the
+            standard graph in an int4 export because the builder has no GPT-2).
     """
 
     file: str
@@ -99,16 +138,39 @@ class ModelEntry:
     source: str = ""
     vocab_hash: str = ""
     matmul_params: int = 0
+    graph: str = GRAPH_STANDARD
+    precision: str = "fp32"
+    quant: dict = field(default_factory=dict)
+    data_file: str = ""
+    data_sha256: str = ""
+    exact_min_q: int | None = None
+    exactness: dict = field(default_factory=dict)
+    note: str = ""
 
     @staticmethod
-    def io_names(n_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The ONNX input and output names for ``n_layers`` layers (one declaration)."""
+    def io_names(n_layers: int, graph: str = GRAPH_STANDARD) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The ONNX input and output names for ``n_layers`` layers of a graph form (one
+        declaration per form; see the module docstring)."""
+        if graph == GRAPH_BUILDER:
+            ins, outs = ["input_ids", "attention_mask"], ["logits"]
+            for i in range(n_layers):
+                ins += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+                outs += [f"present.{i}.key", f"present.{i}.value"]
+            return tuple(ins), tuple(outs)
         ins = ["input_ids", "position_ids"]
         outs = ["logits"]
         for i in range(n_layers):
             ins += [f"past_key_{i}", f"past_value_{i}"]
             outs += [f"new_key_{i}", f"new_value_{i}"]
         return tuple(ins), tuple(outs)
+
+    def files(self) -> dict[str, str]:
+        """``{file name: sha256}`` of this model's files in the engine folder (graph and
+        external weights)."""
+        out = {self.file: self.sha256}
+        if self.data_file:
+            out[self.data_file] = self.data_sha256
+        return out
 
 
 @dataclass(frozen=True)
@@ -136,6 +198,12 @@ class Manifest:
     pad_token_id: int | None = None  # the target's pad token (recorded; batch-1 decoding never pads)
     chat_template_file: str | None = None  # the target's chat template copied at export (None: it had none)
     chat_template_sha256: str | None = None  # its SHA-256, checked at load like the other files
+    precision: str = "fp32"  # specrt export --precision (per model: ModelEntry.precision)
+
+    def min_q(self) -> int:
+        """Narrowest target call the decode loop may make: the target's measured
+        ``exact_min_q`` (1 when none was measured or no width is bit-identical)."""
+        return max(1, self.target.exact_min_q or 1)
 
     def to_json(self) -> str:
         """The manifest as indented JSON text (the dataclass fields, in order)."""
@@ -153,8 +221,8 @@ class Manifest:
 LAZY_HEAD_KEY = "lazy_head"  # key of the optional lazy-head record in Manifest.extra
 LAZY_HEAD_HINT = (
     "this engine folder was exported without the lazy-head target (target_body.onnx + target_head.onnx); "
-    "re-run `specrt export --draft DRAFT_DIR --target TARGET_DIR --out {folder}` (lazy-head graphs are written "
-    "unless --no-lazy-head is given), or use strategy 'full' or 'chunked'"
+    "re-run `specrt export --draft DRAFT_DIR --target TARGET_DIR --out {folder} --precision fp32 --lazy-head`, "
+    "or use strategy 'full' or 'chunked'"
 )
 
 
@@ -162,8 +230,8 @@ def lazy_head_files(manifest: Manifest, folder: str | Path, verify_hashes: bool 
     """The lazy-head graphs of an engine folder, checked: ``(body, head)`` records of
     ``manifest.extra["lazy_head"]``, each ``{"file", "sha256", "inputs", "outputs"}``.
 
-    The record is optional (format version 1 manifests without it stay loadable); the
-    export writes it unless ``--no-lazy-head``. Body: the target's inputs -> ``hidden``
+    The record is optional: the export writes it with ``--lazy-head`` (fp32 standard
+    graphs only; format version 1 manifests without it stay loadable). Body: the target's inputs -> ``hidden``
     float32 ``[1, q, hidden]`` + new KV; head: ``hidden`` ``[1, r, hidden]`` -> ``logits``
     float32 ``[1, r, vocab]``.
 
@@ -253,7 +321,13 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
         )
     if m.kv_layout != KV_LAYOUT or m.kv_dtype != "float32":
         raise EngineError(f"{path}: KV layout {m.kv_layout}/{m.kv_dtype} is not supported (need {KV_LAYOUT}/float32); {hint}")
-    files = {m.draft.file: m.draft.sha256, m.target.file: m.target.sha256, m.tokenizer_file: m.tokenizer_sha256}
+    for role, e in (("draft", m.draft), ("target", m.target)):
+        if e.graph not in GRAPH_FORMS or e.precision not in PRECISIONS:
+            raise EngineError(
+                f"{path}: the {role} has graph form {e.graph!r} / precision {e.precision!r}; this runtime knows "
+                f"graph forms {', '.join(GRAPH_FORMS)} and precisions {', '.join(PRECISIONS)}; {hint} with this version of specrt"
+            )
+    files = {**m.draft.files(), **m.target.files(), m.tokenizer_file: m.tokenizer_sha256}
     if m.chat_template_file is not None:
         if not isinstance(m.chat_template_file, str) or not isinstance(m.chat_template_sha256, str):
             raise EngineError(f"{path}: chat_template_file/chat_template_sha256 must both be strings; {hint}")

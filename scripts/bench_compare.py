@@ -9,8 +9,18 @@ Systems (rows), all on the same pair, the same prompt token ids, greedy, the sam
   HF assisted (defaults)          assistant_model=draft, transformers' defaults (20 tokens, "constant", threshold 0.4)
   HF assisted (specrt k/th)       num_assistant_tokens=k, "constant", assistant_confidence_threshold=th
   optimum ORTModelForCausalLM     export=True of the target, generate (its own venv, transformers < 4.58)
-  ort-genai target-only           onnxruntime-genai, model builder fp32 cpu
-  ort-genai speculative (k)       onnxruntime-genai speculative decoding, max_draft_tokens=k
+  ort-genai P target-only         onnxruntime-genai, model builder -p P (--ortgenai-precision, default int4) cpu
+  ort-genai P speculative (k)     onnxruntime-genai speculative decoding, max_draft_tokens=k
+  OpenVINO int4 target-only       OpenVINO GenAI LLMPipeline on optimum-cli int4 IR (group size --ov-group-size)
+  OpenVINO int4 spec k / th       its draft-model speculative decoding, num_assistant_tokens=k /
+                                  assistant_confidence_threshold=--ov-threshold
+  llama.cpp Q* target-only        llama-cpp-python (built from source) on GGUF Q8_0, Q4_K_M, Q4_0
+  llama.cpp Q4_0 prompt-lookup    its prompt-lookup decoding (LlamaPromptLookupDecoding, k tokens)
+  llama-server Q4_0 ...           the native server of the same source: target-only, draft-model
+                                  speculation (Q4_0 draft, --spec-draft-n-max k, --spec-draft-p-min 0
+                                  and 0.5), n-gram speculation (--spec-type ngram-simple)
+  specrt[LABEL] ...               another engine folder (--flavor LABEL=DIR): target-only and
+                                  speculative at its manifest defaults
 
 Every system runs in its own worker process (scripts/bench_workers/*_worker.py, with the python
 of the venv it needs), loads once and warms up, then takes prompts over a JSON-lines pipe.
@@ -18,7 +28,11 @@ Prompts are interleaved: for each prompt every system runs once, in an order rot
 prompt to prompt and repeat to repeat, so machine noise lands on all of them alike. Each
 worker times its own call (no pipe time), measures its time to first token and reports its
 own peak RSS (ru_maxrss). Outputs are compared with specrt target-only's tokens (equal to
-transformers' greedy output by the project's tests).
+transformers' greedy output by the project's tests when the engines are fp32), and every
+speculative row also with its own system's target-only row (``equal_to_own_target_only``:
+the exactness each system promises). A system whose build or load fails is a row with the
+exact error. Goal ``vs_fastest_4bit``: specrt's speculative row over the fastest 4-bit row
+of the other systems (target-only or speculative).
 
 Then, on the specrt worker alone: a k_max x threshold sweep (acceptance rate, speedup,
 accepted lengths), per-call costs of draft and target (for the analytic bound
@@ -156,6 +170,10 @@ def summarize(rows: list[dict], runs: dict[str, list[dict]], n_prompts: int) -> 
         row["compared_prompts"] = sum(1 for p in first if p in base_tok)
         row["mismatch_prompts"] = [p for p, t in first.items() if p in base_tok and t != base_tok[p]]
         row["deterministic_across_repeats"] = all(x["tokens"] == first.get(x["prompt"], x["tokens"]) for x in xs)
+        own = {x["prompt"]: x["tokens"] for x in runs.get(row.get("own_base") or "", []) if x["repeat"] == 0}
+        if own:
+            row["equal_to_own_target_only"] = sum(1 for p, t in first.items() if p in own and t == own[p])
+            row["own_target_only"] = row["own_base"]
         prop = [x["extra"].get("proposed") for x in xs]
         acc = [x["extra"].get("accepted") for x in xs]
         if all(p is not None for p in prop) and all(a is not None for a in acc) and sum(prop) > 0:
@@ -378,8 +396,8 @@ def fmt(v, spec=".1f", none="-"):
 
 def format_table(result: dict) -> str:
     n = result["settings"]["prompts"]
-    head = "| system | tok/s | vs specrt target-only (per-prompt median [q25, q75]) | TTFT ms median [q25, q75] | peak RSS MiB | = target | accept | status |"
-    lines = [head, "|" + "---|" * 8]
+    head = "| system | tok/s | vs specrt target-only (per-prompt median [q25, q75]) | TTFT ms median [q25, q75] | peak RSS MiB | = target | = own target-only | accept | status |"
+    lines = [head, "|" + "---|" * 9]
     for r in result["rows"]:
         if r.get("tokens_per_second"):
             pp = r["ratio_per_prompt"]
@@ -387,13 +405,14 @@ def format_table(result: dict) -> str:
             tt = r["ttft_ms"]
             ttft = f"{fmt(tt['median'])} [{fmt(tt['q25'])}, {fmt(tt['q75'])}]"
             eq = f"{r['equal_to_target']}/{r['compared_prompts']}"
+            own = f"{r['equal_to_own_target_only']}/{r['compared_prompts']}" if r.get("equal_to_own_target_only") is not None else "-"
             lines.append(
-                f"| {r['label']} | {r['tokens_per_second']:.1f} | {ratio} | {ttft} | {fmt(r.get('peak_rss_mb'), '.0f')} | {eq} | "
+                f"| {r['label']} | {r['tokens_per_second']:.1f} | {ratio} | {ttft} | {fmt(r.get('peak_rss_mb'), '.0f')} | {eq} | {own} | "
                 f"{fmt(r.get('acceptance_rate'), '.3f')} | {r['status']}{': ' + r['error'][:200] if r.get('error') else ''} |"
             )
         else:
             err = (r.get("error") or "").replace("|", "/").replace("\n", " ")
-            lines.append(f"| {r['label']} | - | - | - | {fmt(r.get('peak_rss_mb'), '.0f')} | - | - | {r['status']}: {err[:400]} |")
+            lines.append(f"| {r['label']} | - | - | - | {fmt(r.get('peak_rss_mb'), '.0f')} | - | - | - | {r['status']}: {err[:400]} |")
     s = result["settings"]
     lines.append("")
     lines.append(
@@ -466,7 +485,23 @@ def parse_args(argv=None):
         help="OMP_WAIT_POLICY of the workers (torch's OpenMP pool); default: follows --spinning; 'unset' = libgomp's own default (spins a while, then sleeps)",
     )
     ap.add_argument("--out", default="bench_out/compare")
-    ap.add_argument("--systems", default="specrt,hf,optimum,ortgenai", help="comma list among specrt,hf,optimum,ortgenai")
+    ap.add_argument(
+        "--systems",
+        default="specrt,hf,optimum,ortgenai,openvino,llamacpp,llamaserver",
+        help="comma list among specrt,hf,optimum,ortgenai,openvino,llamacpp,llamaserver",
+    )
+    ap.add_argument("--flavor", action="append", default=[], help="LABEL=ENGINE_DIR: another specrt engine folder (repeatable), target-only + speculative rows")
+    ap.add_argument("--ortgenai-precision", default="int4", help="onnxruntime-genai model builder precision (-p)")
+    ap.add_argument("--python-openvino", default=".venv-openvino/bin/python")
+    ap.add_argument("--python-llamacpp", default=".venv-llamacpp/bin/python")
+    ap.add_argument("--llama-server", default=".venv-llamacpp/bin/llama-server")
+    ap.add_argument(
+        "--llama-src", default=".venv-llamacpp/src/llama_cpp_python-0.3.36/vendor/llama.cpp", help="vendor/llama.cpp of the llama-cpp-python source package"
+    )
+    ap.add_argument(
+        "--ov-group-size", type=int, default=64, help="OpenVINO int4 group size (must divide every layer width; the default draft's 192 rules out 128)"
+    )
+    ap.add_argument("--ov-threshold", type=float, default=0.4, help="OpenVINO GenAI assistant_confidence_threshold of its threshold row")
     ap.add_argument("--spec-k", type=int, default=None, help="specrt 'best' k_max (default: manifest default)")
     ap.add_argument("--spec-threshold", type=float, default=None, help="specrt 'best' threshold (default: manifest default)")
     ap.add_argument("--fixed-k", type=int, default=None, help="k of the fixed-k rows, threshold 0 (default: the best k)")
@@ -524,11 +559,29 @@ def main(argv=None) -> int:
     main_py = sys.executable
     py_opt = venv_python(a.python_optimum)
     py_og = venv_python(a.python_ortgenai)
+    py_ov = venv_python(a.python_openvino)
+    py_ll = venv_python(a.python_llamacpp)
+    server_bin = venv_python(a.llama_server)
 
     rows: list[dict] = []
 
-    def row(label, system, python, script, init, missing=None):
-        rows.append(dict(label=label, system=system, python=python, script=script, init=init, status="pending", error=missing, peak_rss_mb=None))
+    def row(label, system, python, script, init, missing=None, own_base=None, build=None):
+        rows.append(
+            dict(
+                label=label,
+                system=system,
+                python=python,
+                script=script,
+                init=init,
+                status="pending",
+                error=missing,
+                peak_rss_mb=None,
+                own_base=own_base,
+                build=build,
+                four_bit=False,
+            )
+        )
+        return rows[-1]
 
     row(BASE, "specrt", main_py, "specrt_worker.py", dict(common, engines=engines, variant=dict(speculative=False)))
     if "specrt" in systems:
@@ -571,25 +624,112 @@ def main(argv=None) -> int:
             dict(common, target=target, cache=str((out / "anchors" / "optimum-target").resolve())),
             missing=None if py_opt else f"no python at {a.python_optimum}: run `make bench-envs`",
         )
-    og_root = (out / "anchors" / "ortgenai").resolve()
+    og_root = (out / "anchors" / f"ortgenai-{a.ortgenai_precision}").resolve()
     if "ortgenai" in systems:
+        miss = None if py_og else f"no python at {a.python_ortgenai}: run `make bench-envs`"
+        p = a.ortgenai_precision
+        base_og = f"ort-genai {p} target-only"
+        row(base_og, "onnxruntime-genai", py_og, "ortgenai_worker.py", dict(common, model_dir=str(og_root / "target"), variant=dict(speculative=False)), miss)
         row(
-            "ort-genai target-only",
-            "onnxruntime-genai",
-            py_og,
-            "ortgenai_worker.py",
-            dict(common, model_dir=str(og_root / "target"), variant=dict(speculative=False)),
-            missing=None if py_og else f"no python at {a.python_ortgenai}: run `make bench-envs`",
-        )
-        row(
-            f"ort-genai speculative (k={best_k})",
+            f"ort-genai {p} speculative (k={best_k})",
             "onnxruntime-genai",
             py_og,
             "ortgenai_worker.py",
             dict(common, model_dir=str(og_root), variant=dict(speculative=True, max_draft_tokens=best_k)),
-            missing=None if py_og else f"no python at {a.python_ortgenai}: run `make bench-envs`",
+            miss,
+            own_base=base_og,
         )
-
+    for spec in a.flavor:
+        lab, _, folder = spec.partition("=")
+        fm = load_manifest(folder, verify_hashes=False)
+        fk, fth = int(fm.defaults.get("k_max", fm.k_max)), float(fm.defaults.get("threshold", 0.0))
+        fdir = str(Path(folder).resolve())
+        b = f"specrt[{lab}] target-only"
+        row(b, "specrt", main_py, "specrt_worker.py", dict(common, engines=fdir, variant=dict(speculative=False)))
+        row(
+            f"specrt[{lab}] spec (k={fk} th={fth:g})",
+            "specrt",
+            main_py,
+            "specrt_worker.py",
+            dict(common, engines=fdir, variant=dict(speculative=True, k_max=fk, threshold=fth)),
+            own_base=b,
+        )
+    ov_root = (out / "anchors" / "openvino").resolve()
+    if "openvino" in systems:
+        miss = None if py_ov else f"no python at {a.python_openvino}: run `make bench-envs`"
+        d = dict(common, target_dir=str(ov_root / "target"), draft_dir=str(ov_root / "draft"))
+        b = "OpenVINO int4 target-only"
+        row(b, "openvino-genai", py_ov, "openvino_worker.py", dict(d, variant=dict(speculative=False)), miss)
+        row(
+            f"OpenVINO int4 spec k={best_k}",
+            "openvino-genai",
+            py_ov,
+            "openvino_worker.py",
+            dict(d, variant=dict(speculative=True, num_assistant_tokens=best_k)),
+            miss,
+            own_base=b,
+        )
+        row(
+            f"OpenVINO int4 spec threshold {a.ov_threshold:g}",
+            "openvino-genai",
+            py_ov,
+            "openvino_worker.py",
+            dict(d, variant=dict(speculative=True, assistant_confidence_threshold=a.ov_threshold)),
+            miss,
+            own_base=b,
+        )
+    ll_root = (out / "anchors" / "llamacpp").resolve()
+    if "llamacpp" in systems:
+        miss = None if py_ll else f"no python at {a.python_llamacpp}: run `make bench-envs`"
+        for q in ("Q8_0", "Q4_K_M", "Q4_0"):
+            row(
+                f"llama.cpp {q} target-only",
+                "llama-cpp-python",
+                py_ll,
+                "llamacpp_worker.py",
+                dict(common, gguf=str(ll_root / f"target-{q}.gguf"), variant=dict(kind="python")),
+                miss,
+                build=[f"target-{q}"],
+            )
+        row(
+            f"llama.cpp Q4_0 prompt-lookup (k={best_k})",
+            "llama-cpp-python",
+            py_ll,
+            "llamacpp_worker.py",
+            dict(common, gguf=str(ll_root / "target-Q4_0.gguf"), variant=dict(kind="python", prompt_lookup=best_k)),
+            miss,
+            own_base="llama.cpp Q4_0 target-only",
+            build=["target-Q4_0"],
+        )
+    if "llamaserver" in systems:
+        miss = None if (py_ll and server_bin) else f"no llama-server at {a.llama_server} or python at {a.python_llamacpp}: run `make bench-envs`"
+        srv = dict(common, gguf=str(ll_root / "target-Q4_0.gguf"), server=server_bin, log_dir=str(logs.resolve()))
+        b = "llama-server Q4_0 target-only"
+        draft_args = ["--spec-draft-model", str(ll_root / "draft-Q4_0.gguf"), "--spec-draft-n-max", best_k, "--spec-draft-threads", a.threads]
+        row(b, "llama-server", py_ll, "llamacpp_worker.py", dict(srv, variant=dict(kind="server", args=[])), miss, build=["target-Q4_0"])
+        for pmin in (0.0, 0.5):
+            row(
+                f"llama-server Q4_0 spec draft k={best_k} p-min {pmin:g}",
+                "llama-server",
+                py_ll,
+                "llamacpp_worker.py",
+                dict(srv, variant=dict(kind="server", args=draft_args + ["--spec-draft-p-min", pmin])),
+                miss,
+                own_base=b,
+                build=["target-Q4_0", "draft-Q4_0"],
+            )
+        row(
+            f"llama-server Q4_0 spec ngram-simple (k={best_k})",
+            "llama-server",
+            py_ll,
+            "llamacpp_worker.py",
+            dict(srv, variant=dict(kind="server", args=["--spec-type", "ngram-simple", "--spec-draft-n-max", best_k])),
+            miss,
+            own_base=b,
+            build=["target-Q4_0"],
+        )
+    for r in rows:
+        r["four_bit"] = r["system"] in ("onnxruntime-genai", "openvino-genai") and "int4" in r["label"] or ("Q4" in r["label"] and r["system"] != "specrt")
     result = dict(
         settings=dict(
             target=target,
@@ -616,7 +756,21 @@ def main(argv=None) -> int:
     if "ortgenai" in systems and py_og:
         log("onnxruntime-genai: model builder (target, draft) ...")
         p = subprocess.run(
-            [py_og, str(WORKERS / "ortgenai_worker.py"), "--build", "--target", target, "--draft", draft, "--out", str(og_root), "--k", str(best_k)],
+            [
+                py_og,
+                str(WORKERS / "ortgenai_worker.py"),
+                "--build",
+                "--target",
+                target,
+                "--draft",
+                draft,
+                "--out",
+                str(og_root),
+                "--k",
+                str(best_k),
+                "--precision",
+                a.ortgenai_precision,
+            ],
             capture_output=True,
             text=True,
             cwd=str(ROOT),
@@ -630,13 +784,64 @@ def main(argv=None) -> int:
             build = dict(ok=False, error=f"builder step exited {p.returncode}: {tail}")
         result["ortgenai_build"] = build
         for r in rows:
-            if r["system"] != "onnxruntime-genai":
+            if r["system"] != "onnxruntime-genai" or r["error"]:
                 continue
             spec = r["init"]["variant"]["speculative"]
             need = ["target", "draft", "speculative_config"] if spec else ["target"]
             bad = [f"{n}: {build.get(n, {}).get('error', 'not built')}" for n in need if not build.get(n, {}).get("ok")]
             if bad:
                 r["error"] = "model builder failed: " + "; ".join(bad)
+
+    def build_step(name: str, python: str | None, cmd: list[str]) -> dict:
+        log(f"{name}: build ...")
+        if not python:
+            return dict(ok=False, error=f"no python for {name}")
+        p = subprocess.run([python, *cmd], capture_output=True, text=True, cwd=str(ROOT), env=env)
+        (logs / f"{name}_build.log").write_text(p.stderr)
+        try:
+            return json.loads(p.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            tail = " | ".join([ln for ln in p.stderr.splitlines() if ln.strip()][-6:])
+            return dict(ok=False, error=f"build step exited {p.returncode}: {tail}")
+
+    if "openvino" in systems and py_ov:
+        b = build_step(
+            "openvino",
+            py_ov,
+            [str(WORKERS / "openvino_worker.py"), "--build", "--target", target, "--draft", draft, "--out", str(ov_root), "--group-size", str(a.ov_group_size)],
+        )
+        result["openvino_build"] = b
+        for r in rows:
+            need = ["target", "draft"] if r["init"].get("variant", {}).get("speculative") else ["target"]
+            if r["system"] == "openvino-genai" and (bad := [f"{n}: {b.get(n, {}).get('error', 'not built')}" for n in need if not b.get(n, {}).get("ok")]):
+                r["error"] = "optimum-cli export openvino failed: " + "; ".join(bad)
+    if ({"llamacpp", "llamaserver"} & systems) and py_ll:
+        b = build_step(
+            "llamacpp",
+            py_ll,
+            [
+                str(WORKERS / "llamacpp_worker.py"),
+                "--build",
+                "--target",
+                target,
+                "--draft",
+                draft,
+                "--out",
+                str(ll_root),
+                "--src",
+                str(Path(a.llama_src).resolve()),
+            ],
+        )
+        result["llamacpp_build"] = b
+        for r in rows:
+            if r["system"] in ("llama-cpp-python", "llama-server") and r.get("build") and not r["error"]:
+                bad = [
+                    f"{n}: {b.get(n, {}).get('error') or b.get(n.split('-')[0] + '-f32', {}).get('error', 'not built')}"
+                    for n in r["build"]
+                    if not b.get(n, {}).get("ok")
+                ]
+                if bad:
+                    r["error"] = "GGUF conversion/quantization failed: " + "; ".join(bad)
 
     # start the workers one at a time (loading and warming up), then interleave
     workers: dict[str, Worker] = {}
@@ -823,6 +1028,10 @@ def main(argv=None) -> int:
                 measured_speedup=bb["measured_speedup"],
                 end_to_end_over_bound=bb.get("measured_over_bound_formula"),
             )
+        four = [r for r in rows if r.get("four_bit") and r.get("tokens_per_second")]
+        if four:
+            top = max(four, key=lambda r: r["tokens_per_second"])
+            goals["vs_fastest_4bit"] = dict(target=1.5, value=best["tokens_per_second"] / top["tokens_per_second"], against=top["label"])
         for g in goals.values():
             g["met"] = g["value"] >= g["target"]
     result["goals"] = goals

@@ -21,6 +21,7 @@ from .runtime.backends import BACKENDS, DEFAULT_BACKEND
 from .runtime.backends.base import ThreadConfig
 from .runtime.config import STRATEGIES, check_threshold, field_default
 from .runtime.errors import InputError, SpecRTError
+from .runtime.manifest import PRECISIONS
 
 __all__ = ["cli", "main"]
 
@@ -119,10 +120,32 @@ def cli():
 @click.option("--k-max", type=click.IntRange(1, 64), default=8, show_default=True, help="largest number of candidates per verification")
 @click.option("--max-ctx", type=click.IntRange(2, 1 << 20), default=1024, show_default=True, help="context size (KV rows)")
 @click.option(
-    "--lazy-head/--no-lazy-head",
-    default=True,
+    "--precision",
+    type=click.Choice(PRECISIONS),
+    default="fp32",
     show_default=True,
-    help="also write the target split at its vocabulary projection (target_body.onnx + target_head.onnx) for --strategy lazy-head",
+    help="fp32/fp16/bf16: specrt's standard graphs (fp16/bf16 compute for GPUs; bf16 does not run on onnxruntime's CPU provider); "
+    "int8/int4: weight-only quantized, fused graphs from onnxruntime-genai's model builder (the fast CPU flavors, docs/ENGINES.md)",
+)
+@click.option("--block-size", type=int, default=None, help="int8/int4: weights per quantization block, a power of two in 16..256 (default 32)")
+@click.option(
+    "--accuracy-level",
+    type=int,
+    default=None,
+    help="int8/int4: MatMulNBits accuracy level 0..4 (default 4 = int8 activations, the fast CPU kernels; 0/1 compute in fp32, 2.5-35x slower)",
+)
+@click.option(
+    "--lazy-head/--no-lazy-head",
+    default=False,
+    show_default=True,
+    help="fp32 only: also write the target split at its vocabulary projection (target_body.onnx + target_head.onnx, sharing "
+    "target.onnx.data with target.onnx) for --strategy lazy-head",
+)
+@click.option(
+    "--quality/--no-quality",
+    default=None,
+    help="score the exported target against the fp32 PyTorch target on the held-out stdlib text and HumanEval outputs "
+    "(manifest extra.quality; default: on for int8/int4/fp16, off for fp32)",
 )
 @click.option(
     "--defaults",
@@ -132,8 +155,29 @@ def cli():
     help="JSON object of decoding defaults to write into the manifest (k_max, threshold, strategy, chunk_bound, "
     "draft_confidence_temperature), e.g. the chosen_defaults of a specrt tune run",
 )
-def export(draft, target, out, k_max, max_ctx, lazy_head, defaults_file):
-    """Export a draft/target pair to ONNX (IO-bound KV) with parity checks and a manifest."""
+def export(draft, target, out, k_max, max_ctx, precision, block_size, accuracy_level, lazy_head, quality, defaults_file):
+    """Export a draft/target pair to ONNX engines (one --precision flavor) with parity and
+    width-exactness checks and a manifest."""
+    quant = None
+    if precision in ("int8", "int4"):
+        from .export.builder import QuantOptions
+
+        try:
+            quant = QuantOptions(precision, block_size or 32, 4 if accuracy_level is None else accuracy_level)
+        except ValueError as e:
+            raise click.ClickException(f"--block-size/--accuracy-level: {e}") from None
+    elif block_size is not None or accuracy_level is not None:
+        raise click.ClickException(f"--block-size and --accuracy-level apply to --precision int8|int4, not {precision}")
+    if lazy_head and precision != "fp32":
+        raise click.ClickException(
+            f"--lazy-head needs --precision fp32: {precision} engines have no body/head split "
+            + ("(the builder graph computes its LM head inside)" if quant else "(standard fp32 graphs only)")
+        )
+    quality_cfg = None
+    if quality or (quality is None and precision not in ("fp32", "bf16")):
+        from .export.quality import QualityConfig
+
+        quality_cfg = QualityConfig()
     chosen = None
     if defaults_file:  # checked before the (minutes-long) export
         from .runtime.config import check_defaults
@@ -151,7 +195,18 @@ def export(draft, target, out, k_max, max_ctx, lazy_head, defaults_file):
     except ImportError as e:
         raise click.ClickException(f"export needs the [export] extra (torch, transformers, onnx): pip install 'specrt[export]' ({e})") from None
     try:
-        export_pair(draft, target, out, k_max=k_max, max_ctx=max_ctx, log=lambda m: click.echo(m, err=True), lazy_head=lazy_head)
+        export_pair(
+            draft,
+            target,
+            out,
+            k_max=k_max,
+            max_ctx=max_ctx,
+            log=lambda m: click.echo(m, err=True),
+            lazy_head=lazy_head,
+            precision=precision,
+            quant=quant,
+            quality=quality_cfg,
+        )
     except SpecRTError as e:
         raise click.ClickException(str(e)) from None
     if chosen:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import TINY_CHAT_TEMPLATE, make_tokenizer, save_llama
+from helpers import TINY_CHAT_TEMPLATE, make_tokenizer, perturbed_copy, save_llama, save_model
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ENGINES = REPO / "engines" / "default"
@@ -23,7 +23,25 @@ def tiny_pair(tmp_path_factory):
     tok = make_tokenizer()
     save_llama(root / "target", tok, seed=1, hidden=64, layers=2, chat_template=TINY_CHAT_TEMPLATE)
     save_llama(root / "draft", tok, seed=2, hidden=32, layers=1, heads=2, kv_heads=1, inter=64)
-    export_pair(root / "draft", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None, lazy_head=False)
+    export_pair(root / "draft", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None)
+    return root / "draft", root / "target", root / "engine"
+
+
+@pytest.fixture(scope="session")
+def int4_pair(tmp_path_factory):
+    """(draft_dir, target_dir, engine_dir): a random 2-layer target and 1-layer draft (head_dim
+    16: onnxruntime's GroupQueryAttention with rotary needs a multiple of 16) exported as int4
+    builder graphs (block 16, accuracy level 4: the fast kernels whose q = 1 rows differ)."""
+    pytest.importorskip("onnxruntime_genai")
+    from specrt.export.builder import QuantOptions
+    from specrt.export.pipeline import export_pair
+
+    root = tmp_path_factory.mktemp("int4")
+    tok = make_tokenizer()
+    target = save_llama(root / "target", tok, seed=11, hidden=64, layers=2)
+    draft = perturbed_copy(target, seed=12, scale=0.3)
+    save_model(root / "draft", draft, tok)
+    export_pair(root / "draft", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None, precision="int4", quant=QuantOptions("int4", 16))
     return root / "draft", root / "target", root / "engine"
 
 
@@ -44,7 +62,7 @@ def noisy_pair(tmp_path_factory):
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.35 * p.std())
     draft.save_pretrained(root / "draft")
-    export_pair(root / "draft", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None)
+    export_pair(root / "draft", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None, lazy_head=True)
     return root / "target", root / "engine"
 
 
@@ -57,7 +75,7 @@ def self_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("self")
     tok = make_tokenizer()
     save_llama(root / "target", tok, seed=3, hidden=64, layers=2)
-    export_pair(root / "target", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None)
+    export_pair(root / "target", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None, lazy_head=True)
     return root / "target", root / "engine"
 
 

@@ -556,8 +556,10 @@ def test_draft_target_and_baseline_get_identical_prompt_ids(noisy_pair, tmp_path
         for name in ("target", "draft") if cfg.speculative else ("target",):
             seen = []
             for start, toks in sorted(fed[name]):
-                assert start == len(seen)
-                seen.extend(toks)
+                # a call may start before the end (the target recomputes committed tokens to
+                # keep every call >= min_q wide): the overlap must be the same tokens
+                assert start <= len(seen) and seen[start:] == toks[: len(seen) - start]
+                seen = seen[:start] + toks
             assert seen[: len(want)] == want, name
 
 

@@ -211,23 +211,12 @@ def test_threshold_case_really_stops_and_continues(engine):
     """The threshold-0.9 case above exercises both branches: some first rounds stop after
     one candidate (q(x) < 0.9), some draft two."""
     cfg = GenerationConfig(max_new_tokens=4, k_max=2, threshold=0.9, **WARP_A)
-    widths = []
-    orig = engine.target.run
-
-    def rec(tokens, start):
-        widths.append(len(tokens))
-        return orig(tokens, start)
-
-    engine.target.run = rec
     drafted = Counter()
-    try:
-        for s in range(300):
-            widths.clear()
-            engine.generate(PROMPT_A, replace(cfg, seed=s))
-            if len(widths) > 1:
-                drafted[widths[1] - 1] += 1  # call 0 is the prefill, call 1 verifies round 1
-    finally:
-        engine.target.run = orig
+    ids = engine.prompt_ids(PROMPT_A)
+    for s in range(300):
+        recs = list(engine.rounds(ids, engine.resolve(replace(cfg, seed=s))))
+        if len(recs) > 1:
+            drafted[recs[1].n] += 1  # record 0 is the prefill, record 1 the first round
     assert drafted[1] > 30 and drafted[2] > 30, drafted
 
 

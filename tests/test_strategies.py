@@ -267,19 +267,21 @@ def test_always_wrong_draft_bound_1_runs_one_short_pass_per_round(noisy):
     finally:
         engine.draft.run = orig
     full_s, full_calls = got["full", 1.0]
-    rounds = full_s.passes
-    full_q = [q for _, q, _ in full_calls]  # n + 1 per round (n = 0 at the budget's end)
-    assert len(full_q) == rounds and full_q[:3] == [5, 5, 5]
+    mq = engine.manifest.min_q()  # every target call is at least this wide (exactness by construction)
+    ns = [4] * (full_s.passes - 4) + [3, 2, 1, 0]  # candidates per round: k_max, then the budget's end
+    assert full_s.proposed == sum(ns) and full_s.passes == len(ns)
+    full_q = [q for _, q, _ in full_calls]
+    assert full_q == [max(n + 1, mq) for n in ns]
     ch_s, ch_calls = got["chunked", 1.0]
-    assert [q for _, q, _ in ch_calls] == [min(2, q) for q in full_q]  # [pending, c_1] only
-    assert ch_s.target_positions == sum(min(2, q) for q in full_q) < full_s.target_positions
+    assert [q for _, q, _ in ch_calls] == [max(min(2, n + 1), mq) for n in ns]  # [pending, c_1] only
+    assert ch_s.target_positions == sum(max(min(2, n + 1), mq) for n in ns) < full_s.target_positions
     assert got["chunked", 0.5][0].target_positions == full_s.target_positions  # one chunk
     lz_s, lz_calls = got["lazy-head", 1.0]
-    # one head row per round (row 0 rejects c_1), two when n = 1 (the bonus row joins the
-    # last block), and n = 0 rounds are one q = 1 pass of the full target
-    want_heads = [(0, 1) if q > 2 else (0, 2) for q in full_q if q > 1]
+    # one head row per round (row 0 rejects c_1; min_q rows when the exact width is wider),
+    # two when n = 1 (the bonus row joins the last block); n = 0 rounds are one pass of the full target
+    want_heads = [(0, max(mq, 1 if n > 1 else 2)) for n in ns if n > 0]
     assert lz_s.head_calls == len(want_heads)
-    assert lz_s.head_rows == sum(r for _, r in want_heads) + full_q.count(1)
+    assert lz_s.head_rows == sum(r for _, r in want_heads) + max(1, mq) * ns.count(0)
     assert lz_s.target_positions == full_s.target_positions
     assert [(lo, r) for kind, lo, r in lz_calls if kind == "head"] == want_heads
     assert full_s.target_flops > lz_s.target_flops and full_s.target_flops > ch_s.target_flops

@@ -3,7 +3,9 @@
 ======== ============================================ =========================================
 name     model class                                  needs
 ======== ============================================ =========================================
-ort-cpu  :class:`~.ort.OrtModel`                      onnxruntime (always available)
+ort-cpu  :class:`~.ort.OrtModel` (standard graphs),   onnxruntime >= 1.23 (always available)
+         :class:`~.ort_gqa.OrtGqaModel` (builder
+         graphs), per model from the manifest
 ort-cuda :class:`~.ort_cuda.OrtCudaModel`             onnxruntime-gpu and an NVIDIA GPU
 tensorrt :class:`~.trt.TrtModel`                      tensorrt >= 10.1, cuda-python, a GPU and the
                                                       plans in the manifest's extra
@@ -21,7 +23,7 @@ import importlib.util
 from pathlib import Path
 
 from ..errors import BackendError, EngineError
-from ..manifest import Manifest, sha256_file
+from ..manifest import GRAPH_BUILDER, Manifest, sha256_file
 from .base import HeadSplit, Model, SplitsHead, ThreadConfig
 
 __all__ = [
@@ -35,6 +37,8 @@ __all__ = [
     "resolve_backend",
     "load_models",
     "gpu_present",
+    "refuse_builder_graphs",
+    "cpu_model",
 ]
 
 BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt")
@@ -123,6 +127,45 @@ def trt_record(manifest: Manifest, folder: Path, verify_hashes: bool = True) -> 
     return rec
 
 
+def cpu_model(folder: Path, entry, max_ctx: int, max_q: int, threads: ThreadConfig, head_sessions=None):
+    """The onnxruntime CPU model object for one manifest entry: :class:`~.ort_gqa.OrtGqaModel`
+    for a builder graph, :class:`~.ort.OrtModel` for a standard one (``head_sessions``: the
+    folder's lazy-head sessions, target only).
+
+    Raises:
+        BackendError: a bf16 graph (onnxruntime's CPU provider has no bf16 kernels for it).
+        EngineError: onnxruntime cannot load the file or its I/O differs from the entry.
+    """
+    from .ort import OrtModel
+    from .ort_gqa import OrtGqaModel
+
+    if entry.precision == "bf16":
+        raise BackendError(
+            f"{Path(folder) / entry.file} computes in bf16, which onnxruntime's CPU provider has no kernels for; "
+            "run it with --backend tensorrt, or export --precision fp32|fp16|int8|int4 for the CPU",
+            "backend",
+        )
+    if entry.graph == GRAPH_BUILDER:
+        return OrtGqaModel(Path(folder) / entry.file, entry, max_ctx, max_q, threads)
+    return OrtModel(Path(folder) / entry.file, entry, max_ctx, max_q, threads, head_sessions=head_sessions)
+
+
+def refuse_builder_graphs(backend: str, manifest: Manifest, folder: Path) -> None:
+    """The GPU backends run standard graphs only (TensorRT plans are built from standard-op
+    graphs; the CUDA backend binds BLHD past/new-row KV).
+
+    Raises:
+        BackendError: a model of the folder is a builder graph (one line, param ``backend``).
+    """
+    for role, e in (("target", manifest.target), ("draft", manifest.draft)):
+        if e.graph == GRAPH_BUILDER:
+            raise BackendError(
+                f"backend {backend!r} runs standard graphs only; the {role} in {folder} is an onnxruntime-genai builder graph "
+                f"({e.precision}): use --backend ort-cpu, or export --precision fp32|fp16|bf16 for the GPU",
+                "backend",
+            )
+
+
 def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_q: int, draft_q: int, verify_hashes: bool = True):
     """(target, draft) model objects of ``backend`` for an engine folder.
 
@@ -143,13 +186,11 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
     """
     m = manifest
     if backend == "ort-cpu":
-        from .ort import OrtModel, SharedHeadSessions
+        from .ort import SharedHeadSessions
 
         heads = SharedHeadSessions(folder, m, threads, verify_hashes)
-        return (
-            OrtModel(folder / m.target.file, m.target, m.max_ctx, target_q, threads, head_sessions=heads),
-            OrtModel(folder / m.draft.file, m.draft, m.max_ctx, draft_q, threads.for_draft()),
-        )
+        return cpu_model(folder, m.target, m.max_ctx, target_q, threads, heads), cpu_model(folder, m.draft, m.max_ctx, draft_q, threads.for_draft())
+    refuse_builder_graphs(backend, m, folder)
     if backend == "ort-cuda":
         from .ort_cuda import OrtCudaModel
 

@@ -13,6 +13,13 @@ head rows behind them. Rows may differ only in the verification strategy
 (``specrt bench --strategy full --strategy chunked --strategy lazy-head``): their outputs
 are equal, their costs are not.
 
+Greedy rows also list every *divergence* from target-only (``divergences``: prompt, the
+first output position where the tokens differ, both tokens there, and the target-only
+top-1 minus top-2 logit margin at that position, :func:`divergences`). With the engine's
+exactness by construction (``Plan.min_q``) there should be none; a divergence at a tiny
+margin is a near-tie the kernels rounded differently, any other is a bug. The guarantee
+is never lost silently: the table prints every divergence.
+
 Sampled configurations (``temperature > 0``) are compared with target-only *sampling*
 with the same settings (the first config); their outputs are random draws, so
 ``equal_to_target`` is None for them (it means something only for greedy decoding).
@@ -34,7 +41,7 @@ from ..config import GenerationConfig
 from ..engine import Engine
 from ..errors import InputError
 
-__all__ = ["BenchConfig", "load_prompts", "run_bench", "format_table", "distinct_4gram_share", "peak_rss_mb"]
+__all__ = ["BenchConfig", "load_prompts", "run_bench", "format_table", "distinct_4gram_share", "peak_rss_mb", "divergences", "top2_margin"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,11 @@ def run_bench(
         base_time.setdefault((x["prompt"], x["repeat"]), x["seconds"])
     base_rate = sum(x["new_tokens"] for x in base) / sum(x["seconds"] for x in base)
     rows = [_row(c, runs[c.label], base_tokens, base_time, base_rate) for c in configs]
+    ids_all = [engine.prompt_ids(p["prompt"]) for p in prompts]
+    for c, row in zip(configs, rows):
+        if c.config.temperature == 0 and row is not rows[0]:
+            got = {x["prompt"]: x["tokens"] for x in runs[c.label] if x["repeat"] == 0}
+            row["divergences"] = divergences(engine, ids_all, base_tokens, got)
     return dict(
         engines=str(engine.folder),
         prompts=len(prompts),
@@ -128,6 +140,44 @@ def run_bench(
         python=sys.version.split()[0],
         rows=rows,
     )
+
+
+def top2_margin(row: np.ndarray, vocab: int) -> float:
+    """Top-1 minus top-2 logit of one logits row (the tokenizer's ids only)."""
+    two = np.partition(row[:vocab], vocab - 2)[vocab - 2 :]
+    return float(two[1] - two[0])
+
+
+def divergences(engine: Engine, ids_all: list[list[int]], base: dict[int, list[int]], got: dict[int, list[int]]) -> list[dict]:
+    """Where greedy outputs ``got`` differ from the target-only outputs ``base`` (per prompt
+    index): one record per differing prompt with the first differing output position, the
+    two tokens there, and the target's top-2 margin at that position (the target run over
+    the prompt and the target-only tokens before it, in calls no narrower than the engine's
+    ``min_q``, i.e. the bits target-only decoding saw)."""
+    from ..decode import feed
+
+    out = []
+    m = engine.manifest
+    for i, toks in sorted(got.items()):
+        ref = base.get(i)
+        if ref is None or toks == ref:
+            continue
+        pos = next((j for j, (a, b) in enumerate(zip(ref, toks)) if a != b), min(len(ref), len(toks)))
+        prefix = ids_all[i] + ref[:pos]
+        margin = None
+        if len(prefix) < m.max_ctx:
+            with engine._lock:  # the target's KV buffers; no generation runs meanwhile
+                margin = top2_margin(feed(engine.target, prefix, 0, m.min_q())[-1], m.vocab_size)
+        out.append(
+            dict(
+                prompt=i,
+                position=pos,
+                target_only_token=ref[pos] if pos < len(ref) else None,
+                token=toks[pos] if pos < len(toks) else None,
+                target_top2_margin=margin,
+            )
+        )
+    return out
 
 
 def _measure(engine: Engine, prompts, configs, repeats: int, progress, trace) -> dict[str, list[dict]]:
@@ -237,6 +287,13 @@ def format_table(result: dict) -> str:
             f"{r['ttft_ms_median']:>9.1f}{r['distinct_4gram']:>7.2f}{eq}"
         )
     lines.append(f"prompts {result['prompts']} x {result['repeats']} repeats, {result['max_new_tokens']} new tokens, peak RSS {result['peak_rss_mb']:.0f} MiB")
+    for r in result["rows"]:
+        for d in r.get("divergences") or []:
+            mg = "-" if d["target_top2_margin"] is None else f"{d['target_top2_margin']:.3g}"
+            lines.append(
+                f"DIVERGENCE {r['label']}: prompt {d['prompt']} output position {d['position']}: target-only {d['target_only_token']}, "
+                f"this row {d['token']}; target-only top-2 margin there {mg}"
+            )
     r0 = result["rows"][0]
     if r0.get("temperature"):
         lines.append(f"sampling: temperature {r0['temperature']:g}, top_k {r0['top_k']}, top_p {r0['top_p']:g}, seed {r0['seed']} (all rows)")

@@ -80,7 +80,9 @@ def measure_costs(engine, widths: Sequence[int], past: int, reps: int = 50, seed
     runs all cases once in a fresh random order (so load changes hit all alike), after
     3 warm-up calls each. Calls read ``past`` KV rows (whatever they hold) and write the
     q rows after them; a later generation starts from KV length 0, so nothing is disturbed.
-    The target is timed through its plain full-logits call (the ``full`` strategy's pass).
+    The target is timed through its plain full-logits call (the ``full`` strategy's pass), at
+    least ``min_q`` rows wide as the decode loop calls it (a q = 1 "pass" of an engine whose
+    exact width is 2 is timed as the 2-row call target-only decoding makes).
 
     Args:
         engine: a loaded :class:`~specrt.runtime.engine.Engine`.
@@ -103,26 +105,29 @@ def measure_costs(engine, widths: Sequence[int], past: int, reps: int = 50, seed
     if reps < 1:
         raise InputError(f"cost repetitions {reps}; need >= 1")
     for q in widths:
-        if not 1 <= q <= m.k_max + 1 or past + q > m.max_ctx or past < 0:
-            raise InputError(f"cost case q={q} at past={past}; need 1 <= q <= {m.k_max + 1} and past + q <= {m.max_ctx}")
+        if not 1 <= q <= m.k_max + 1 or past + q > m.max_ctx or past < m.min_q() - 1:
+            raise InputError(f"cost case q={q} at past={past}; need 1 <= q <= {m.k_max + 1}, past >= {m.min_q() - 1} and past + q <= {m.max_ctx}")
     tok = min(5, m.vocab_size - 1)
-    cases = [("draft", 1, engine.draft)] + [("target", q, engine.target) for q in widths]
-    for _, q, model in cases:
+    min_q = m.min_q()
+    # what the decode loop really runs for a q-row verification: at least min_q rows, the
+    # extra ones recomputing committed tokens before it (specrt.runtime.decode.call_start)
+    cases = [("draft", 1, 0, engine.draft)] + [("target", q, max(0, min_q - q), engine.target) for q in widths]
+    for _, q, w, model in cases:
         for _ in range(3):
-            model.run([tok] * q, past)
+            model.run([tok] * (q + w), past - w)
     times: list[list[float]] = [[] for _ in cases]
     rng = np.random.default_rng(seed)
     clock = time.perf_counter
     for r in range(reps):
         for i in rng.permutation(len(cases)):
-            _, q, model = cases[i]
+            _, q, w, model = cases[i]
             t0 = clock()
-            model.run([tok] * q, past)
+            model.run([tok] * (q + w), past - w)
             times[i].append(clock() - t0)
         if progress:
             progress("costs", r + 1, reps)
     med = [float(np.median(t)) for t in times]
-    return Costs(med[0], {q: med[i + 1] for i, (_, q, _) in enumerate(cases[1:])}, past, "measured")
+    return Costs(med[0], {q: med[i + 1] for i, (_, q, _, _) in enumerate(cases[1:])}, past, "measured")
 
 
 # ---- manifest ------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 Runs in its own venv (.venv-ortgenai: onnxruntime-genai, and torch + transformers for its
 model builder). Two modes:
 
-``--build --target DIR --draft DIR --out DIR [--k K]``
+``--build --target DIR --draft DIR --out DIR [--k K] [--precision fp32|int4|int8]``
     builds both checkpoints with onnxruntime-genai's model builder
-    (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p fp32 -e cpu``) into
+    (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p PRECISION -e cpu``, the
+    builder's own defaults otherwise: what a user of it gets) into
     OUT/target and OUT/draft, then writes OUT/genai_config.json: a speculative model
     (``model.type = "speculative"``, ``model.draft`` = the draft's decoder block) whose files
     lie in subfolders (onnxruntime-genai rejects ".." in config paths). Prints one JSON line:
@@ -37,22 +38,22 @@ from _protocol import send, serve, set_thread_env  # noqa: E402
 # ---- build -----------------------------------------------------------------------------
 
 
-def _stamp(src: str) -> dict:
+def _stamp(src: str, precision: str = "fp32") -> dict:
     st = {}
     for name in ("config.json", "model.safetensors"):
         p = Path(src) / name
         if p.exists():
             s = p.stat()
             st[name] = [s.st_size, int(s.st_mtime)]
-    return dict(source=str(Path(src).resolve()), files=st)
+    return dict(source=str(Path(src).resolve()), files=st, precision=precision)
 
 
-def build_one(src: str, out: Path, cache: Path) -> dict:
+def build_one(src: str, out: Path, cache: Path, precision: str = "fp32") -> dict:
     stamp_file = out / "specrt_bench_stamp.json"
-    stamp = _stamp(src)
+    stamp = _stamp(src, precision)
     if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp and (out / "genai_config.json").exists():
         return dict(ok=True, cached=True, out=str(out))
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(cache)]
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(out), "-p", precision, "-e", "cpu", "-c", str(cache)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     secs = time.perf_counter() - t0
@@ -88,8 +89,8 @@ def build_main(a) -> int:
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     res = {}
-    res["target"] = build_one(a.target, root / "target", root / "hf_cache")
-    res["draft"] = build_one(a.draft, root / "draft", root / "hf_cache")
+    res["target"] = build_one(a.target, root / "target", root / "hf_cache", a.precision)
+    res["draft"] = build_one(a.draft, root / "draft", root / "hf_cache", a.precision)
     if res["target"]["ok"] and res["draft"]["ok"]:
         try:
             res["speculative_config"] = write_speculative_config(root, a.k)
@@ -199,5 +200,6 @@ if __name__ == "__main__":
         ap.add_argument("--draft", required=True)
         ap.add_argument("--out", required=True)
         ap.add_argument("--k", type=int, default=4)
+        ap.add_argument("--precision", default="fp32")
         raise SystemExit(build_main(ap.parse_args()))
     raise SystemExit(serve(setup))

@@ -1,0 +1,212 @@
+"""Integer (int8 / int4 weight-only) graphs from onnxruntime-genai's model builder.
+
+For ``specrt export --precision int8|int4`` each model is built by onnxruntime-genai's own
+model builder (``python -m onnxruntime_genai.models.builder``, pinned to 0.18.0 in the
+``[export]`` extra: its output format changes between releases), which emits a fused graph:
+GroupQueryAttention with past and present sharing one buffer, MatMulNBits weights in
+blocks, SkipSimplifiedLayerNormalization; 101 nodes for the default target against 529 in
+specrt's standard graph. specrt then runs it with its own runtime through plain
+onnxruntime (:mod:`specrt.runtime.backends.ort_gqa`); onnxruntime-genai is not needed to
+serve it. Why this graph form and these defaults: docs/ENGINES.md.
+
+Options passed to the builder (``--extra_options``):
+
+* ``block_size`` (default 32) and ``accuracy_level`` (default 4: int8 activations, the
+  fast CPU kernels; 0/1 compute in fp32 and were 2.5-35x slower per call in research r14);
+* for int4, ``shared_embeddings=false`` and ``matmul_mixed_precision=last_matmul:int8``:
+  with tied embeddings the builder's default int4 build quantizes the embedding table too
+  (it gathers from the int4 LM head); keeping the table in fp32 and the LM head in int8
+  raised the top-1 agreement with the fp32 target from 95.3% to 98.0% at the same speed
+  (r14 section 5). The combination shared_embeddings=true + last_matmul:int8 yields an
+  invalid graph in 0.18.0, so it is never passed.
+
+GPT-2-family models: the builder has no GPT-2; such a model keeps specrt's standard fp32
+graph in an integer export, with a note in the manifest entry and the export log
+(:func:`builder_supports`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specrt.runtime.errors import ExportError, UnsupportedModelError
+from specrt.runtime.manifest import GRAPH_BUILDER, ModelEntry, sha256_file
+
+__all__ = [
+    "BUILDER_PRECISIONS",
+    "BUILDER_VERSION",
+    "QuantOptions",
+    "builder_supports",
+    "build_model",
+    "default_extra",
+]
+
+BUILDER_PRECISIONS = ("int8", "int4")
+BUILDER_VERSION = "0.18.0"  # the onnxruntime-genai release the [export] extra pins
+# model_type values of specrt's families the builder covers (gpt2 is not among its architectures)
+_BUILDER_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """Weight quantization of an integer export.
+
+    Attributes:
+        precision: ``int8`` or ``int4`` (weight-only; MatMulNBits).
+        block_size: weights per quantization block (16..256, a power of two; must divide
+            the layers' input widths, e.g. the default draft's 192).
+        accuracy_level: MatMulNBits compute type: 0 (unset: fp32), 1 fp32, 2 fp16, 3 bf16,
+            4 int8 activations (the fast CPU path).
+        extra: further builder ``--extra_options`` (``key=value``); None = the defaults of
+            :func:`default_extra`.
+    """
+
+    precision: str
+    block_size: int = 32
+    accuracy_level: int = 4
+    extra: dict | None = field(default=None)
+
+    def __post_init__(self):
+        if self.precision not in BUILDER_PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}; the builder path makes {', '.join(BUILDER_PRECISIONS)}")
+        if self.block_size < 16 or self.block_size > 256 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size}; must be a power of two in 16..256")
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise ValueError(f"accuracy_level={self.accuracy_level}; must be 0..4 (4 = int8 activations, the fast CPU kernels)")
+
+    def options(self, tied_embeddings: bool) -> dict[str, str]:
+        """The ``--extra_options`` for one model (``key -> value`` strings)."""
+        opts = {"block_size": str(self.block_size), "accuracy_level": str(self.accuracy_level)}
+        opts.update(default_extra(self.precision, tied_embeddings) if self.extra is None else {k: str(v) for k, v in self.extra.items()})
+        return opts
+
+
+def default_extra(precision: str, tied_embeddings: bool) -> dict[str, str]:
+    """specrt's default builder extra options (module docstring): for int4 with tied
+    embeddings, a separate fp32 embedding table and an int8 LM head; else none."""
+    if precision == "int4" and tied_embeddings:
+        return {"shared_embeddings": "false", "matmul_mixed_precision": "last_matmul:int8"}
+    return {}
+
+
+def builder_supports(model_type: str) -> bool:
+    """Whether the model builder can build this ``config.model_type`` (specrt's families
+    except ``gpt2``)."""
+    return model_type in _BUILDER_TYPES
+
+
+def _rename_external_data(graph_path: Path, data_name: str) -> None:
+    """Point every external initializer of ``graph_path`` at ``data_name`` (same folder),
+    so the engine folder can name the weights after the role (``target.onnx.data``)."""
+    import onnx
+
+    m = onnx.load(str(graph_path), load_external_data=False)
+    for t in m.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            for kv in t.external_data:
+                if kv.key == "location":
+                    kv.value = data_name
+    onnx.save(m, str(graph_path))
+
+
+def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_ctx: int, cache: Path, log=print) -> ModelEntry:
+    """Build one checkpoint with the model builder into ``out/{role}.onnx`` (+ ``.data``).
+
+    Args:
+        model_dir: local HF checkpoint (config, safetensors, tokenizer).
+        out: the engine folder. role: ``target`` or ``draft``.
+        opts: :class:`QuantOptions`. max_ctx: the engines' context (checked against the
+            graph's rotary cache, ``context_length``).
+        cache: a scratch folder for the builder (``-c``); log: progress sink.
+
+    Returns:
+        The model's :class:`~specrt.runtime.manifest.ModelEntry` (graph ``builder``; parity,
+        vocab hash, exactness filled in by the caller).
+
+    Raises:
+        UnsupportedModelError: an architecture the builder lacks, or ``max_ctx`` beyond the
+            graph's rotary cache.
+        ExportError: the builder failed (its last log lines), or its graph's I/O differs from
+            the interface the runtime binds.
+    """
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    if not builder_supports(cfg.model_type):
+        raise UnsupportedModelError(f"{model_dir}: model_type {cfg.model_type!r} is not covered by onnxruntime-genai's model builder")
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    extra = opts.options(tied)
+    tmp = out / f".build_{role}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir), "-o", str(tmp), "-p", opts.precision, "-e", "cpu", "-c", str(cache)]
+    cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra.items())]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0 or not (tmp / "model.onnx").is_file():
+        tail = " | ".join([ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip() and "Saving " not in ln][-5:])
+        raise ExportError(f"onnxruntime-genai model builder failed for {model_dir} ({opts.precision}, exit {p.returncode}): {tail[-800:]}")
+    gcfg = json.loads((tmp / "genai_config.json").read_text())["model"]
+    dec = gcfg["decoder"]
+    if gcfg.get("context_length", max_ctx) < max_ctx:
+        raise UnsupportedModelError(f"{model_dir}: the builder graph's rotary cache has {gcfg['context_length']} positions < --max-ctx {max_ctx}")
+    graph, data = out / f"{role}.onnx", out / f"{role}.onnx.data"
+    shutil.move(str(tmp / "model.onnx"), graph)
+    shutil.move(str(tmp / "model.onnx.data"), data)
+    _rename_external_data(graph, data.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    n_layers = int(dec["num_hidden_layers"])
+    ins, outs = _graph_io(graph)
+    want_in, want_out = ModelEntry.io_names(n_layers, GRAPH_BUILDER)
+    if set(ins) != set(want_in) or set(outs) != set(want_out):
+        raise ExportError(f"{graph}: builder graph I/O {ins} -> {outs} is not the interface the runtime binds ({want_in} -> {want_out})")
+    log(f"  model builder {opts.precision} ({', '.join(f'{k}={v}' for k, v in extra.items())}): {time.perf_counter() - t0:.1f} s")
+    return ModelEntry(
+        file=graph.name,
+        sha256=sha256_file(graph),
+        family=cfg.model_type,
+        n_layers=n_layers,
+        n_heads=int(dec["num_attention_heads"]),
+        n_kv_heads=int(dec["num_key_value_heads"]),
+        head_dim=int(dec["head_size"]),
+        hidden=int(dec["hidden_size"]),
+        vocab_size=int(gcfg["vocab_size"]),
+        params=0,
+        inputs=ins,
+        outputs=outs,
+        source=str(model_dir),
+        graph=GRAPH_BUILDER,
+        precision=opts.precision,
+        quant=dict(
+            tool="onnxruntime-genai model builder",
+            version=_builder_version(),
+            block_size=opts.block_size,
+            accuracy_level=opts.accuracy_level,
+            extra_options=extra,
+            context_length=int(gcfg.get("context_length", 0)),
+        ),
+        data_file=data.name,
+        data_sha256=sha256_file(data),
+    )
+
+
+def _graph_io(path: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(input names, output names) of an ONNX file, weights not loaded."""
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    return tuple(i.name for i in m.graph.input), tuple(o.name for o in m.graph.output)
+
+
+def _builder_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("onnxruntime-genai")
+    except Exception:  # noqa: BLE001 - recorded only
+        return "unknown"

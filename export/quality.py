@@ -1,0 +1,130 @@
+"""The ``quality`` record of an export: the exported target (any flavor) against the fp32
+target, on the held-out stdlib text and on HumanEval outputs.
+
+The sets and figures are those of :mod:`specrt.runtime.lab.quality` (top-1 agreement, loss
+in nats per token, teacher-forced). The reference is the checkpoint's fp32 *standard* graph,
+exported to a scratch folder for the purpose (equal to PyTorch to ~1e-5, the parity every
+fp32 export checks) and run by the runtime like the flavor: a forward in PyTorch took
+2 s per 256-token window on this 2-core machine, onnxruntime a tenth of that.
+``scripts/eval_quality.py`` computes the same figures against an fp32 engine folder (all
+100 HumanEval prompts) for docs/ENGINES.md.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specrt.runtime.lab.quality import WINDOW, compare, encode_texts, heldout_windows, score_model, stdlib_heldout_texts
+
+__all__ = ["QualityConfig", "QUALITY_BOUNDS", "export_quality", "holds"]
+
+# what "the quality holds" means for a flavor (docs/ENGINES.md): its argmax agrees with the
+# fp32 target's at >= 95% of the positions of both sets and its loss rises by <= 0.05 nats
+QUALITY_BOUNDS = {"min_top1_agreement": 0.95, "max_loss_delta": 0.05}
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """What the export-time quality record measures.
+
+    Attributes:
+        heldout_windows: windows of the held-out stdlib text (0 = skip).
+        window: scored positions per window (capped at ``max_ctx - 1``).
+        prompts: a HumanEval JSONL file (``"prompt"`` per line); "" or missing = skip.
+        humaneval_prompts: prompts used from it.
+        new_tokens: tokens of the fp32 greedy continuation scored per prompt.
+    """
+
+    heldout_windows: int = 64
+    window: int = WINDOW
+    prompts: str = "data/humaneval_dev.jsonl"
+    humaneval_prompts: int = 20
+    new_tokens: int = 128
+
+
+def holds(record: dict) -> bool:
+    """Whether every measured set meets :data:`QUALITY_BOUNDS`."""
+    sets = [record[k] for k in ("heldout_stdlib", "humaneval") if isinstance(record.get(k), dict) and "top1_agreement" in record[k]]
+    return bool(sets) and all(s["top1_agreement"] >= QUALITY_BOUNDS["min_top1_agreement"] and s["loss_delta"] <= QUALITY_BOUNDS["max_loss_delta"] for s in sets)
+
+
+def greedy(model, ids: list[int], new_tokens: int, vocab: int, eos: int) -> list[int]:
+    """The model's greedy continuation of ``ids`` (at most ``new_tokens``, EOS included
+    when it ends it): one call per token after a chunked prefill."""
+    from specrt.runtime.decode import feed
+
+    rows = feed(model, ids, 0)
+    out = [int(rows[-1, :vocab].argmax())]
+    while len(out) < new_tokens and out[-1] != eos:
+        out.append(int(model.run(out[-1:], len(ids) + len(out) - 1)[0, :vocab].argmax()))
+    return out
+
+
+def export_quality(manifest, out: Path, target_dir: Path, cfg: QualityConfig, log=print) -> dict:
+    """Score the exported target of ``out`` against the fp32 standard graph of ``target_dir``.
+
+    Returns:
+        ``{"reference", "bounds", "holds", "heldout_stdlib": {...}, "humaneval": {...},
+        "seconds"}``; a set that cannot be built (no prompts file, text too short) is
+        ``{"skipped": reason}``.
+    """
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from specrt.runtime.backends import cpu_model
+    from specrt.runtime.backends.base import ThreadConfig
+    from specrt.runtime.tokenizer import TextCodec
+
+    from .onnx_export import export_model
+
+    t0 = time.perf_counter()
+    m = manifest
+    scratch = out / ".quality_reference"
+    shutil.rmtree(scratch, ignore_errors=True)
+    ref_entry = export_model(target_dir, scratch / "target.onnx", m.max_ctx, m.k_max, check=False).entry
+    max_q = max(256, m.k_max + 1)
+    ref = cpu_model(scratch, ref_entry, m.max_ctx, max_q, ThreadConfig())
+    model = cpu_model(out, m.target, m.max_ctx, max_q, ThreadConfig())
+    vocab, min_q = m.vocab_size, m.min_q()
+    rec: dict = dict(reference=f"fp32 standard graph of {target_dir} (exported for the comparison)", bounds=QUALITY_BOUNDS)
+    window = min(cfg.window, m.max_ctx - 1)
+    if cfg.heldout_windows > 0:
+        tok = Tokenizer.from_file(str(out / m.tokenizer_file))
+        try:
+            data = encode_texts(lambda t: tok.encode(t, add_special_tokens=False).ids, stdlib_heldout_texts(), m.eos_token_id)
+            wins = heldout_windows(data, cfg.heldout_windows, window).tolist()
+            firsts = [0] * len(wins)
+            fig = compare(score_model(ref, wins, firsts, vocab), score_model(model, wins, firsts, vocab, min_q))
+            rec["heldout_stdlib"] = dict(fig, windows=len(wins), window=window, tokens=int(len(data)))
+        except ValueError as e:
+            rec["heldout_stdlib"] = {"skipped": str(e)}
+    path = Path(cfg.prompts) if cfg.prompts else None
+    if path and path.is_file() and cfg.humaneval_prompts > 0:
+        codec = TextCodec(out / m.tokenizer_file, m.bos_token_id, m.add_bos)
+        prompts = [json.loads(x)["prompt"] for x in path.read_text().splitlines() if x.strip()][: cfg.humaneval_prompts]
+        seqs, firsts = [], []
+        for p in prompts:
+            ids = codec.encode(p)[: m.max_ctx - cfg.new_tokens - 1]
+            seqs.append(ids + greedy(ref, ids, cfg.new_tokens, vocab, m.eos_token_id))
+            firsts.append(len(ids) - 1)
+        fig = compare(score_model(ref, seqs, firsts, vocab), score_model(model, seqs, firsts, vocab, min_q))
+        rec["humaneval"] = dict(fig, prompts=len(prompts), new_tokens=cfg.new_tokens, file=str(path))
+    else:
+        rec["humaneval"] = {"skipped": f"no prompts file {cfg.prompts!r}"}
+    model.close()
+    ref.close()
+    shutil.rmtree(scratch, ignore_errors=True)
+    rec["holds"] = holds(rec)
+    rec["config"] = asdict(cfg)
+    rec["seconds"] = round(time.perf_counter() - t0, 1)
+    for k in ("heldout_stdlib", "humaneval"):
+        s = rec[k]
+        if "top1_agreement" in s:
+            log(
+                f"  quality vs fp32 ({k}, {s['positions']} positions): top-1 agreement {s['top1_agreement']:.4f}, loss {s['loss']:.4f} vs {s['loss_reference']:.4f}"
+            )
+    return rec

@@ -1,0 +1,141 @@
+"""Width exactness of an exported graph: from which call width q are logits rows
+bit-identical, whatever the width and the row offset inside the call?
+
+Why it matters: speculative decoding computes a position's logits inside a verification
+call of q = n + 1 rows, target-only decoding one row at a time. If a kernel rounds
+differently at some width (onnxruntime's MatMul takes a GEMV path for one row and a GEMM
+path for more; the int4/int8 MatMulNBits kernels with ``accuracy_level`` 4 quantize the
+activations per call), a near-tie between the top two tokens can flip and the speculative
+output would differ from the target's own greedy output. Research r14 found, for every
+flavor on onnxruntime 1.32 CPU, that every q >= 2 gives bit-identical rows and only q = 1
+differs (about 1e-5 in fp32, up to 0.09 in int4 accuracy level 4). This module measures
+it on the graph actually exported, so the decode loop can avoid the odd widths
+(:mod:`specrt.runtime.decode`, ``Plan.min_q``) and the manifest says what was found.
+
+Method (:func:`measure`): random token sequences are run through the model in several
+*patterns* of calls: every call exactly 1 token (q = 1), or a first call of ``q + o``
+tokens then calls of ``q`` (the tail folded into the last call, so no call is narrower
+than q) for each width q and offset o. Each pattern rewrites the KV cache from position 0,
+so both the logits and the KV rows behind later positions are compared. The reference is
+the widest pattern; ``exact_min_q`` is the smallest measured width q such that every
+pattern with all calls >= q is bit-identical to it (also across the thread counts given).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["pattern_bounds", "run_pattern", "measure", "DEFAULT_OFFSETS"]
+
+DEFAULT_OFFSETS = (0, 1, 2)
+
+
+def pattern_bounds(n: int, q: int, offset: int = 0) -> list[tuple[int, int]]:
+    """``[lo, hi)`` calls covering ``0..n``: a first call of ``q + offset`` tokens, then calls
+    of ``q``; a tail narrower than ``q`` is folded into the call before it (so every call is
+    at least ``q`` wide when ``n >= q``). ``q = 1`` with offset 0 is one call per token."""
+    first = min(n, q + offset)
+    out = [(0, first)]
+    i = first
+    while i < n:
+        hi = min(n, i + q)
+        if 0 < n - hi < q:
+            hi = n
+        out.append((i, hi))
+        i = hi
+    return out
+
+
+def run_pattern(model, tokens: Sequence[int], bounds: list[tuple[int, int]]) -> np.ndarray:
+    """Logits rows float32 ``[len(tokens), vocab]`` of ``tokens`` computed by ``model`` (a
+    :class:`~specrt.runtime.backends.base.Model`) in the calls ``bounds`` (from position 0)."""
+    out = np.empty((len(tokens), model.vocab), np.float32)
+    for lo, hi in bounds:
+        out[lo:hi] = model.run(tokens[lo:hi], lo)
+    return out
+
+
+def measure(
+    models: Sequence[tuple[str, object]],
+    vocab_size: int,
+    widths: Sequence[int],
+    offsets: Sequence[int] = DEFAULT_OFFSETS,
+    length: int = 40,
+    sequences: int = 2,
+    seed: int = 0,
+) -> dict:
+    """Measure the width exactness of one graph (see the module docstring).
+
+    Args:
+        models: ``(label, model)`` pairs over the same graph, e.g. one per thread count; the
+            first one runs every pattern, the others the reference pattern and the
+            narrowest one of each width (thread counts must not change bits either).
+        vocab_size: token ids are drawn from ``0..vocab_size-1`` (the tokenizer's ids).
+        widths: call widths q to measure (every model's ``max_q`` >= 2 * the widest +
+            the largest offset); 1 is always measured as well.
+        offsets: extra tokens of the first call (row offsets inside the later calls).
+        length: tokens per sequence (<= ``max_ctx``; > the widest width + offset).
+        sequences: random sequences.
+        seed: numpy seed of the sequences.
+
+    Returns:
+        A JSON-ready record: ``exact_min_q`` (int, or None when no measured width is
+        bit-identical), ``widths``, ``offsets``, ``sequences``, ``length``, ``models``
+        (labels), ``max_abs_diff`` per pattern label (``"q1"``, ``"q2+o1"``, ``"q9 [t1]"``,
+        ...) against the reference, and ``reference``.
+
+    Raises:
+        ValueError: no models, or a width wider than a model's ``max_q`` / longer than the
+            sequence.
+    """
+    if not models:
+        raise ValueError("no model to measure")
+    widths = sorted({1, *(int(q) for q in widths)})
+    offsets = sorted({0, *(int(o) for o in offsets)})
+    widest = widths[-1]
+    if length <= widest + max(offsets):
+        raise ValueError(f"length {length} must exceed the widest call {widest} + offset {max(offsets)}")
+    need_q = 2 * widest + max(offsets)  # a folded tail makes a call up to 2q - 1 wide
+    for _, m in models:
+        if m.max_q < need_q or m.max_ctx < length:
+            raise ValueError(f"a model with max_q {m.max_q} / max_ctx {m.max_ctx} cannot run calls of up to {need_q} over {length} tokens")
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, vocab_size, size=length).tolist() for _ in range(sequences)]
+    patterns = [("q1", 1, 0)] + [(f"q{q}" + (f"+o{o}" if o else ""), q, o) for q in widths if q > 1 for o in offsets]
+    ref_label = f"q{widest}"
+    label0, model0 = models[0]
+    ref = [run_pattern(model0, s, pattern_bounds(length, widest)) for s in seqs]
+    diffs: dict[str, float] = {}
+    by_width: dict[int, list[float]] = {q: [] for q in widths}
+    for lab, q, o in patterns:
+        d = max(float(np.abs(run_pattern(model0, s, pattern_bounds(length, q, o)) - r).max()) for s, r in zip(seqs, ref))
+        diffs[lab] = d
+        by_width[q].append(d)
+    for lab, m in models[1:]:  # other thread counts: the reference pattern and each width at offset 0
+        for q in widths:
+            d = max(float(np.abs(run_pattern(m, s, pattern_bounds(length, q)) - r).max()) for s, r in zip(seqs, ref))
+            diffs[f"q{q} [{lab}]"] = d
+            by_width[q].append(d)
+    exact = None
+    for q in reversed(widths):  # the smallest q such that every width >= q is bit-identical
+        if max(by_width[q]) == 0.0:
+            exact = q
+        else:
+            break
+    return dict(
+        exact_min_q=exact,
+        widths=widths,
+        offsets=offsets,
+        sequences=sequences,
+        length=length,
+        models=[lab for lab, _ in models],
+        reference=f"{ref_label} [{label0}]",
+        max_abs_diff=diffs,
+        note=(
+            f"rows are bit-identical for every call width >= {exact} (any offset, thread counts {', '.join(lab for lab, _ in models)})"
+            if exact
+            else f"no measured width gives bit-identical rows (largest difference {max(diffs.values()):.3g}); speculative output may differ from target-only at near-ties"
+        ),
+    )
