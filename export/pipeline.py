@@ -19,6 +19,7 @@ from specrt.runtime.errors import PairError  # noqa: F401  (in the SpecRTError t
 from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, Manifest, sha256_file
 
 from .onnx_export import BODY_FILE, HEAD_FILE, export_model
+from .tokenizer_check import check_tokenizer
 
 
 def vocab_map(tokenizer_json: Path) -> dict[str, int]:
@@ -155,7 +156,9 @@ def export_pair(
     """Check the pair, export both models, check parity, and write the manifest.
 
     Pair rules, checked before anything is exported: one tokenizer (equal token -> id
-    map hashes); each model's logit width >= the tokenizer's size (extra rows are
+    map hashes), whose ``tokenizer.json`` encodes like the target's ``AutoTokenizer``
+    (:func:`specrt.export.tokenizer_check.check_tokenizer`; a missing NFC normalizer is
+    added to the engine's copy); each model's logit width >= the tokenizer's size (extra rows are
     padding: the runtime slices them off, so no padded id is ever proposed or chosen);
     both architectures and config options supported for ``max_ctx``. The target's
     special tokens (BOS/EOS/pad) are recorded in the manifest and used for draft, target
@@ -182,7 +185,7 @@ def export_pair(
         The written :class:`~specrt.runtime.manifest.Manifest`.
 
     Raises:
-        PairError, specrt.export.arch.UnsupportedModelError, specrt.export.onnx_export.ParityError,
+        PairError, TokenizerError, specrt.export.arch.UnsupportedModelError, specrt.export.onnx_export.ParityError,
         ValueError: bad k_max/max_ctx.
     """
     import onnx
@@ -199,6 +202,7 @@ def export_pair(
         if not (d / "config.json").is_file():
             raise ValueError(f"{role} folder {d} is not a Hugging Face checkpoint (no config.json)")
     tok_json = check_pair(draft_dir, target_dir)
+    fixed_tokenizer = check_tokenizer(target_dir, tok_json, log)  # AutoTokenizer == tokenizer.json, or NFC added
     eos, bos, add_bos, n_vocab = _special_ids(target_dir)
     _check_configs(draft_dir, target_dir, max_ctx, n_vocab, log)
     v_hash = vocab_hash(tok_json)
@@ -218,7 +222,10 @@ def export_pair(
     for e, role in ((draft.entry, "draft"), (target.entry, "target")):
         if e.vocab_size < n_vocab:
             raise PairError(f"{role} has {e.vocab_size} logits but the tokenizer has {n_vocab} ids; they must come from one tokenizer")
-    shutil.copyfile(tok_json, out / "tokenizer.json")
+    if fixed_tokenizer is None:
+        shutil.copyfile(tok_json, out / "tokenizer.json")
+    else:
+        (out / "tokenizer.json").write_text(fixed_tokenizer, encoding="utf-8")
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         name=out.name,

@@ -15,13 +15,12 @@ import random
 import re
 import shutil
 import threading
-from contextlib import contextmanager
 
 import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import greedy_verify, speculative_verify  # noqa: F401  (the acceptance loop on explicit rows)
+from helpers import greedy_verify, scripted, speculative_verify  # noqa: F401  (the acceptance loop on explicit rows)
 from text_oracle import completion_text, invalid_byte_run, stream_text
 
 from specrt import Engine, GenerationConfig, Stream
@@ -68,45 +67,6 @@ def byte_ids(engine: Engine, text: str) -> list[int]:
     ids = [engine.codec.tokenizer.token_to_id(m[b]) for b in text.encode("utf-8")]
     assert None not in ids
     return ids
-
-
-@contextmanager
-def scripted(engine: Engine, prompt_ids, continuation, wrong=(), calls=None):
-    """Make both models predict ``prompt_ids + continuation`` with one-hot logits.
-
-    The draft is wrong (proposes another token) at the absolute positions in ``wrong``,
-    so those rounds roll back; elsewhere it is right, so rounds commit several tokens.
-    ``calls`` collects (model name, start, q) of every run.
-    """
-    full = list(prompt_ids) + list(continuation)
-    filler = engine.codec.tokenizer.token_to_id(".")
-    max_ctx = engine.manifest.max_ctx
-    saved = {}
-    for name in ("target", "draft"):
-        model = getattr(engine, name)
-        saved[name] = model.run
-        buf = np.zeros((model.max_q, model.vocab), np.float32)
-
-        def run(tokens, start, _name=name, _buf=buf):
-            q = len(tokens)
-            assert start + q <= max_ctx, (_name, start, q)
-            if calls is not None:
-                calls.append((_name, start, q))
-            _buf[:q] = 0.0
-            for i in range(q):
-                pos = start + i + 1
-                t = full[pos] if pos < len(full) else filler
-                if _name == "draft" and pos in wrong:
-                    t = filler if t != filler else filler + 1
-                _buf[i, t] = 30.0
-            return _buf[:q]
-
-        model.run = run
-    try:
-        yield full
-    finally:
-        for name, f in saved.items():
-            getattr(engine, name).run = f
 
 
 def stream_all(engine, prompt, cfg):
