@@ -40,6 +40,7 @@ from hypothesis import strategies as st  # noqa: E402
 from specrt import Engine, GenerationConfig  # noqa: E402
 from specrt.cli import cli  # noqa: E402
 from specrt.runtime.errors import TokenizerError  # noqa: E402
+from specrt.runtime.textstream import CompletionText  # noqa: E402
 from specrt.runtime.tokenizer import TextCodec  # noqa: E402
 
 # name -> (BOS id, EOS id, whether BOS is prepended), from the GGUF's metadata and llama.cpp's defaults
@@ -58,6 +59,7 @@ VOCABS = list(SPECIALS)
 SENTENCEPIECE = {"llama-spm", "phi-3"}  # byte fallback; the others are byte-level BPE
 PAIRS = ["llama-spm", "llama-bpe", "qwen2"]
 EXAMPLES = int(os.environ.get("SPECRT_TEXT_EXAMPLES", "40"))  # hypothesis examples per vocabulary
+DERANDOMIZE = not os.environ.get("SPECRT_TEXT_RANDOM")  # CI draws the same examples every run; set it to explore
 
 
 class Vocab:
@@ -221,7 +223,7 @@ def test_completion_text_properties(vocab):
 
     counting = Counting()
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=DERANDOMIZE, suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def run(data):
         prompt, out = data.draw(ids_case(v))
@@ -229,10 +231,21 @@ def test_completion_text_properties(vocab):
         while left:
             sizes.append(data.draw(st.integers(1, left)))
             left -= sizes[-1]
+        # cost: once per request a search of the prompt's last 32 ids for an unfinished
+        # character; then one decode per id of ctx + the window (<= max_pending + 1 ids, but
+        # once up to the 32 prompt ids of an unfinished character), + the context once, + finish
+        ctx, tail = len(v.codec.context_ids), 32
         window.clear()
-        one, pieces, ct = stream_text(counting, prompt, out)
-        assert max(window, default=0) <= len(v.codec.context_ids) + 32  # prompt tail search, then <= ctx + max_pending + 1
-        assert sum(n > len(v.codec.context_ids) + ct.max_pending + 1 for n in window) <= 33  # only the one-off prompt tail search
+        ct = CompletionText(counting, prompt)
+        assert len(window) <= 2 * tail + 2 and max(window, default=0) <= ctx + tail
+        window.clear()
+        for t in out:
+            ct.push([t])
+        ct.finish()
+        assert len(window) <= len(out) + 2 and max(window, default=0) <= ctx + tail + 1
+        assert sum(n > ctx + ct.max_pending + 1 for n in window) <= 1
+        one, pieces, ct = stream_text(v.codec, prompt, out)
+        assert one == ct.text
         grouped, gpieces, _ = stream_text(v.codec, prompt, out, sizes)
         whole, _, _ = stream_text(v.codec, prompt, out, [len(out)] if out else [])
         assert one == grouped == whole == "".join(pieces) == "".join(gpieces)
@@ -247,7 +260,7 @@ def test_completion_text_properties(vocab):
         counts["asserted"] += 1
 
     run()
-    assert counts["asserted"] >= counts["examples"] // 3, counts
+    assert counts["asserted"] >= counts["examples"] // 5, counts  # the draws are byte-heavy on purpose
 
 
 @vocabs(VOCABS)
