@@ -83,13 +83,14 @@ def _nfc_fixed(raw):
     return Tokenizer.from_str(json.dumps(d))
 
 
-def check_tokenizer(target_dir: str | Path, tokenizer_json: str | Path, log=print) -> str | None:
+def check_tokenizer(target_dir: str | Path, tokenizer_json: str | Path, log=print, auto=None) -> str | None:
     """Compare the checkpoint's ``AutoTokenizer`` with ``tokenizer_json`` on :data:`PROBES`.
 
     Args:
         target_dir: the target checkpoint folder (its tokenizer files and config).
         tokenizer_json: the ``tokenizer.json`` the engine folder will hold.
         log: sink of the one-line notes (a fix applied, a decode difference).
+        auto: the checkpoint's ``AutoTokenizer`` when already loaded (else loaded here).
 
     Returns:
         None when both encode every probe alike; else the text of a fixed ``tokenizer.json``
@@ -102,7 +103,8 @@ def check_tokenizer(target_dir: str | Path, tokenizer_json: str | Path, log=prin
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    auto = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
+    if auto is None:
+        auto = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     raw = Tokenizer.from_file(str(tokenizer_json))
     texts = [*PROBES, *_special_texts(auto)]
     want = [list(auto(t, add_special_tokens=False)["input_ids"]) for t in texts]

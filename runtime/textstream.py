@@ -37,9 +37,10 @@ Hugging Face's ``TextStreamer``, with a fixed context instead of the prompt's ta
   character, or until the end of the output (then it is released as it decodes). After
   more than ``max_pending`` ids without a complete character (only invalid bytes do that) the held text
   is released as it decodes and the window moves on, which bounds the window.
-- If the prompt ends inside a character (ids given as a prompt can), the ids of that
-  unfinished character (found once, at most ``tail`` ids back) open the window, and the
-  second case of the definition decides what belongs to the output.
+- If the prompt ends inside a character (ids given as a prompt can), the ids after its last
+  complete text (found once per request, at most ``tail`` ids back) open the window, and the
+  second case of the definition decides what belongs to the output: the whole character the
+  output completes.
 - :meth:`CompletionText.push` processes its ids one at a time, so the text and the pieces'
   concatenation depend only on the ids, never on how they were grouped into pushes (k_max,
   strategy, rollbacks, stop strings, streaming or not, server or CLI).
@@ -65,8 +66,13 @@ no streaming decoder can do without retracting what it sent. specrt keeps what i
 and decodes only the window: the complete characters stay (``"\\n"``), the unfinished or
 invalid bytes become U+FFFD as the window decodes them (one per byte with ``ByteFallback``),
 so ``[x, <0x0A>, <0xE6>]`` gives ``"x\\n\\ufffd"`` (with the first token's space when the
-prompt has text). This text, too, is the same whatever the grouping. The same holds for
-a prompt that ends inside such a run. Decoders that change text *before* the output
+prompt has text). This text, too, is the same whatever the grouping. A prompt given as ids that ends inside
+a character within a byte-fallback run is such a run too: ``decode(prompt)`` already shows
+the run's complete characters as U+FFFD, so the definition's second case counts them as
+output text. specrt gives the same text where the run's start is at most ``max_pending``
+ids back (its window opens where the prompt's text, as decoded, is complete); for a longer run
+it opens the window after the prompt's last complete character and gives only the characters
+after it (no U+FFFD). Decoders that change text *before* the output
 (cleanup of ``" ."`` to ``"."``, CTC's merging of repeats) are outside the rule as well; no
 causal-LM vocabulary here uses one.
 
@@ -109,7 +115,8 @@ class CompletionText:
         max_pending: ids a window may hold while its character is unfinished; with one
             more the held text is released as it decodes (a UTF-8 character has at most 4
             bytes, so only invalid bytes get there).
-        tail: how many of the prompt's last ids are searched for an unfinished character.
+        tail: how many of the prompt's last ids are decoded to see whether it ends inside a
+            character.
 
     Use: :meth:`push` each round's committed ids, :meth:`take` the text that is safe to
     send, :meth:`finish` at the end of the output; :attr:`text` is the whole completion
@@ -167,8 +174,13 @@ class CompletionText:
         """(window ids, their text) when the prompt ends inside a character, else ([], "").
 
         The window opens at the token boundary where the prompt's complete text ends: the
-        last token whose text starts a character (does not start with U+FFFD) is found, then
-        the last boundary after it before which the text is complete."""
+        last token whose text (decoded to the end of the tail) starts a character, i.e. does
+        not start with U+FFFD, is found, then the last boundary after it before which the text
+        is complete and agrees with that decode. Without such a token, or when that leaves
+        more than ``max_pending`` ids in the window (a byte-fallback run that ends unfinished
+        decodes to U+FFFD throughout, so nothing in it agrees), :meth:`_after_last_character`
+        decides. At most 2 x ``tail`` + ``max_pending ** 2`` + 3 decodes, once per request,
+        only for a prompt that ends in U+FFFD."""
         whole = self._rel(tail)
         if not whole.endswith(REPLACEMENT):
             return [], ""
@@ -176,15 +188,31 @@ class CompletionText:
             s = self._rel(tail[i:])
             if s and not s.startswith(REPLACEMENT):
                 break
-        else:  # no character starts in the tail (a long run of invalid bytes): all of it
-            return tail, whole
+        else:
+            return self._after_last_character(tail, whole)
         stable = s.rstrip(REPLACEMENT)
         j = i
         for k in range(i + 1, len(tail) + 1):
             t = self._rel(tail[i:k])
             if t and not t.endswith(REPLACEMENT) and stable.startswith(t):
                 j = k
+        if len(tail) - j > self.max_pending:
+            return self._after_last_character(tail, whole)
         return tail[j:], self._rel(tail[j:])
+
+    def _after_last_character(self, tail: list[int], whole: str) -> tuple[list[int], str]:
+        """The window after the tail's last complete character, decoded in short spans: the
+        largest boundary ``j`` (at most ``max_pending`` ids from the end) such that some
+        ``tail[i:j]`` (``i`` at most ``max_pending`` ids before) decodes to text that neither
+        starts nor ends in U+FFFD; none: all of the tail. At most ``max_pending ** 2 + 1``
+        decodes."""
+        n, m = len(tail), self.max_pending
+        for j in range(n - 1, max(n - 1 - m, 0), -1):
+            for i in range(j - 1, max(j - 1 - m, -1), -1):
+                t = self._rel(tail[i:j])
+                if t and not t.startswith(REPLACEMENT) and not t.endswith(REPLACEMENT):
+                    return tail[j:], self._rel(tail[j:])
+        return tail, whole
 
     def _base(self, rel: str) -> int:
         """Chars of the window's text that belong to the prompt (its unfinished character):

@@ -249,24 +249,28 @@ def save_vocab_model(tok_dir: Path, out: Path, seed: int, family: str = "llama",
     alike; rows past the tokenizer are padding); BOS/EOS/pad from the tokenizer. Untied output
     weights, sharpened (x8) so that greedy outputs wander over the vocabulary.
     """
+    import json
     import shutil
 
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from tokenizers import Tokenizer
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    tok = Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))  # AutoTokenizer would take seconds at 128k ids
+    names = json.loads((Path(tok_dir) / "tokenizer_config.json").read_text())
+    bos, eos, pad = (tok.token_to_id(names[k]) if names.get(k) else None for k in ("bos_token", "eos_token", "pad_token"))
+    pad = eos if pad is None else pad
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     cfg = cfg_cls(
-        vocab_size=(len(tok) + 63) // 64 * 64,
+        vocab_size=(tok.get_vocab_size(with_added_tokens=True) + 63) // 64 * 64,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=512,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
+        bos_token_id=bos,
+        eos_token_id=eos,
         pad_token_id=pad,
         tie_word_embeddings=False,
     )
