@@ -120,8 +120,16 @@ class CompletionText:
 
     Use: :meth:`push` each round's committed ids, :meth:`take` the text that is safe to
     send, :meth:`finish` at the end of the output; :attr:`text` is the whole completion
-    text. After a stop, :attr:`stop_reason` is set and further pushes are refused.
+    text (``str``). After a stop, :attr:`stop_reason` is set and further pushes are refused.
     :attr:`forced` counts windows released with no complete character (invalid bytes).
+
+    Source: the prefix/read-offset scheme of vLLM's ``detokenize_incrementally`` and Hugging
+    Face's ``TextStreamer``, with a fixed decode context instead of the prompt's tail and
+    one id per step (the module doc says what differs and why).
+
+    Raises:
+        Whatever ``codec.decode`` raises (nothing for ids inside the vocabulary; the Engine
+        only passes ids its models produced or that :meth:`Engine.prompt_ids` validated).
     """
 
     __slots__ = (

@@ -122,7 +122,7 @@ def vocab_dir() -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
         if not (sdist.exists() and sdist.stat().st_size == SIZE):
-            part = sdist.with_suffix(".part")
+            part = root / f"{SDIST}.{os.getpid()}.part"  # one per process: concurrent sessions do not mix
             _download(_sdist_url(os.environ.get("SPECRT_PYPI_SIMPLE", "https://pypi.org/simple")), part)
             part.replace(sdist)
     except (urllib.error.URLError, OSError, TimeoutError, json.JSONDecodeError) as e:
@@ -131,9 +131,10 @@ def vocab_dir() -> Path:
     try:
         _extract(sdist, tmp)
         (tmp / ".complete").write_text(f"{SDIST} {SHA256}\n")
-        if final.exists():  # a stale, incomplete folder
-            shutil.rmtree(final)
-        tmp.replace(final)  # atomic: a concurrent caller sees all files or none
+        if not (final / ".complete").exists():  # else another session finished first
+            if final.exists():  # a stale, incomplete folder
+                shutil.rmtree(final)
+            tmp.replace(final)  # atomic: a concurrent caller sees all files or none
     except (tarfile.TarError, EOFError, OSError) as e:
         sdist.unlink(missing_ok=True)
         raise VocabsUnavailable(f"{SDIST} could not be extracted: {e}") from e

@@ -76,6 +76,7 @@ class Vocab:
         self.cases = read_cases(gguf)
 
     def enc(self, text: str) -> list[int]:
+        """Ids of ``text`` without special tokens added."""
         return self.tok.encode(text, add_special_tokens=False).ids
 
 
@@ -104,6 +105,7 @@ def vocab(request, real_tokenizer, real_vocabs) -> Vocab:
 
 
 def vocabs(names):
+    """Parametrize a test over the vocabularies ``names`` (the ``vocab`` fixture)."""
     return pytest.mark.parametrize("vocab", names, indirect=True)
 
 
@@ -395,10 +397,12 @@ def pair(request, real_pair):
 
 
 def pairs(names=PAIRS):
+    """Parametrize a test over the exported pairs ``names`` (the ``pair`` fixture)."""
     return pytest.mark.parametrize("pair", names, indirect=True)
 
 
 def _stream(engine, prompt, cfg):
+    """(pieces, result) of one Engine.stream call."""
     st_ = engine.stream(prompt, cfg)
     pieces = list(st_)
     return pieces, st_.result
