@@ -294,7 +294,8 @@ def test_stop_on_the_last_token_and_eos_reason(self_pair, tmp_path, self_engine)
     base = self_engine.generate(prompt, GenerationConfig(max_new_tokens=30, speculative=False))
     last = max((x for x in base.text.split(FFFD) if x), key=len)[-1]
     # a stop that completes on the very last allowed token still says "stop"
-    n = next(i for i in range(1, len(base.tokens) + 1) if last in self_engine.codec.decode(base.tokens[:i]).rstrip(FFFD))
+    ids = self_engine.prompt_ids(prompt)
+    n = next(i for i in range(1, len(base.tokens) + 1) if last in completion_text(self_engine.codec.decode, ids, base.tokens[:i]).rstrip(FFFD))
     res = self_engine.generate(prompt, GenerationConfig(max_new_tokens=n, k_max=8, stop=(last,)))
     assert res.finish_reason == "stop" and res.stop_reason == last and len(res.tokens) == n
     # EOS ends the output: finish_reason "stop", stop_reason None (stop strings given or not)
@@ -615,7 +616,7 @@ def test_fuzz_public_api_runs_or_raises_own_error(engine):
         stops = check_stops(kw["stop"])
         assert res.stop_reason is None or res.stop_reason in stops
         if res.stop_reason is None:
-            assert res.text == engine.codec.decode(res.tokens)
+            assert res.text == completion_text(engine.codec.decode, engine.prompt_ids(prompt), res.tokens)
             assert not any(s in res.text.rstrip(FFFD) for s in stops)
 
     one()
@@ -657,7 +658,7 @@ def test_threads_give_the_same_outputs_as_sequential_runs(engine, use_forks):
     assert not errors and not any(th.is_alive() for th in threads)
     for (t, j), v in got.items():
         if isinstance(v, tuple):
-            assert v[0] == engine.codec.decode(want[j])
+            assert v[0] == completion_text(engine.codec.decode, engine.prompt_ids(jobs[j][0]), want[j])
         else:
             assert v == want[j]
     assert len(got) == n_threads * len(jobs)
