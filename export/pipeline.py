@@ -23,6 +23,7 @@ from specrt.runtime.errors import PairError  # noqa: F401  (in the SpecRTError t
 from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, Manifest, sha256_file
 
 from .onnx_export import BODY_FILE, HEAD_FILE, export_model
+from .tokenizer_check import check_tokenizer
 
 
 def vocab_map(tokenizer_json: Path) -> dict[str, int]:
@@ -250,7 +251,9 @@ def export_pair(
     exactness, and write the manifest.
 
     Pair rules, checked before anything is exported: one tokenizer (equal token -> id
-    map hashes); each model's logit width >= the tokenizer's size (extra rows are
+    map hashes), whose ``tokenizer.json`` encodes like the target's ``AutoTokenizer``
+    (:func:`specrt.export.tokenizer_check.check_tokenizer`; a missing NFC normalizer is
+    added to the engine's copy); each model's logit width >= the tokenizer's size (extra rows are
     padding: the runtime slices them off, so no padded id is ever proposed or chosen);
     both architectures and config options supported for ``max_ctx``. The target's
     special tokens (BOS/EOS/pad) are recorded in the manifest and used for draft, target
@@ -290,7 +293,7 @@ def export_pair(
         The written :class:`~specrt.runtime.manifest.Manifest`.
 
     Raises:
-        PairError, specrt.export.arch.UnsupportedModelError, specrt.export.onnx_export.ParityError,
+        PairError, TokenizerError, specrt.export.arch.UnsupportedModelError, specrt.export.onnx_export.ParityError,
         PrecisionError (lazy-head with a builder or non-fp32 flavor), ExportError (the model
         builder failed), ValueError: bad k_max/max_ctx/precision/quant.
     """
@@ -326,6 +329,7 @@ def export_pair(
         if not (d / "config.json").is_file():
             raise ValueError(f"{role} folder {d} is not a Hugging Face checkpoint (no config.json)")
     tok_json = check_pair(draft_dir, target_dir)
+    fixed_tokenizer = check_tokenizer(target_dir, tok_json, log)  # AutoTokenizer == tokenizer.json, or NFC added
     eos, bos, add_bos, n_vocab = _special_ids(target_dir)
     _check_configs(draft_dir, target_dir, max_ctx, n_vocab, log)
     v_hash = vocab_hash(tok_json)
@@ -351,7 +355,10 @@ def export_pair(
         rec = measure_exactness(out, entries["target"], max_ctx, k_max, n_vocab)
         entries["target"] = replace(entries["target"], exact_min_q=rec["exact_min_q"], exactness=rec)
         log(f"  width exactness of the target: {rec['note']} (q=1 vs wider: max |diff| {rec['max_abs_diff']['q1']:.3g})")
-    shutil.copyfile(tok_json, out / "tokenizer.json")
+    if fixed_tokenizer is None:
+        shutil.copyfile(tok_json, out / "tokenizer.json")
+    else:
+        (out / "tokenizer.json").write_text(fixed_tokenizer, encoding="utf-8")
     template = find_chat_template(target_dir)
     if template is not None:
         (out / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")

@@ -5,7 +5,8 @@ The decoding itself is :func:`specrt.runtime.decode.decode` (propose, verify, co
 roll back; greedy output equals the target's own greedy output, sampled output follows the
 target's distribution, Leviathan et al. 2023, Algorithm 1). This module validates the
 request (:func:`specrt.runtime.config.resolve_config`), picks the acceptor, turns the round
-records into text (:mod:`specrt.runtime.textstream`) and statistics
+records into the completion text (:mod:`specrt.runtime.textstream`: the one definition of the
+output text for generate, stream, the CLI and the server) and statistics
 (:class:`~specrt.runtime.stats.Stats`), and serialises generations per Engine.
 """
 
@@ -31,7 +32,7 @@ from .manifest import GRAPH_BUILDER, LAZY_HEAD_HINT, LAZY_HEAD_KEY, Manifest, lo
 from .sampling import SampledAcceptor
 from .speculative import GreedyAcceptor
 from .stats import Stats
-from .textstream import IncrementalText
+from .textstream import CompletionText
 from .tokenizer import TextCodec
 
 __all__ = ["Engine", "GenerationResult", "Stream", "PREFILL_CHUNK"]
@@ -46,8 +47,11 @@ class GenerationResult:
     Attributes:
         tokens: generated ids (EOS included when it ended the output; after a stop string,
             the shortest prefix whose text contains the match).
-        text: decoded text of ``tokens`` (special tokens left out), cut before a stop
-            string's match.
+        text: the completion text of ``tokens``: the characters they add to the decoded
+            prompt, ``decode(prompt + tokens)[len(decode(prompt)):]`` (special tokens left
+            out; the exact rule and where it cannot hold: :mod:`specrt.runtime.textstream`),
+            cut before a stop string's match. Equal tokens give equal text, whatever the
+            k_max, strategy, stop strings or streaming.
         finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (max_new_tokens
             or context full).
         stats: :class:`~specrt.runtime.stats.Stats` (``new_tokens`` == ``len(tokens)``).
@@ -365,7 +369,7 @@ class Engine:
             recorder = LogprobRecorder(self.acceptor(cfg), self.manifest.vocab_size, cfg.logprobs)
             lps = [] if lps is None else lps
         finish, stop_reason = "length", None
-        text_out = IncrementalText(self.codec, cfg.stop) if (streaming or cfg.stop) else None
+        text_out = CompletionText(self.codec, ids, cfg.stop)
         if trace is not None:
             trace.begin(ids, cfg)
         t0 = time.perf_counter()
@@ -377,7 +381,7 @@ class Engine:
                     trace.add(rec)
                 piece = rec.commit
                 entries = recorder.take()[: len(piece)] if recorder is not None else None  # the commit is cut after EOS
-                if text_out is not None and (kept := text_out.push(piece)) is not None:
+                if (kept := text_out.push(piece)) is not None:
                     out.extend(piece[:kept])
                     if entries is not None:
                         lps.extend(entries[:kept])
@@ -391,13 +395,10 @@ class Engine:
         finally:
             rounds.close()
             stats.total_seconds = time.perf_counter() - t0
-        if text_out is None:
-            text = self.codec.decode(out)
-        else:
-            text_out.finish()
-            if streaming and (last := text_out.take()):
-                yield last
-            text = text_out.text
+        text_out.finish()
+        if streaming and (last := text_out.take()):
+            yield last
+        text = text_out.text
         stats.new_tokens = len(out)
         result = GenerationResult(
             tokens=list(out), text=text, finish_reason=finish, stats=stats, stop_reason=stop_reason, logprobs=list(lps) if recorder is not None else None

@@ -13,7 +13,7 @@ server can answer OpenAI's ``error.param`` without parsing messages.
     +-- BackendError       a backend this machine or folder cannot run
     +-- NumericsError      a model produced NaN/inf logits
     +-- ExportError        the export stage refused or failed
-        +-- UnsupportedModelError, PairError, ParityError, PrecisionError, TrtBuildError
+        +-- UnsupportedModelError, PairError, TokenizerError, ParityError, PrecisionError, TrtBuildError
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = [
     "ExportError",
     "UnsupportedModelError",
     "PairError",
+    "TokenizerError",
     "ParityError",
     "PrecisionError",
     "TrtBuildError",
@@ -77,6 +78,11 @@ class UnsupportedModelError(ExportError):
 
 class PairError(ExportError):
     """A draft/target pair that cannot be exported together (tokenizers or vocabularies differ)."""
+
+
+class TokenizerError(ExportError):
+    """A checkpoint whose Python tokenizer (transformers' ``AutoTokenizer``) and
+    ``tokenizer.json`` (what the runtime uses) encode a text differently."""
 
 
 class ParityError(ExportError):

