@@ -24,9 +24,10 @@ from .backends import load_models, resolve_backend
 from .backends.base import SplitsHead, ThreadConfig
 from .config import GenerationConfig, resolve_config
 from .decode import Plan, Round, decode
-from .errors import BackendError, InputError
+from .errors import BackendError, EngineError, InputError
 from .flops import flop_coefficients
-from .manifest import LAZY_HEAD_HINT, LAZY_HEAD_KEY, Manifest, load_manifest
+from .integrity import Verification
+from .manifest import LAZY_HEAD_HINT, LAZY_HEAD_KEY, REEXPORT_HINT, Manifest, load_manifest
 from .sampling import SampledAcceptor
 from .speculative import GreedyAcceptor
 from .stats import Stats
@@ -116,7 +117,10 @@ class Engine:
     Args:
         folder: the engine folder written by ``specrt export``.
         threads: :class:`~specrt.runtime.backends.base.ThreadConfig` for the CPU sessions.
-        verify_hashes: check the files' SHA-256 against the manifest at load.
+        verify_hashes: check the SHA-256 of the files the load opens (both graphs, their
+            external-data files, the tokenizer) against the manifest, concurrently with
+            session creation (:mod:`specrt.runtime.integrity`); presence and sizes of every
+            listed file are checked either way.
         backend: ``"ort-cpu"`` (the default), ``"ort-cuda"`` or ``"tensorrt"``
             (:mod:`specrt.runtime.backends`; the GPU backends are unverified on a GPU).
 
@@ -125,21 +129,38 @@ class Engine:
         :class:`~specrt.runtime.backends.base.Model` objects).
 
     Raises:
-        EngineError: missing/half-written folder, unknown manifest version, mismatched pair,
-            altered files.
+        EngineError: missing/half-written folder, unknown manifest version, a manifest field
+            of the wrong type or value, mismatched pair, a file missing, truncated or
+            altered (one line naming it), graphs that disagree with the manifest.
         BackendError: a backend this machine or folder cannot run (the message lists the
             available ones).
     """
 
     def __init__(self, folder: str | Path, threads: ThreadConfig | None = None, verify_hashes: bool = True, backend: str | None = None):
         self.folder = Path(folder)
-        self.manifest: Manifest = load_manifest(self.folder, verify_hashes=verify_hashes)
+        # validated whole; every listed file present with its recorded size (cheap: stat only)
+        self.manifest: Manifest = load_manifest(self.folder, verify_hashes=False)
         m = self.manifest
-        self.codec = TextCodec(self.folder / m.tokenizer_file, m.bos_token_id, m.add_bos)
         self.backend = resolve_backend(backend, m)
-        self.target, self.draft = load_models(
-            self.backend, self.folder, m, threads or ThreadConfig(), max(PREFILL_CHUNK, m.k_max + 1), PREFILL_CHUNK, verify_hashes
-        )
+        # Hash the files this load opens on worker threads while this thread parses the
+        # tokenizer and builds the sessions (hashlib and onnxruntime release the GIL); the
+        # Engine exists only once every digest matched, so nothing runs on unverified bytes.
+        check = Verification(self.folder, m.load_files(), REEXPORT_HINT.format(folder=self.folder)) if verify_hashes else None
+        try:
+            self.codec = TextCodec(self.folder / m.tokenizer_file, m.bos_token_id, m.add_bos)
+            self.target, self.draft = load_models(
+                self.backend, self.folder, m, threads or ThreadConfig(), max(PREFILL_CHUNK, m.k_max + 1), PREFILL_CHUNK, verify_hashes
+            )
+        except BaseException:
+            if check is not None:
+                check.wait()  # an altered file explains a failed parse better than the parser does
+            raise
+        if check is not None:
+            try:
+                check.wait()
+            except EngineError:
+                self.close()
+                raise
         self._flops = flop_coefficients(m.target)
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread holding _lock (deadlock check)

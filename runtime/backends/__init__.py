@@ -147,8 +147,8 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
 
         heads = SharedHeadSessions(folder, m, threads, verify_hashes)
         return (
-            OrtModel(folder / m.target.file, m.target, m.max_ctx, target_q, threads, head_sessions=heads),
-            OrtModel(folder / m.draft.file, m.draft, m.max_ctx, draft_q, threads.for_draft()),
+            OrtModel(folder / m.target.file, m.target, m.max_ctx, target_q, threads, head_sessions=heads, role="target"),
+            OrtModel(folder / m.draft.file, m.draft, m.max_ctx, draft_q, threads.for_draft(), role="draft"),
         )
     if backend == "ort-cuda":
         from .ort_cuda import OrtCudaModel

@@ -112,6 +112,9 @@ class OrtCudaModel:
         got_out = {o.name for o in self.session.get_outputs()}
         if got_in != set(entry.inputs) or got_out != set(entry.outputs):
             raise EngineError(f"{path}: I/O names {sorted(got_in)} -> {sorted(got_out)} differ from the manifest's {entry.inputs} -> {entry.outputs}")
+        from .ort import check_graph, graph_shapes
+
+        check_graph(path, self.session, graph_shapes(entry), "model")
         self.entry = entry
         self.max_ctx = max_ctx
         self.max_q = max_q
