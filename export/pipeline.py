@@ -2,8 +2,10 @@
 
 Writes ``OUT/{draft.onnx, target.onnx, tokenizer.json, manifest.json}`` (plus the lazy-head
 split of the target, ``target_body.onnx`` and ``target_head.onnx``, unless ``lazy_head`` is
-off); the manifest is written last (atomically), so a folder without one is a half-written
-export and the runtime refuses it.
+off, and ``<graph>.onnx.data`` weight files beside graphs exported with external data); the
+manifest, which records every one of those files with its SHA-256 and size, is written
+last (atomically), so a folder without one is a half-written export and the runtime
+refuses it.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from specrt.runtime.errors import PairError  # noqa: F401  (in the SpecRTError tree)
-from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, Manifest, sha256_file
+from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, FileRecord, Manifest, sha256_file
 
 from .onnx_export import BODY_FILE, HEAD_FILE, export_model
+from .resources import PhaseMeter
 
 
 def vocab_map(tokenizer_json: Path) -> dict[str, int]:
@@ -151,6 +154,7 @@ def export_pair(
     log=print,
     tensorrt: str | None = None,
     lazy_head: bool = True,
+    external_data: bool | None = None,
 ) -> Manifest:
     """Check the pair, export both models, check parity, and write the manifest.
 
@@ -177,6 +181,14 @@ def export_pair(
             logits), parity-checked like the full graph and recorded in
             ``manifest.extra["lazy_head"]``, for the runtime's ``lazy-head`` verification
             strategy. False removes stale ones from ``out``.
+        external_data: True: every graph keeps its weights in a ``<graph>.data`` file
+            beside it; None (default): only models whose float32 weights exceed 1.5 GB
+            (protobuf cannot hold a graph over 2 GB); False: inline where torch allows.
+
+    Every file written (graphs, external-data files found in the graphs' initializers,
+    the tokenizer) is recorded in the manifest's ``files`` map with its SHA-256 and size;
+    the export's peak RSS (per phase and overall) is logged and recorded in
+    ``extra["export"]``.
 
     Returns:
         The written :class:`~specrt.runtime.manifest.Manifest`.
@@ -204,28 +216,39 @@ def export_pair(
     v_hash = vocab_hash(tok_json)
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)  # half-written until the new one lands
+    meter = PhaseMeter(log)
     log(f"exporting target {target_dir} -> {out / 'target.onnx'}")
     if not lazy_head:
-        for name in (BODY_FILE, HEAD_FILE):
+        for name in (BODY_FILE, HEAD_FILE, BODY_FILE + ".data", HEAD_FILE + ".data"):
             (out / name).unlink(missing_ok=True)
-    target = export_model(target_dir, out / "target.onnx", max_ctx, k_max, lazy_head=lazy_head)
+    target = export_model(target_dir, out / "target.onnx", max_ctx, k_max, lazy_head=lazy_head, external_data=external_data, meter=meter)
     log(f"  parity (max |diff|): {max(target.entry.parity.values()):.2e}")
     if target.lazy_head is not None:
         log(f"  lazy-head graphs {BODY_FILE} + {HEAD_FILE}, parity (max |diff|): {max(target.lazy_head['parity'].values()):.2e}")
     log(f"exporting draft {draft_dir} -> {out / 'draft.onnx'}")
-    draft = export_model(draft_dir, out / "draft.onnx", max_ctx, k_max)
+    draft = export_model(draft_dir, out / "draft.onnx", max_ctx, k_max, external_data=external_data, meter=meter)
     log(f"  parity (max |diff|): {max(draft.entry.parity.values()):.2e}")
     for e, role in ((draft.entry, "draft"), (target.entry, "target")):
         if e.vocab_size < n_vocab:
             raise PairError(f"{role} has {e.vocab_size} logits but the tokenizer has {n_vocab} ids; they must come from one tokenizer")
     shutil.copyfile(tok_json, out / "tokenizer.json")
+    tok_rec = FileRecord(sha256=sha256_file(out / "tokenizer.json"), bytes=(out / "tokenizer.json").stat().st_size)
+    files = {**target.files, **draft.files, "tokenizer.json": tok_rec}
+    for name, rec in files.items():
+        if rec.external:
+            log(f"  {name}: weights in {', '.join(rec.external)} ({sum(files[x].bytes for x in rec.external) / 2**30:.2f} GiB)")
+    usage = meter.summary()
+    anon = f", anonymous memory {usage['peak_anon_mib']:,.0f} MiB" if usage["peak_anon_mib"] is not None else ""
+    log(
+        f"export peak RSS {usage['peak_rss_mib']:,.0f} MiB{anon} ({'max over phases' if usage['per_phase_peaks'] else 'process peak'}), {usage['seconds']:.0f} s"
+    )
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         name=out.name,
         draft=replace(draft.entry, vocab_hash=v_hash),
         target=replace(target.entry, vocab_hash=v_hash),
         tokenizer_file="tokenizer.json",
-        tokenizer_sha256=sha256_file(out / "tokenizer.json"),
+        tokenizer_sha256=tok_rec.sha256,
         vocab_size=n_vocab,
         eos_token_id=eos,
         bos_token_id=bos,
@@ -242,7 +265,11 @@ def export_pair(
             "onnx": onnx.__version__,
             "onnxruntime": onnxruntime.__version__,
         },
-        extra={LAZY_HEAD_KEY: target.lazy_head} if target.lazy_head is not None else {},
+        extra={
+            **({LAZY_HEAD_KEY: target.lazy_head} if target.lazy_head is not None else {}),
+            "export": {"external_data": any(r.external for r in files.values()), **usage},
+        },
+        files=files,
     )
     if tensorrt:
         from .trt_build import tensorrt_hook

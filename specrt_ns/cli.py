@@ -125,6 +125,13 @@ def cli():
     help="also write the target split at its vocabulary projection (target_body.onnx + target_head.onnx) for --strategy lazy-head",
 )
 @click.option(
+    "--external-data",
+    is_flag=True,
+    default=False,
+    help="write every graph's weights to a <graph>.onnx.data file beside it (automatic for models above 1.5 GB of "
+    "float32 weights: protobuf cannot hold a graph over 2 GB); every file is hashed into the manifest either way",
+)
+@click.option(
     "--defaults",
     "defaults_file",
     type=click.Path(exists=True, dir_okay=False),
@@ -132,7 +139,7 @@ def cli():
     help="JSON object of decoding defaults to write into the manifest (k_max, threshold, strategy, chunk_bound, "
     "draft_confidence_temperature), e.g. the chosen_defaults of a specrt tune run",
 )
-def export(draft, target, out, k_max, max_ctx, lazy_head, defaults_file):
+def export(draft, target, out, k_max, max_ctx, lazy_head, external_data, defaults_file):
     """Export a draft/target pair to ONNX (IO-bound KV) with parity checks and a manifest."""
     chosen = None
     if defaults_file:  # checked before the (minutes-long) export
@@ -151,7 +158,16 @@ def export(draft, target, out, k_max, max_ctx, lazy_head, defaults_file):
     except ImportError as e:
         raise click.ClickException(f"export needs the [export] extra (torch, transformers, onnx): pip install 'specrt[export]' ({e})") from None
     try:
-        export_pair(draft, target, out, k_max=k_max, max_ctx=max_ctx, log=lambda m: click.echo(m, err=True), lazy_head=lazy_head)
+        export_pair(
+            draft,
+            target,
+            out,
+            k_max=k_max,
+            max_ctx=max_ctx,
+            log=lambda m: click.echo(m, err=True),
+            lazy_head=lazy_head,
+            external_data=True if external_data else None,
+        )
     except SpecRTError as e:
         raise click.ClickException(str(e)) from None
     if chosen:
