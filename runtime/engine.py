@@ -27,7 +27,7 @@ from .decode import Plan, Round, decode
 from .errors import BackendError, EngineError, InputError
 from .flops import flop_coefficients
 from .integrity import Verification
-from .manifest import LAZY_HEAD_HINT, LAZY_HEAD_KEY, REEXPORT_HINT, Manifest, load_manifest
+from .manifest import LAZY_HEAD_HINT, LAZY_HEAD_KEY, REEXPORT_HINT, Manifest, check_files, load_manifest
 from .sampling import SampledAcceptor
 from .speculative import GreedyAcceptor
 from .stats import Stats
@@ -117,10 +117,10 @@ class Engine:
     Args:
         folder: the engine folder written by ``specrt export``.
         threads: :class:`~specrt.runtime.backends.base.ThreadConfig` for the CPU sessions.
-        verify_hashes: check the SHA-256 of the files the load opens (both graphs, their
-            external-data files, the tokenizer) against the manifest, concurrently with
-            session creation (:mod:`specrt.runtime.integrity`); presence and sizes of every
-            listed file are checked either way.
+        verify_hashes: check the sizes and the SHA-256 of the files the load opens (both
+            graphs, their external-data files, the tokenizer) against the manifest, the
+            hashes concurrently with session creation (:mod:`specrt.runtime.integrity`);
+            False checks only that they exist (the lazy-head graphs: when first used).
         backend: ``"ort-cpu"`` (the default), ``"ort-cuda"`` or ``"tensorrt"``
             (:mod:`specrt.runtime.backends`; the GPU backends are unverified on a GPU).
 
@@ -138,14 +138,17 @@ class Engine:
 
     def __init__(self, folder: str | Path, threads: ThreadConfig | None = None, verify_hashes: bool = True, backend: str | None = None):
         self.folder = Path(folder)
-        # validated whole; every listed file present with its recorded size (cheap: stat only)
-        self.manifest: Manifest = load_manifest(self.folder, verify_hashes=False)
+        self.manifest: Manifest = load_manifest(self.folder, verify_hashes=False)  # validated whole; files present
         m = self.manifest
         self.backend = resolve_backend(backend, m)
-        # Hash the files this load opens on worker threads while this thread parses the
-        # tokenizer and builds the sessions (hashlib and onnxruntime release the GIL); the
-        # Engine exists only once every digest matched, so nothing runs on unverified bytes.
-        check = Verification(self.folder, m.load_files(), REEXPORT_HINT.format(folder=self.folder)) if verify_hashes else None
+        check = None
+        if verify_hashes:
+            hint = REEXPORT_HINT.format(folder=self.folder)
+            check_files(m, self.folder, m.load_files(), True, hint)  # sizes: a stat each, before anything reads them
+            # Hash on worker threads while this thread parses the tokenizer and builds the
+            # sessions (hashlib and onnxruntime release the GIL); the Engine exists only once
+            # every digest matched, so no generation runs on unverified bytes.
+            check = Verification(self.folder, m.load_files(), hint)
         try:
             self.codec = TextCodec(self.folder / m.tokenizer_file, m.bos_token_id, m.add_bos)
             self.target, self.draft = load_models(

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import EngineError, InputError
+from .errors import EngineError
 from .integrity import Verification, check_present, sha256_file
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "lazy_head_files",
     "load_manifest",
     "validate_manifest",
+    "check_files",
     "write_defaults",
 ]
 
@@ -230,15 +231,22 @@ def lazy_head_files(manifest: Manifest, folder: str | Path, verify_hashes: bool 
         raise EngineError(LAZY_HEAD_HINT.format(folder=folder))
     hint = REEXPORT_HINT.format(folder=folder)
     parts = (dict(rec["body"]), dict(rec["head"]))
-    if manifest.files:
-        digests = manifest.files_with_external(*(p["file"] for p in parts))
-        check_present(folder, {n: manifest.files[n] for n in digests}, hint)
-    else:
-        digests = {p["file"]: p["sha256"] for p in parts}
-        check_present(folder, dict.fromkeys(digests), hint)
+    digests = manifest.files_with_external(*(p["file"] for p in parts)) if manifest.files else {p["file"]: p["sha256"] for p in parts}
+    check_files(manifest, folder, digests, verify_hashes, hint)
     if verify_hashes:
         Verification(folder, digests, hint).wait()
     return parts
+
+
+def check_files(manifest: Manifest, folder: str | Path, names, sizes: bool, hint: str) -> None:
+    """Each file of ``names`` exists in ``folder``, and (``sizes``, format 2) has the byte
+    size the ``files`` map records: one ``stat`` each, so a truncated or extended file is
+    refused before anything reads it.
+
+    Raises:
+        EngineError: (param ``files``) the first file missing or of another size.
+    """
+    check_present(Path(folder), {n: (manifest.files.get(n) if sizes else None) for n in names}, hint)
 
 
 # ---- validation -------------------------------------------------------------------------
@@ -347,8 +355,9 @@ def validate_manifest(raw: dict, folder: str | Path) -> Manifest:
       vocab hashes; ``eos_token_id``, ``bos_token_id`` in 0..vocab_size-1, ``pad_token_id``
       below the target's logits width;
     * ``max_ctx`` >= 2; ``1 <= k_min <= k_max <= min(64, max_ctx - 1)``;
-    * ``defaults`` as :func:`specrt.runtime.config.check_defaults` allows (k_max within the
-      engine's range);
+    * ``defaults`` an object (its values are checked, one line naming the key, when a
+      generation config is resolved against them: a request can still override a stale
+      default; :func:`specrt.runtime.config.resolve_config`);
     * ``files`` (format 2): names inside the folder; it lists both graphs, the tokenizer,
       the lazy-head graphs when recorded, and every external-data file a graph
       references; each recorded hash equals the model entry's / tokenizer's copy of it;
@@ -441,12 +450,6 @@ def validate_manifest(raw: dict, folder: str | Path) -> Manifest:
         raise bad("k_min", m.k_min, f"an integer in 1..{k_top} (and <= k_max)")
     if not m.k_min <= m.k_max <= k_top:
         raise bad("k_max", m.k_max, f"an integer in k_min={m.k_min}..{k_top} (at most 64 and max_ctx - 1 = {m.max_ctx - 1})")
-    from .config import check_defaults
-
-    try:
-        check_defaults(m.defaults, m.k_max, where=f"{path}: defaults")
-    except InputError as e:
-        raise EngineError(f"{e}; fix the field or {hint}", f"defaults.{e.param}" if e.param and e.param != "defaults" else "defaults") from None
     lazy = _check_lazy_head(m, bad)
     if ver >= 2:
         _check_files(m, lazy, bad, path, hint)
@@ -522,16 +525,17 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     """Read and validate ``folder/manifest.json`` (:func:`validate_manifest`), and check the
     files it lists.
 
-    Every file of the ``files`` map must exist with its recorded size (format 1: the
-    graphs and the tokenizer must exist). With ``verify_hashes`` the files an Engine load
-    opens (:meth:`Manifest.load_files`: both graphs, their external data, the tokenizer)
-    are hashed on worker threads and compared with the manifest. (An :class:`Engine`
-    passes False here and runs the same hashing concurrently with session creation; the
-    lazy-head graphs are hashed when first loaded, :func:`lazy_head_files`.)
+    The files an Engine load opens (:meth:`Manifest.load_files`: both graphs, the
+    external-data files they reference, the tokenizer) must exist; with ``verify_hashes``
+    they must also have their recorded sizes (format 2) and SHA-256 (hashed on worker
+    threads). An :class:`Engine` passes False here and runs the size checks, then the
+    hashing concurrently with session creation. The lazy-head graphs, optional until used,
+    are checked the same way when first loaded (:func:`lazy_head_files`).
 
     Args:
         folder: the engine folder.
-        verify_hashes: also recompute the SHA-256 of those files.
+        verify_hashes: also check the sizes and recompute the SHA-256 of those files
+            (False: presence only, the contents are trusted).
 
     Returns:
         The :class:`Manifest`.
@@ -556,7 +560,7 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     if not isinstance(raw, dict):
         raise EngineError(f"{path} is not a JSON object; {hint}")
     m = validate_manifest(raw, folder)
-    check_present(folder, m.files or dict.fromkeys(m.load_files()), hint)
+    check_files(m, folder, m.load_files(), verify_hashes, hint)
     if verify_hashes:
         Verification(folder, m.load_files(), hint).wait()
     return m
