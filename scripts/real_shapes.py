@@ -154,10 +154,21 @@ import json, sys, time
 from specrt import Engine
 from specrt.runtime.integrity import sha256_file
 from specrt.runtime.manifest import load_manifest
+from specrt.runtime.integrity import Verification
+from specrt.runtime.manifest import check_files
 folder, mode = sys.argv[1], sys.argv[2]
 t0, c0 = time.perf_counter(), time.process_time()
-if mode == "overlap":  # this branch: digests on worker threads beside session creation
+if mode == "default":  # Engine(folder) as shipped
     e = Engine(folder)
+elif mode == "parallel":  # sizes, then every digest on worker threads (one per CPU), then the sessions
+    load_manifest(folder, verify_hashes=True)
+    e = Engine(folder, verify_hashes=False)
+elif mode == "overlap":  # sizes, then the digests on worker threads while the sessions are created
+    m = load_manifest(folder, verify_hashes=False)
+    check_files(m, folder, m.load_files(), True, "")
+    v = Verification(folder, m.load_files(), "")
+    e = Engine(folder, verify_hashes=False)
+    v.wait()
 elif mode in ("sequential", "graphs-only"):
     m = load_manifest(folder, verify_hashes=False)
     names = m.load_files() if mode == "sequential" else {n: d for n, d in m.load_files().items() if not n.endswith(".data")}
@@ -171,18 +182,20 @@ elif mode == "hash-only":
 t1, c1 = time.perf_counter(), time.process_time()
 print(json.dumps(dict(mode=mode, wall_s=t1 - t0, cpu_s=c1 - c0)))
 """
-LOAD_MODES = ("overlap", "sequential", "graphs-only", "no-hash", "hash-only")
+LOAD_MODES = ("default", "parallel", "overlap", "sequential", "graphs-only", "no-hash", "hash-only")
 
 
 def measure_load(folders: list[str], modes: list[str], repeats: int) -> dict:
     """Engine load time per (folder, mode): ``repeats`` rounds, the (folder, mode) order
     rotated every round; medians and quartiles of wall and process CPU seconds.
 
-    Modes: ``overlap`` (``Engine(folder)``: hashing on worker threads beside session
-    creation), ``sequential`` (every file the load opens hashed one after the other, then
-    the sessions: the straightforward check), ``graphs-only`` (as sequential but without
-    the external-data files: what the runtime checked before the files map), ``no-hash``
-    (sessions only: the floor), ``hash-only`` (the digests alone, on worker threads).
+    Modes: ``default`` (``Engine(folder)`` as shipped), ``parallel`` (sizes, then the
+    digests on worker threads, one per CPU, then the sessions), ``overlap`` (the digests on
+    worker threads while the sessions are created), ``sequential`` (every file the load
+    opens hashed one after the other on one thread, then the sessions), ``graphs-only`` (as
+    sequential without the external-data files: what the runtime hashed before the files
+    map), ``no-hash`` (sessions only: the floor), ``hash-only`` (the digests alone, on
+    worker threads).
     """
     cases = [(f, m) for f in folders for m in modes]
     runs: dict[tuple, list] = {c: [] for c in cases}
@@ -454,6 +467,38 @@ def _cmd_bound(a) -> dict:
     return out
 
 
+# ---- export record ---------------------------------------------------------------------------
+def export_summary(folder: str) -> dict:
+    """What ``specrt export`` recorded for an engine folder: sizes of every file, the
+    export's peak RSS (overall and per phase, from ``extra["export"]``), parity figures and
+    parameter counts (read from the manifest; nothing is loaded)."""
+    m = json.loads((Path(folder) / "manifest.json").read_text())
+    return dict(
+        engines=folder,
+        format_version=m["format_version"],
+        files={n: dict(bytes=r["bytes"], external=r["external"]) for n, r in m["files"].items()},
+        total_bytes=sum(r["bytes"] for r in m["files"].values()),
+        export=m["extra"].get("export"),
+        models={
+            role: dict(
+                params=m[role]["params"],
+                n_layers=m[role]["n_layers"],
+                hidden=m[role]["hidden"],
+                vocab_size=m[role]["vocab_size"],
+                max_parity=max(m[role]["parity"].values()),
+            )
+            for role in ("draft", "target")
+        },
+        tokenizer_vocab=m["vocab_size"],
+        k_max=m["k_max"],
+        max_ctx=m["max_ctx"],
+    )
+
+
+def _cmd_summary(a) -> dict:
+    return export_summary(a.engines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -482,6 +527,9 @@ def main(argv=None) -> int:
     bo = sub.add_parser("bound", help="speedups the analytic bound predicts from measured costs")
     bo.add_argument("--costs", action="append", required=True, help="NAME=costs.json (NAME 'qwen' also gets the published alphas)")
     bo.set_defaults(fn=_cmd_bound)
+    su = sub.add_parser("export-summary", help="file sizes and the export's peak RSS from an engine's manifest")
+    su.add_argument("--engines", required=True)
+    su.set_defaults(fn=_cmd_summary)
     for p in sub.choices.values():
         p.add_argument("--json", default=None, help="write the result here too")
     a = ap.parse_args(argv)
