@@ -528,8 +528,9 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     The files an Engine load opens (:meth:`Manifest.load_files`: both graphs, the
     external-data files they reference, the tokenizer) must exist; with ``verify_hashes``
     they must also have their recorded sizes (format 2) and SHA-256 (hashed on worker
-    threads). An :class:`Engine` passes False here and runs the size checks, then the
-    hashing concurrently with session creation. The lazy-head graphs, optional until used,
+    threads unless the file's identity was verified before, see
+    :mod:`specrt.runtime.integrity`). An :class:`Engine` passes False here and runs the
+    same checks itself before creating its sessions. The lazy-head graphs, optional until used,
     are checked the same way when first loaded (:func:`lazy_head_files`).
 
     Args:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import stat
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -19,7 +22,7 @@ from helpers import make_tokenizer, save_llama
 from specrt import Engine, GenerationConfig
 from specrt.cli import cli
 from specrt.runtime.errors import EngineError
-from specrt.runtime.integrity import Verification, sha256_file
+from specrt.runtime.integrity import Verification, check_present, file_identity, sha256_file
 from specrt.runtime.manifest import FORMAT_VERSION, load_manifest, validate_manifest
 
 
@@ -145,9 +148,9 @@ def test_altered_weight_files_refused(ext_pair, tmp_path, name, how):
     assert e.value.param == "files"
 
 
-def test_flipped_weight_is_refused_even_though_the_sessions_load(ext_pair, tmp_path, monkeypatch):
-    """The digests run beside session creation: sessions over a corrupted .data file are
-    built, then dropped, and no Engine is returned."""
+def test_flipped_weight_is_refused_before_any_session(ext_pair, tmp_path, monkeypatch):
+    """The digests are checked before the sessions are created: no session is ever built
+    over a corrupted .data file, and no Engine is returned."""
     import specrt.runtime.engine as engine_mod
 
     dst = _copy(tmp_path, ext_pair[2])
@@ -165,9 +168,10 @@ def test_flipped_weight_is_refused_even_though_the_sessions_load(ext_pair, tmp_p
     monkeypatch.setattr(engine_mod, "load_models", spy)
     with pytest.raises(EngineError, match=re.escape(f"{p} does not match the SHA-256")):
         Engine(dst)
-    assert len(built) == 1 and built[0][0].keys == []  # built, then closed
+    assert built == []
     # without the hash check the corrupted weights would be used (presence only is checked)
     Engine(dst, verify_hashes=False)
+    assert len(built) == 1
 
 
 def test_lazy_head_weights_checked_when_first_used(ext_pair, tmp_path):
@@ -341,3 +345,221 @@ def test_no_speculation_stats_are_strict_json(tiny_pair):
     assert "NaN" not in line
     stats = json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c} in {line}"))
     assert stats["acceptance_rate"] is None and stats["new_tokens"] == 6
+
+
+# ---- digest cache: verify once per file identity --------------------------------------------
+def _fresh_cache(monkeypatch, tmp_path, racy_ns=50_000_000):
+    """A persistent digest cache under tmp_path for this test, the process's caches
+    forgotten (as in a new process), and a short racy window (files written by the test
+    are recorded once ``racy_ns`` old; the test sleeps past it)."""
+    from specrt.runtime import integrity
+
+    path = tmp_path / "cache" / "digests.json"
+    monkeypatch.setenv(integrity.CACHE_ENV, str(path))
+    monkeypatch.setattr(integrity, "_CACHES", {})
+    monkeypatch.setattr(integrity, "RACY_NS", racy_ns)
+    return path
+
+
+def _new_process(monkeypatch):
+    """Forget the in-process caches: the next lookup reads the cache file."""
+    from specrt.runtime import integrity
+
+    monkeypatch.setattr(integrity, "_CACHES", {})
+
+
+def _flip_keep_mtime(p, offset):
+    """Flip one bit of ``p`` in place, then set atime/mtime back (os.utime): size and mtime
+    are as before, only ctime (which user space cannot set) records the write."""
+    st = p.stat()
+    with open(p, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    st2 = p.stat()
+    assert (st2.st_size, st2.st_mtime_ns, st2.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+    assert st2.st_ctime_ns != st.st_ctime_ns
+    return st, st2
+
+
+def _digests(folder, names):
+    return {n: sha256_file(folder / n) for n in names}
+
+
+def test_digest_cache_hashes_each_file_identity_once(tmp_path, monkeypatch):
+    path = _fresh_cache(monkeypatch, tmp_path)
+    d = tmp_path / "f"
+    d.mkdir()
+    (d / "a.bin").write_bytes(b"a" * (9 << 20))
+    (d / "b.bin").write_bytes(b"b" * 100)
+    want = _digests(d, ["a.bin", "b.bin"])
+    time.sleep(0.1)  # past the racy window
+    v = Verification(d, want, "hint")
+    v.wait()
+    assert sorted(v.hashed) == ["a.bin", "b.bin"] and v.cached == []
+    raw = json.loads(path.read_text())
+    assert raw["format"] == 1 and sorted(e["sha256"] for e in raw["entries"].values()) == sorted(want.values())
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    v = Verification(d, want, "hint")  # same process
+    v.wait()
+    assert v.hashed == [] and sorted(v.cached) == ["a.bin", "b.bin"]
+    _new_process(monkeypatch)  # the next process reads the file
+    v = Verification(d, want, "hint")
+    v.wait()
+    assert v.hashed == [] and sorted(v.cached) == ["a.bin", "b.bin"]
+    # a recorded digest counts only when it is the manifest's
+    v = Verification(d, {"a.bin": want["b.bin"]}, "hint")
+    assert v.hashed == ["a.bin"]
+    with pytest.raises(EngineError, match="a.bin does not match the SHA-256"):
+        v.wait()
+
+
+def test_flipped_byte_refused_after_a_cached_load(ext_pair, tmp_path, monkeypatch):
+    """A load records the digests; a bit flipped afterwards (mtime set back with os.utime,
+    size unchanged) is refused by the next load, in this process and in the next."""
+    _fresh_cache(monkeypatch, tmp_path)
+    dst = _copy(tmp_path, ext_pair[2])
+    time.sleep(0.1)
+    Engine(dst).close()
+    from specrt.runtime.manifest import load_manifest as lm
+
+    names = list(lm(dst, verify_hashes=False).load_files())
+    v = Verification(dst, {n: lm(dst, verify_hashes=False).files[n].sha256 for n in names}, "hint")
+    v.wait()
+    assert v.hashed == [] and sorted(v.cached) == sorted(names)  # the load was cached
+    p = dst / "target.onnx.data"
+    _flip_keep_mtime(p, p.stat().st_size // 2)
+    for fresh in (False, True):
+        if fresh:
+            _new_process(monkeypatch)
+        with pytest.raises(EngineError) as e:
+            Engine(dst)
+        assert str(e.value).startswith(f"{p} does not match the SHA-256 recorded in the manifest") and "\n" not in str(e.value)
+
+
+def test_truncated_file_refused_after_a_cached_load(tmp_path, monkeypatch):
+    _fresh_cache(monkeypatch, tmp_path)
+    d = tmp_path / "f"
+    d.mkdir()
+    p = d / "w.bin"
+    p.write_bytes(bytes(range(256)) * 4096)
+    want = _digests(d, ["w.bin"])
+    time.sleep(0.1)
+    Verification(d, want, "hint").wait()
+    assert Verification(d, want, "hint").cached == ["w.bin"]
+    st = p.stat()
+    with open(p, "r+b") as f:  # truncated, then grown back to the same size (zeros)
+        f.truncate(st.st_size - 4096)
+        f.truncate(st.st_size)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (p.stat().st_size, p.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    v = Verification(d, want, "hint")
+    assert v.hashed == ["w.bin"]
+    with pytest.raises(EngineError, match="w.bin does not match the SHA-256"):
+        v.wait()
+    with open(p, "r+b") as f:  # plainly truncated: the size check refuses it before any read
+        f.truncate(st.st_size - 4096)
+    with pytest.raises(EngineError, match=f"w.bin has {st.st_size - 4096} bytes, the manifest records {st.st_size}"):
+        check_present(d, {"w.bin": type("R", (), {"bytes": st.st_size})()}, "hint")
+
+
+def test_wrong_digest_in_the_cache_file_lets_nothing_through(tmp_path, monkeypatch):
+    """The cache file records the altered file's identity with a digest that is not the
+    manifest's (its own digest, or garbage): the file is hashed and refused. Records that
+    do not parse are skipped."""
+    path = _fresh_cache(monkeypatch, tmp_path)
+    d = tmp_path / "f"
+    d.mkdir()
+    p = d / "w.bin"
+    p.write_bytes(b"good" * 1000)
+    want = _digests(d, ["w.bin"])
+    p.write_bytes(b"evil" * 1000)
+    time.sleep(0.1)
+    ident = ":".join(str(x) for x in file_identity(p.stat()))
+    for wrong in (sha256_file(p), "0" * 64, want["w.bin"].upper(), want["w.bin"][:-1]):
+        _new_process(monkeypatch)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"format": 1, "entries": {ident: {"sha256": wrong, "path": str(p)}}}))
+        path.chmod(0o600)
+        v = Verification(d, want, "hint")
+        assert v.hashed == ["w.bin"]
+        with pytest.raises(EngineError, match="w.bin does not match the SHA-256"):
+            v.wait()
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00\xff garbage", b"[1, 2]", b'{"format": 1, "entries": []}', b'{"format": 9, "entries": {}}'])
+def test_corrupted_cache_file_is_ignored_and_replaced(tmp_path, monkeypatch, content):
+    path = _fresh_cache(monkeypatch, tmp_path)
+    d = tmp_path / "f"
+    d.mkdir()
+    (d / "a.bin").write_bytes(b"a" * 1000)
+    want = _digests(d, ["a.bin"])
+    time.sleep(0.1)
+    path.parent.mkdir()
+    path.write_bytes(content)
+    path.chmod(0o600)
+    v = Verification(d, want, "hint")
+    assert v.hashed == ["a.bin"]
+    v.wait()
+    assert list(json.loads(path.read_text())["entries"].values())[0]["sha256"] == want["a.bin"]
+
+
+def test_cache_file_writable_by_others_is_not_trusted(tmp_path, monkeypatch):
+    path = _fresh_cache(monkeypatch, tmp_path)
+    d = tmp_path / "f"
+    d.mkdir()
+    (d / "a.bin").write_bytes(b"a" * 1000)
+    want = _digests(d, ["a.bin"])
+    time.sleep(0.1)
+    Verification(d, want, "hint").wait()
+    path.chmod(0o666)
+    before = path.read_bytes()
+    _new_process(monkeypatch)
+    v = Verification(d, want, "hint")
+    assert v.hashed == ["a.bin"]  # not read ...
+    v.wait()
+    assert path.read_bytes() == before  # ... nor replaced
+
+
+def test_recent_files_are_not_recorded(tmp_path, monkeypatch):
+    """git's racily-clean rule: a file whose ctime is within RACY_NS of the read could be
+    written again in the same clock tick without a new identity, so its digest is not
+    recorded (default window: 2 s)."""
+    from specrt.runtime import integrity
+
+    _fresh_cache(monkeypatch, tmp_path, racy_ns=integrity.RACY_NS)
+    d = tmp_path / "f"
+    d.mkdir()
+    (d / "a.bin").write_bytes(b"a" * 1000)
+    want = _digests(d, ["a.bin"])
+    Verification(d, want, "hint").wait()
+    assert Verification(d, want, "hint").hashed == ["a.bin"]
+
+
+def test_cache_off_and_default_location(tmp_path, monkeypatch):
+    from specrt.runtime import integrity
+
+    monkeypatch.setattr(integrity, "_CACHES", {})
+    monkeypatch.setattr(integrity, "RACY_NS", 0)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(integrity.CACHE_ENV, "off")
+    assert integrity.cache_path() is None and integrity.digest_cache() is None
+    d = tmp_path / "f"
+    d.mkdir()
+    (d / "a.bin").write_bytes(b"a" * 1000)
+    want = _digests(d, ["a.bin"])
+    time.sleep(0.05)
+    for _ in range(2):
+        v = Verification(d, want, "hint")
+        v.wait()
+        assert v.hashed == ["a.bin"]  # off: every load hashes every byte
+    assert not (tmp_path / "home").exists()
+    monkeypatch.delenv(integrity.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert integrity.cache_path() == tmp_path / "xdg" / "specrt" / "digests.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert integrity.cache_path() == tmp_path / "home" / ".cache" / "specrt" / "digests.json"
+    Verification(d, want, "hint").wait()
+    assert (tmp_path / "home" / ".cache" / "specrt" / "digests.json").is_file()
