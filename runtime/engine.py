@@ -128,7 +128,9 @@ class Engine:
 
     Attributes:
         folder, manifest, codec (the tokenizer), backend (its name), target, draft (the
-        :class:`~specrt.runtime.backends.base.Model` objects).
+        :class:`~specrt.runtime.backends.base.Model` objects), integrity (``{"hashed":
+        [...], "cached": [...]}``: the files this load hashed and those that passed on
+        their cached digest; None without ``verify_hashes``).
 
     Raises:
         EngineError: missing/half-written folder, unknown manifest version, a manifest field
@@ -152,7 +154,11 @@ class Engine:
             # measured faster (docs/real_shapes/load_strategy_e714.json: on 2 shared cores
             # the overlap took 15.0 s, hashing first 9.6 s, sessions alone 4.7 s), and no
             # session is ever built over unverified bytes.
-            Verification(self.folder, m.load_files(), hint).wait()
+            check = Verification(self.folder, m.load_files(), hint)
+            check.wait()
+            self.integrity = dict(hashed=check.hashed, cached=check.cached)
+        else:
+            self.integrity = None
         self.codec = TextCodec(self.folder / m.tokenizer_file, m.bos_token_id, m.add_bos)
         self.target, self.draft = load_models(
             self.backend, self.folder, m, threads or ThreadConfig(), max(PREFILL_CHUNK, m.k_max + 1), PREFILL_CHUNK, verify_hashes

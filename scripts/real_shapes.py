@@ -150,23 +150,26 @@ def _cmd_build(a) -> dict:
 # One child process per measurement (imports excluded from the timing); the file cache is
 # warm after the first run (measurements are of hashing and session creation, not of disk).
 LOAD_CHILD = r"""
-import json, sys, time
+import json, os, sys, time
 from specrt import Engine
-from specrt.runtime.integrity import sha256_file
-from specrt.runtime.manifest import load_manifest
-from specrt.runtime.integrity import Verification
-from specrt.runtime.manifest import check_files
+from specrt.runtime.integrity import Verification, sha256_file
+from specrt.runtime.manifest import check_files, load_manifest
 folder, mode = sys.argv[1], sys.argv[2]
+info = {}
 t0, c0 = time.perf_counter(), time.process_time()
-if mode == "default":  # Engine(folder) as shipped
+if mode in ("default", "cold", "warm"):  # Engine(folder) as shipped; the parent chooses the digest cache
     e = Engine(folder)
+    info = {k: len(v) for k, v in e.integrity.items()}
 elif mode == "parallel":  # sizes, then every digest on worker threads (one per CPU), then the sessions
-    load_manifest(folder, verify_hashes=True)
+    load_manifest(folder, verify_hashes=False)
+    m = load_manifest(folder, verify_hashes=False)
+    check_files(m, folder, m.load_files(), True, "")
+    Verification(folder, m.load_files(), "", workers=os.cpu_count()).wait()
     e = Engine(folder, verify_hashes=False)
 elif mode == "overlap":  # sizes, then the digests on worker threads while the sessions are created
     m = load_manifest(folder, verify_hashes=False)
     check_files(m, folder, m.load_files(), True, "")
-    v = Verification(folder, m.load_files(), "")
+    v = Verification(folder, m.load_files(), "", workers=os.cpu_count())
     e = Engine(folder, verify_hashes=False)
     v.wait()
 elif mode in ("sequential", "graphs-only"):
@@ -180,50 +183,82 @@ elif mode == "no-hash":
 elif mode == "hash-only":
     load_manifest(folder, verify_hashes=True)
 t1, c1 = time.perf_counter(), time.process_time()
-print(json.dumps(dict(mode=mode, wall_s=t1 - t0, cpu_s=c1 - c0)))
+print(json.dumps(dict(mode=mode, wall_s=t1 - t0, cpu_s=c1 - c0, **info)))
 """
-LOAD_MODES = ("default", "parallel", "overlap", "sequential", "graphs-only", "no-hash", "hash-only")
+LOAD_MODES = ("cold", "warm", "default", "parallel", "overlap", "sequential", "graphs-only", "no-hash", "hash-only")
+
+
+def _child_env(mode: str, folder: str, cache_dir: Path) -> dict:
+    """Environment of one load child: ``cold`` gets an empty digest cache (deleted before
+    each run), ``warm`` one filled by an earlier load of the same folder, ``default`` the
+    caller's setting; every other mode runs with the cache off (it measures hashing)."""
+    env = dict(os.environ)
+    if mode == "cold":
+        p = cache_dir / "cold.json"
+        p.unlink(missing_ok=True)
+        env["SPECRT_DIGEST_CACHE"] = str(p)
+    elif mode == "warm":
+        p = cache_dir / f"warm-{abs(hash(folder))}.json"
+        if not p.exists():  # filled once, by a load that hashes every file
+            subprocess.run([sys.executable, "-c", LOAD_CHILD, folder, "hash-only"], env=dict(env, SPECRT_DIGEST_CACHE=str(p)), check=True, capture_output=True)
+        env["SPECRT_DIGEST_CACHE"] = str(p)
+    elif mode != "default":
+        env["SPECRT_DIGEST_CACHE"] = "off"
+    return env
 
 
 def measure_load(folders: list[str], modes: list[str], repeats: int) -> dict:
     """Engine load time per (folder, mode): ``repeats`` rounds, the (folder, mode) order
     rotated every round; medians and quartiles of wall and process CPU seconds.
 
-    Modes: ``default`` (``Engine(folder)`` as shipped), ``parallel`` (sizes, then the
-    digests on worker threads, one per CPU, then the sessions), ``overlap`` (the digests on
-    worker threads while the sessions are created), ``sequential`` (every file the load
-    opens hashed one after the other on one thread, then the sessions), ``graphs-only`` (as
-    sequential without the external-data files: what the runtime hashed before the files
-    map), ``no-hash`` (sessions only: the floor), ``hash-only`` (the digests alone, on
-    worker threads).
+    Modes: ``cold`` (``Engine(folder)`` as shipped, digest cache empty: every file hashed,
+    the digests recorded), ``warm`` (``Engine(folder)`` in a new process whose digest cache
+    file was filled by an earlier load: no file read for hashing), ``default``
+    (``Engine(folder)`` with the caller's cache setting), and, with the cache off:
+    ``parallel`` (sizes, then the digests on worker threads, one per CPU, then the
+    sessions), ``overlap`` (the digests on worker threads, one per CPU, while the sessions
+    are created), ``sequential`` (every file the load opens hashed one after the other on
+    one thread, then the sessions), ``graphs-only`` (as sequential without the
+    external-data files: what the runtime hashed before the files map), ``no-hash``
+    (sessions only: the floor), ``hash-only`` (the digests alone).
     """
+    import tempfile
+
     cases = [(f, m) for f in folders for m in modes]
     runs: dict[tuple, list] = {c: [] for c in cases}
     loads = []
-    for r in range(repeats):
-        order = cases[r % len(cases) :] + cases[: r % len(cases)]
-        for folder, mode in order:
-            loads.append(load_average())
-            out = subprocess.run([sys.executable, "-c", LOAD_CHILD, folder, mode], capture_output=True, text=True, check=True)
-            runs[(folder, mode)].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"  round {r + 1}: {folder} {mode}: {runs[(folder, mode)][-1]['wall_s']:.2f} s", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="specrt-load-") as tmp:
+        for r in range(repeats):
+            order = cases[r % len(cases) :] + cases[: r % len(cases)]
+            for folder, mode in order:
+                env = _child_env(mode, folder, Path(tmp))
+                loads.append(load_average())
+                out = subprocess.run([sys.executable, "-c", LOAD_CHILD, folder, mode], capture_output=True, text=True, check=True, env=env)
+                runs[(folder, mode)].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(f"  round {r + 1}: {folder} {mode}: {runs[(folder, mode)][-1]['wall_s']:.2f} s", file=sys.stderr)
     rows = []
     for (folder, mode), rs in runs.items():
         w = np.array([x["wall_s"] for x in rs])
         c = np.array([x["cpu_s"] for x in rs])
-        rows.append(
-            dict(
-                engines=folder,
-                mode=mode,
-                wall_s_median=round(float(np.median(w)), 3),
-                wall_s_q25=round(float(np.percentile(w, 25)), 3),
-                wall_s_q75=round(float(np.percentile(w, 75)), 3),
-                cpu_s_median=round(float(np.median(c)), 3),
-                runs=[round(x, 3) for x in w],
-            )
+        row = dict(
+            engines=folder,
+            mode=mode,
+            wall_s_median=round(float(np.median(w)), 3),
+            wall_s_q25=round(float(np.percentile(w, 25)), 3),
+            wall_s_q75=round(float(np.percentile(w, 75)), 3),
+            cpu_s_median=round(float(np.median(c)), 3),
+            runs=[round(x, 3) for x in w],
         )
+        if "hashed" in rs[0]:
+            row["files_hashed"], row["files_cached"] = rs[0]["hashed"], rs[0]["cached"]
+        rows.append(row)
     sizes = {f: sum(p.stat().st_size for p in Path(f).iterdir()) for f in folders}
-    return dict(rows=rows, repeats=repeats, load_average=dict(min=min(loads), median=float(np.median(loads)), max=max(loads)), folder_bytes=sizes)
+    return dict(
+        rows=rows,
+        repeats=repeats,
+        load_average=dict(min=min(loads), median=float(np.median(loads)), max=max(loads)),
+        folder_bytes=sizes,
+    )
 
 
 def _cmd_load(a) -> dict:
@@ -507,7 +542,7 @@ def main(argv=None) -> int:
     b.add_argument("--out", required=True)
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(fn=_cmd_build)
-    ld = sub.add_parser("load", help="engine load time: hashing overlapped with session creation vs sequential")
+    ld = sub.add_parser("load", help="engine load time: digest cache cold vs warm, hashing strategies, the no-hash floor")
     ld.add_argument("--engines", action="append", required=True)
     ld.add_argument("--mode", dest="modes", action="append", choices=LOAD_MODES)
     ld.add_argument("--repeats", type=int, default=5)

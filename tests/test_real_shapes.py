@@ -47,3 +47,20 @@ def test_synthetic_tokenizer_size():
     tok = rs.synthetic_tokenizer(1000)
     assert tok.get_vocab_size() == 1000
     assert tok.encode("w1 w999 nope").ids == [1, 999, 0]
+
+
+def test_load_modes_cold_and_warm(tiny_pair):
+    """``cold`` hashes every file the load opens (empty digest cache), ``warm`` (a new
+    process whose cache file an earlier load filled) hashes none."""
+    import time
+
+    from specrt.runtime.manifest import load_manifest
+
+    engine = str(tiny_pair[2])
+    n = len(load_manifest(engine, verify_hashes=False).load_files())
+    time.sleep(2.1)  # files younger than the racy window (2 s) are never recorded
+    res = rs.measure_load([engine], ["cold", "warm", "no-hash"], 1)
+    rows = {r["mode"]: r for r in res["rows"]}
+    assert (rows["cold"]["files_hashed"], rows["cold"]["files_cached"]) == (n, 0)
+    assert (rows["warm"]["files_hashed"], rows["warm"]["files_cached"]) == (0, n)
+    assert "files_hashed" not in rows["no-hash"] and rows["no-hash"]["wall_s_median"] > 0
