@@ -5,24 +5,40 @@ See :mod:`specrt.export.kv_model` for the interface. The export uses
 ``torch.onnx.export(..., dynamo=True)`` with one named dynamic dimension per axis
 (``q`` new tokens, ``past`` length); example sizes are >= 2 because the exporter
 specialises dimensions whose example is 0 or 1.
+
+Weights are written inline (one ``.onnx`` file) or, with ``external_data`` or when a graph's
+weights exceed what one protobuf may hold (torch saves external data on its own above 1.5
+GB, protobuf's hard limit being 2 GB), to ``<graph>.onnx.data`` beside it;
+:func:`external_files` reads the locations back from the saved graph's initializers so the
+manifest can record and hash them.
+
+Memory: the PyTorch model is loaded once in float32 (the graphs are float32); the parity
+references are computed with it, then it is freed before onnxruntime loads the exported
+graphs for the comparison, so the two fp32 copies of the weights never coexist.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from specrt.runtime.errors import ParityError  # noqa: F401  (in the SpecRTError tree)
-from specrt.runtime.manifest import ModelEntry, sha256_file
+from specrt.runtime.manifest import FileRecord, ModelEntry, sha256_file
 
 from .kv_model import HeadModel, KVBodyModel, KVExportModel
+from .resources import PhaseMeter
 
 PARITY_TOL = 1e-4  # max |logit difference| allowed, fp32
+# automatic external data: above this many bytes of float32 weights a model's graphs keep
+# their weights in <graph>.data files (protobuf cannot serialize a message over 2 GB; torch
+# itself switches at 1.5 GB of initializers, this decides before the export)
+EXTERNAL_DATA_ABOVE = 1536 << 20
 
 
 class _NoTorchvisionNotice(logging.Filter):
@@ -49,20 +65,128 @@ class ExportedModel:
     Attributes:
         lazy_head: the lazy-head record (:func:`export_lazy_head`) when the body and head
             graphs were written too, else None.
+        files: file name -> :class:`~specrt.runtime.manifest.FileRecord` of every file
+            written for this model (graphs and their external data).
     """
 
     entry: ModelEntry
     path: Path
     lazy_head: dict | None = None
+    files: dict[str, FileRecord] = field(default_factory=dict)
 
 
-def load_hf(model_dir: str | Path):
-    """Load a local HF causal-LM checkpoint as fp32, eval mode (never from a hub)."""
+def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32):
+    """Load a local HF causal-LM checkpoint, eval mode (never from a hub).
+
+    Args:
+        model_dir: the checkpoint folder.
+        dtype: parameter dtype (default float32, the dtype of the exported graphs): each
+            tensor is read from the safetensors file and converted once into its parameter,
+            so a bf16 checkpoint costs its fp32 size, not fp32 + bf16.
+    """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
     model.eval()
     return model
+
+
+def external_files(onnx_path: Path) -> tuple[str, ...]:
+    """The external-data files an ONNX graph's initializers (and constant attributes)
+    read from: their ``external_data["location"]`` entries, in first-use order.
+
+    Reads the graph without its external data (cheap for a graph whose weights are
+    external; a graph with inline weights is read whole once).
+
+    Raises:
+        ExportError: a location outside the graph's folder (absolute, or with ``..``).
+    """
+    import onnx
+
+    from specrt.runtime.errors import ExportError
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    found: dict[str, None] = {}
+    for t in _all_tensors(model.graph):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = next((e.value for e in t.external_data if e.key == "location"), None)
+            if loc is not None:
+                found[loc] = None
+    del model
+    for loc in found:
+        if Path(loc).is_absolute() or ".." in Path(loc).parts:
+            raise ExportError(f"{onnx_path}: an initializer's external data location {loc!r} is outside the engine folder")
+    return tuple(found)
+
+
+def _all_tensors(graph):
+    """Every TensorProto of a GraphProto: initializers, and tensor attributes of its
+    nodes, subgraphs included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _all_tensors(attr.g)
+            for g in attr.graphs:
+                yield from _all_tensors(g)
+
+
+def release_exporter_caches() -> int:
+    """Drop the references onnxscript's rewriter keeps to the last graph it optimized.
+
+    Its module-level rewrite rules (e.g. ``onnxscript.rewriter.rules.common.sub_0_rule``)
+    keep their matcher's last graph, node and match (``SimplePatternMatcher._graph``,
+    ``_current_node``, ``_match``); through the graph's value counters that pins every weight of the
+    last export (measured: the 2.9 GB float32 weights of a 714M-parameter model stayed
+    resident through the parity check). Returns how many matchers were reset.
+    """
+    import sys
+
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith("onnxscript.rewriter"):
+            continue
+        for obj in list(vars(mod).values()):
+            rules = getattr(obj, "rules", None)
+            for rule in rules if isinstance(rules, (list, tuple)) else (obj,):
+                matcher = getattr(rule, "_matcher", None)
+                if matcher is None:
+                    continue
+                for attr in ("_graph", "_current_node", "_match", "_tracer"):
+                    if getattr(matcher, attr, None) is not None:
+                        setattr(matcher, attr, None)
+                        n += 1
+    return n
+
+
+def trim_heap() -> bool:
+    """Give freed heap memory back to the operating system (glibc ``malloc_trim(0)``).
+
+    Weight matrices under glibc's dynamic mmap threshold (up to 32 MiB) live in the malloc
+    heap; freeing them leaves the pages mapped, so without a trim a freed model keeps
+    counting in the process's RSS (measured: 1.9 GB after freeing a Qwen2.5-0.5B-shaped
+    float32 model, whose matrices are 17 MB each). Returns False where glibc is absent.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def _save(prog, path: Path, external_data: bool) -> None:
+    """Save an ONNX program; weights inline, or in ``<name>.data`` beside it when
+    ``external_data`` (torch also switches to external data by itself above 1.5 GB). A
+    stale ``<name>.data`` from an earlier export is removed first."""
+    Path(str(path) + ".data").unlink(missing_ok=True)
+    prog.save(str(path), external_data=external_data)
 
 
 def matmul_params(wrapper: KVExportModel) -> int:
@@ -87,11 +211,13 @@ def _example_inputs(wrapper: KVExportModel, q: int, past: int) -> tuple[torch.Te
     return (ids, pos, *kv)
 
 
-def export_onnx(hf_model, out_path: Path, max_ctx: int, save: bool = True):
-    """Export ``hf_model``'s IO-bound graph; with ``save``, write ``out_path`` (single ONNX
-    file, weights inline) and return the wrapper (its dims are needed for the manifest);
-    without, return ``(wrapper, onnx.ModelProto)`` for the caller to store
-    (:func:`save_sharing_weights`)."""
+def export_onnx(hf_model, out_path: Path, max_ctx: int, external_data: bool = False, save: bool = True):
+    """Export ``hf_model``'s IO-bound graph. With ``save``, write ``out_path``: weights inline,
+    or in ``out_path.name + ".data"`` with ``external_data`` (and always above 1.5 GB of
+    weights, see :func:`_save`), and return the wrapper (its dims are needed for the
+    manifest); without, return ``(wrapper, onnx.ModelProto)`` for the caller to store
+    (:func:`save_sharing_weights`).
+    """
     from torch.export import Dim
 
     wrapper = KVExportModel(hf_model, max_ctx).eval()
@@ -114,7 +240,10 @@ def export_onnx(hf_model, out_path: Path, max_ctx: int, save: bool = True):
         )
         if not save:
             return wrapper, prog.model_proto
-        prog.save(str(out_path), external_data=False)
+        _save(prog, out_path, external_data)
+    del prog
+    release_exporter_caches()
+    gc.collect()  # the ONNX program holds the optimizer's folded constants: free them now
     return wrapper
 
 
@@ -224,6 +353,134 @@ def export_lazy_head(wrapper: KVExportModel, max_ctx: int) -> tuple:
     return body.model_proto, head.model_proto
 
 
+@dataclass
+class Reference:
+    """PyTorch's answer for one parity case: one q-token call after P past positions.
+
+    Attributes:
+        q, p: new tokens and past length.
+        feeds: the ONNX inputs of that call (``input_ids``/``position_ids`` int64
+            ``[1, q]``; ``past_*`` float32 ``[1, P, kv, d]``: PyTorch's KV rows [0, P)).
+        logits: float32 ``[q, vocab]``, the full forward's logits of the last q positions.
+        keys, values: per layer float32 ``[P + q, kv, d]`` (rows [P, P+q) are the new ones).
+        hidden, head: (lazy-head cases) the wrapper's final-norm hidden states float32
+            ``[1, q, hidden]`` for the call and its LM head applied to them ``[q, vocab]``.
+    """
+
+    q: int
+    p: int
+    feeds: dict
+    logits: np.ndarray
+    keys: list
+    values: list
+    hidden: np.ndarray | None = None
+    head: np.ndarray | None = None
+
+
+def references(hf_model, qs: tuple[int, ...], pasts: tuple[int, ...], seed: int = 0, wrapper: KVExportModel | None = None) -> list[Reference]:
+    """PyTorch references for every (q, P) in ``qs`` x ``pasts`` (random tokens from
+    ``seed``, drawn in that order), computed before any graph is loaded so the PyTorch
+    model can be freed first. With ``wrapper``, also the lazy-head references.
+
+    Returns:
+        one :class:`Reference` per case, in order (a few MB: logits rows and KV rows).
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    n_layers = hf_model.config.num_hidden_layers
+    for q in qs:
+        for p in pasts:
+            ref_logits, keys, vals, feeds = _reference(hf_model, rng, q, p)
+            r = Reference(q, p, feeds, ref_logits, keys, vals)
+            if wrapper is not None:
+                with torch.no_grad():
+                    hidden, _ = wrapper.body(*(torch.from_numpy(feeds[n]) for n in ModelEntry.io_names(n_layers)[0]))
+                    r.head = wrapper.head(hidden)[0].numpy()
+                r.hidden = hidden.float().numpy()
+            out.append(r)
+    return out
+
+
+def _kv_diff(res: list, refs: Reference, n_layers: int) -> float:
+    """Max |new KV rows of an ONNX call - PyTorch's rows [P, P+q)| over every layer."""
+    d = 0.0
+    for i in range(n_layers):
+        d = max(d, float(np.abs(res[1 + 2 * i][0] - refs.keys[i][refs.p :]).max()))
+        d = max(d, float(np.abs(res[2 + 2 * i][0] - refs.values[i][refs.p :]).max()))
+    return d
+
+
+def _parity_session(path: Path):
+    """An onnxruntime CPU session for the parity checks (freed by the caller).
+
+    Weight prepacking is off: it copies every MatMul weight into a packed layout at
+    session creation (measured on a 714M-parameter graph with external data: 18 s and
+    2.8 GB peak RSS, against 0.1 s and the weights left memory-mapped without it), which
+    pays off over many runs, not the four calls of a parity check. The arithmetic is the
+    same MLAS kernels either way.
+    """
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def compare_full(refs: list[Reference], onnx_path: Path, tol: float = PARITY_TOL) -> dict[str, float]:
+    """Run the full graph on every reference case and compare (see :func:`parity_check`).
+
+    Raises:
+        ParityError: a logits difference above ``tol`` (default :data:`PARITY_TOL`) or a KV
+            difference above 10x that.
+    """
+    sess = _parity_session(onnx_path)
+    figures: dict[str, float] = {}
+    n_layers = len(refs[0].keys) if refs else 0
+    for r in refs:
+        res = sess.run(None, r.feeds)
+        d_logits = float(np.abs(res[0][0] - r.logits).max())
+        d_kv = _kv_diff(res, r, n_layers)
+        figures[f"logits_q{r.q}_L{r.p}"] = d_logits
+        figures[f"kv_q{r.q}_L{r.p}"] = d_kv
+        if d_logits > tol or d_kv > 10 * tol:
+            raise ParityError(
+                f"{onnx_path.name}: parity failed for q={r.q}, past={r.p}: max |logit diff| {d_logits:.3g} "
+                f"(tolerance {tol}), max |new KV diff| {d_kv:.3g} (tolerance {10 * tol})"
+            )
+    return figures
+
+
+def compare_lazy_head(refs: list[Reference], body_path: Path, head_path: Path) -> dict[str, float]:
+    """Run the body and head graphs on every reference case (made with the wrapper) and
+    compare (see :func:`lazy_head_parity_check`).
+
+    Raises:
+        ParityError: as :func:`lazy_head_parity_check`.
+    """
+    body, head = _parity_session(body_path), _parity_session(head_path)
+    figures: dict[str, float] = {}
+    n_layers = len(refs[0].keys) if refs else 0
+    for r in refs:
+        res = body.run(None, r.feeds)
+        d = {
+            "hidden": float(np.abs(res[0] - r.hidden).max()),
+            "head": float(np.abs(head.run(None, {"hidden": r.hidden})[0][0] - r.head).max()),
+            "logits": float(np.abs(head.run(None, {"hidden": res[0]})[0][0] - r.logits).max()),
+        }
+        d_kv = _kv_diff(res, r, n_layers)
+        for name, v in d.items():
+            figures[f"{name}_q{r.q}_L{r.p}"] = v
+        figures[f"kv_q{r.q}_L{r.p}"] = d_kv
+        bad = [f"max |{n} diff| {v:.3g}" for n, v in d.items() if v > PARITY_TOL]
+        if bad or d_kv > 10 * PARITY_TOL:
+            raise ParityError(
+                f"{body_path.name}/{head_path.name}: lazy-head parity failed for q={r.q}, past={r.p}: "
+                f"{', '.join(bad) or 'logits ok'} (tolerance {PARITY_TOL}), max |new KV diff| {d_kv:.3g} (tolerance {10 * PARITY_TOL})"
+            )
+    return figures
+
+
 def lazy_head_parity_check(
     hf_model, wrapper: KVExportModel, body_path: Path, head_path: Path, qs: tuple[int, ...], pasts: tuple[int, ...], seed: int = 0
 ) -> dict[str, float]:
@@ -244,49 +501,21 @@ def lazy_head_parity_check(
         ParityError: a logits, hidden or head difference above :data:`PARITY_TOL`, or a
             KV difference above 10x that; the message names the graph, check and value.
     """
-    import onnxruntime as ort
-
-    body = ort.InferenceSession(str(body_path), providers=["CPUExecutionProvider"])
-    head = ort.InferenceSession(str(head_path), providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(seed)
-    figures: dict[str, float] = {}
-    n_layers = hf_model.config.num_hidden_layers
-    for q in qs:
-        for p in pasts:
-            ref_logits, keys, vals, feeds = _reference(hf_model, rng, q, p)
-            res = body.run(None, feeds)
-            with torch.no_grad():
-                ref_hidden, _ = wrapper.body(*(torch.from_numpy(feeds[n]) for n in ModelEntry.io_names(n_layers)[0]))
-                ref_head = wrapper.head(ref_hidden)[0].numpy()
-            ref_hidden = ref_hidden.float().numpy()
-            d = {
-                "hidden": float(np.abs(res[0] - ref_hidden).max()),
-                "head": float(np.abs(head.run(None, {"hidden": ref_hidden})[0][0] - ref_head).max()),
-                "logits": float(np.abs(head.run(None, {"hidden": res[0]})[0][0] - ref_logits).max()),
-            }
-            d_kv = 0.0
-            for i in range(n_layers):
-                d_kv = max(d_kv, float(np.abs(res[1 + 2 * i][0] - keys[i][p:]).max()))
-                d_kv = max(d_kv, float(np.abs(res[2 + 2 * i][0] - vals[i][p:]).max()))
-            for name, v in d.items():
-                figures[f"{name}_q{q}_L{p}"] = v
-            figures[f"kv_q{q}_L{p}"] = d_kv
-            bad = [f"max |{n} diff| {v:.3g}" for n, v in d.items() if v > PARITY_TOL]
-            if bad or d_kv > 10 * PARITY_TOL:
-                raise ParityError(
-                    f"{body_path.name}/{head_path.name}: lazy-head parity failed for q={q}, past={p}: "
-                    f"{', '.join(bad) or 'logits ok'} (tolerance {PARITY_TOL}), max |new KV diff| {d_kv:.3g} (tolerance {10 * PARITY_TOL})"
-                )
-    return figures
+    return compare_lazy_head(references(hf_model, qs, pasts, seed, wrapper), body_path, head_path)
 
 
-def lazy_head_record(n_layers: int, body_path: Path, head_path: Path, parity: dict[str, float]) -> dict:
+def lazy_head_record(n_layers: int, body_path: Path, head_path: Path, parity: dict[str, float], files: dict | None = None) -> dict:
     """The manifest's lazy-head record (``extra["lazy_head"]``) for the two written files:
-    ``{"body": {file, sha256, inputs, outputs}, "head": {...}, "parity": {...}}``."""
+    ``{"body": {file, sha256, inputs, outputs}, "head": {...}, "parity": {...}}`` (the
+    hashes from ``files``, :func:`file_records`, when given, else computed here)."""
     ins, outs = ModelEntry.io_names(n_layers)
+
+    def digest(p: Path) -> str:
+        return files[p.name].sha256 if files and p.name in files else sha256_file(p)
+
     return {
-        "body": {"file": body_path.name, "sha256": sha256_file(body_path), "inputs": list(ins), "outputs": ["hidden", *outs[1:]]},
-        "head": {"file": head_path.name, "sha256": sha256_file(head_path), "inputs": ["hidden"], "outputs": ["logits"]},
+        "body": {"file": body_path.name, "sha256": digest(body_path), "inputs": list(ins), "outputs": ["hidden", *outs[1:]]},
+        "head": {"file": head_path.name, "sha256": digest(head_path), "inputs": ["hidden"], "outputs": ["logits"]},
         "parity": parity,
     }
 
@@ -328,29 +557,30 @@ def parity_check(hf_model, onnx_path: Path, qs: tuple[int, ...], pasts: tuple[in
         ParityError: any logits difference above ``tol`` (default :data:`PARITY_TOL`) or KV
             difference above 10x that; the message names the check and the difference.
     """
-    import onnxruntime as ort
+    return compare_full(references(hf_model, qs, pasts, seed), onnx_path, tol)
 
-    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(seed)
-    figures: dict[str, float] = {}
-    n_layers = hf_model.config.num_hidden_layers
-    for q in qs:
-        for p in pasts:
-            ref_logits, keys, vals, feeds = _reference(hf_model, rng, q, p)
-            res = sess.run(None, feeds)
-            d_logits = float(np.abs(res[0][0] - ref_logits).max())
-            d_kv = 0.0
-            for i in range(n_layers):
-                d_kv = max(d_kv, float(np.abs(res[1 + 2 * i][0] - keys[i][p:]).max()))
-                d_kv = max(d_kv, float(np.abs(res[2 + 2 * i][0] - vals[i][p:]).max()))
-            figures[f"logits_q{q}_L{p}"] = d_logits
-            figures[f"kv_q{q}_L{p}"] = d_kv
-            if d_logits > tol or d_kv > 10 * tol:
-                raise ParityError(
-                    f"{onnx_path.name}: parity failed for q={q}, past={p}: max |logit diff| {d_logits:.3g} "
-                    f"(tolerance {tol}), max |new KV diff| {d_kv:.3g} (tolerance {10 * tol})"
-                )
-    return figures
+
+def file_records(folder: Path, graphs: list[str]) -> dict[str, FileRecord]:
+    """:class:`~specrt.runtime.manifest.FileRecord` (SHA-256, bytes, external-data files)
+    of each graph in ``folder`` and of every external-data file it references
+    (:func:`external_files`).
+
+    Raises:
+        ExportError: an external-data file a graph references is missing.
+    """
+    from specrt.runtime.errors import ExportError
+
+    out: dict[str, FileRecord] = {}
+    for g in graphs:
+        ext = external_files(folder / g)
+        for name in (g, *ext):
+            p = folder / name
+            if not p.is_file():
+                raise ExportError(f"{folder / g} references external data {name!r}, which was not written")
+            if name not in out:
+                out[name] = FileRecord(sha256=sha256_file(p), bytes=p.stat().st_size)
+        out[g] = FileRecord(sha256=out[g].sha256, bytes=out[g].bytes, external=ext)
+    return out
 
 
 STANDARD_PRECISIONS = ("fp32", "fp16", "bf16")
@@ -360,25 +590,49 @@ PARITY_TOLS = {"fp32": PARITY_TOL, "fp16": 0.05}
 
 
 def export_model(
-    model_dir: str | Path, out_path: Path, max_ctx: int, k_max: int, check: bool = True, lazy_head: bool = False, precision: str = "fp32"
+    model_dir: str | Path,
+    out_path: Path,
+    max_ctx: int,
+    k_max: int,
+    check: bool = True,
+    lazy_head: bool = False,
+    precision: str = "fp32",
+    external_data: bool | None = None,
+    meter: PhaseMeter | None = None,
 ) -> ExportedModel:
     """Export ``model_dir`` to ``out_path`` and check parity for q in {1, k_max+1}, L in {0, 37}.
+
+    Order (memory): load the checkpoint in float32, export the graph(s), compute the
+    PyTorch parity references, free the PyTorch model, then load each graph in
+    onnxruntime and compare; so the peak is about one fp32 copy of the weights plus the
+    exporter's working set, never PyTorch's and onnxruntime's copies at once.
 
     Args:
         lazy_head: also write :data:`BODY_FILE` and :data:`HEAD_FILE` beside ``out_path``
             (:func:`export_lazy_head`), all three graphs reading one external weight file
             ``out_path.name + ".data"`` (:func:`save_sharing_weights`), and check the split's
-            parity the same way (:func:`lazy_head_parity_check`); ``ExportedModel.lazy_head``
+            parity the same way (:func:`compare_lazy_head`); ``ExportedModel.lazy_head``
             is then the manifest record (see :mod:`specrt.runtime.manifest`,
             ``LAZY_HEAD_KEY``). fp32 only.
         precision: compute precision of the graph, one of :data:`STANDARD_PRECISIONS`
             (fp16/bf16: :func:`specrt.export.onnx_precision.convert_precision`, float32 I/O;
             bf16's parity cannot be checked on the CPU and is recorded as not measured).
+        external_data: True: weights in ``<graph>.data`` files beside the graphs; False:
+            inline where they fit (torch still writes external data above 1.5 GB); None
+            (default): external when the model's float32 weights exceed
+            :data:`EXTERNAL_DATA_ABOVE`. (The lazy-head graphs always share one external file.)
+        meter: a :class:`~specrt.export.resources.PhaseMeter` to record the phases' peak
+            RSS and seconds in, or None.
+
+    Returns:
+        :class:`ExportedModel` whose ``files`` records every file written (graphs and
+        external data, SHA-256 and size).
 
     Raises:
         specrt.export.arch.UnsupportedModelError: architecture/config not supported.
         ParityError: exported model disagrees with PyTorch.
-        PrecisionError: lazy-head with a precision other than fp32.
+        PrecisionError: lazy-head with a precision other than fp32, or a precision that is
+            not a standard-graph one.
     """
     from specrt.runtime.errors import PrecisionError
 
@@ -388,33 +642,35 @@ def export_model(
         raise PrecisionError(f"precision={precision!r}; standard graphs are {', '.join(STANDARD_PRECISIONS)}")
     if lazy_head and precision != "fp32":
         raise PrecisionError(f"--lazy-head is available with --precision fp32 only (asked for {precision})")
+    meter = meter or PhaseMeter()
+    tag = out_path.stem
+    meter.phase(f"{tag}: load checkpoint (float32)")
     hf = load_hf(model_dir)
     spec_for(hf.config, max_ctx)
-    record = None
-    data_file = ""
-    out_path.with_name(out_path.name + ".data").unlink(missing_ok=True)  # a previous export's weights
+    n_params = sum(p.numel() for p in hf.parameters())
+    external = external_data if external_data is not None else 4 * n_params > EXTERNAL_DATA_ABOVE
+    body_path, head_path = out_path.parent / BODY_FILE, out_path.parent / HEAD_FILE
+    Path(str(out_path) + ".data").unlink(missing_ok=True)  # a previous export's weights
+    meter.phase(f"{tag}: export ONNX")
     if lazy_head:
         wrapper, full = export_onnx(hf, out_path, max_ctx, save=False)
         body, head = export_lazy_head(wrapper, max_ctx)
-        body_path, head_path = out_path.parent / BODY_FILE, out_path.parent / HEAD_FILE
-        data_file = save_sharing_weights(full, out_path, [(body, body_path), (head, head_path)]).name
-        lh_parity = lazy_head_parity_check(hf, wrapper, body_path, head_path, qs=(1, k_max + 1), pasts=(0, 37)) if check else {}
-        record = lazy_head_record(wrapper.n_layers, body_path, head_path, lh_parity)
-        record["data_file"] = data_file
+        save_sharing_weights(full, out_path, [(body, body_path), (head, head_path)])
+        del full, body, head
+        release_exporter_caches()
+        gc.collect()
     else:
-        wrapper = export_onnx(hf, out_path, max_ctx)
+        wrapper = export_onnx(hf, out_path, max_ctx, external)
     if precision != "fp32":
         from .onnx_precision import write_variant
 
         write_variant(out_path, out_path, precision, 0)
-    parity = {}
-    if check and precision in PARITY_TOLS:
-        parity = parity_check(hf, out_path, qs=(1, k_max + 1), pasts=(0, 37), tol=PARITY_TOLS[precision])
+    checked = check and precision in PARITY_TOLS
+    meter.phase(f"{tag}: PyTorch references")
+    refs = references(hf, (1, k_max + 1), (0, 37), seed=0, wrapper=wrapper if lazy_head else None) if checked else []
     ins, outs = ModelEntry.io_names(wrapper.n_layers)
     cfg = hf.config
-    entry = ModelEntry(
-        file=out_path.name,
-        sha256=sha256_file(out_path),
+    dims = dict(
         family=wrapper.spec.family,
         n_layers=wrapper.n_layers,
         n_heads=wrapper.n_heads,
@@ -422,18 +678,41 @@ def export_model(
         head_dim=wrapper.head_dim,
         hidden=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
-        params=sum(p.numel() for p in hf.parameters()),
+        params=n_params,
+        matmul_params=matmul_params(wrapper),
+    )
+    del hf, wrapper, cfg
+    gc.collect()  # free the fp32 PyTorch weights before onnxruntime loads its own copy
+    trim_heap()
+    meter.phase(f"{tag}: parity (onnxruntime)")
+    parity = compare_full(refs, out_path, PARITY_TOLS[precision]) if checked else {}
+    lh_parity = compare_lazy_head(refs, body_path, head_path) if (checked and lazy_head) else {}
+    gc.collect()
+    trim_heap()
+    meter.phase(f"{tag}: hash files")
+    graphs = [out_path.name, *((BODY_FILE, HEAD_FILE) if lazy_head else ())]
+    files = file_records(out_path.parent, graphs)
+    ext = files[out_path.name].external
+    data_file = ext[0] if len(ext) == 1 else ""  # ModelEntry.data_file: the one weights file, if one
+    record = None
+    if lazy_head:
+        record = lazy_head_record(dims["n_layers"], body_path, head_path, lh_parity, files)
+        record["data_file"] = data_file
+    entry = ModelEntry(
+        file=out_path.name,
+        sha256=files[out_path.name].sha256,
         parity=parity,
         inputs=ins,
         outputs=outs,
         source=str(model_dir),
-        matmul_params=matmul_params(wrapper),
         precision=precision,
         data_file=data_file,
-        data_sha256=sha256_file(out_path.parent / data_file) if data_file else "",
+        data_sha256=files[data_file].sha256 if data_file else "",
         note="" if precision in PARITY_TOLS else f"{precision}: parity not checked (onnxruntime's CPU provider has no {precision} kernels)",
+        **dims,
     )
-    return ExportedModel(entry=entry, path=out_path, lazy_head=record)
+    meter.phase(None)
+    return ExportedModel(entry=entry, path=out_path, lazy_head=record, files=files)
 
 
 def runtime_parity(hf_model, folder: Path, entry: ModelEntry, max_ctx: int, qs: tuple[int, ...], pasts: tuple[int, ...], seed: int = 0) -> dict[str, float]:

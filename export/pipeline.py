@@ -5,7 +5,9 @@ for (``precision``: standard fp32/fp16/bf16 graphs, or int8/int4 onnxruntime-gen
 graphs with their weights in ``<role>.onnx.data``), plus, with ``lazy_head``, the split of the
 fp32 target at its vocabulary projection (``target_body.onnx`` and ``target_head.onnx``,
 sharing ``target.onnx.data`` with ``target.onnx``). The target's width exactness is measured
-on the written graph. The manifest is written last (atomically), so a folder without one is
+on the written graph. Graphs exported with external data (``--external-data``, automatic
+above 1.5 GB of fp32 weights) have ``<graph>.onnx.data`` beside them. The manifest, which
+records every file with its SHA-256 and size (the ``files`` map), is written last (atomically), so a folder without one is
 a half-written export and the runtime refuses it. A chat template of the target checkpoint
 is copied as ``chat_template.jinja``.
 """
@@ -20,9 +22,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from specrt.runtime.errors import PairError  # noqa: F401  (in the SpecRTError tree)
-from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, Manifest, sha256_file
+from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, FileRecord, Manifest, sha256_file
 
 from .onnx_export import BODY_FILE, HEAD_FILE, export_model
+from .resources import PhaseMeter
 from .tokenizer_check import check_tokenizer
 
 
@@ -191,31 +194,38 @@ def _model_type(model_dir: Path) -> str:
     return AutoConfig.from_pretrained(str(model_dir), local_files_only=True).model_type
 
 
-def _export_model(role: str, model_dir: Path, out: Path, precision: str, quant, max_ctx: int, k_max: int, lazy_head: bool, log):
-    """One model of the pair in the requested flavor: an :class:`ExportedModel`-like
-    ``(entry, lazy_head record)`` (builder graph for int8/int4 where the builder covers the
-    architecture, else the standard graph)."""
+def _export_model(role: str, model_dir: Path, out: Path, precision: str, quant, max_ctx: int, k_max: int, lazy_head: bool, log, external_data=None, meter=None):
+    """One model of the pair in the requested flavor: ``(entry, lazy_head record or None,
+    files)`` where ``files`` maps every file written for it (graphs, external data) to its
+    :class:`~specrt.runtime.manifest.FileRecord` (builder graph for int8/int4 where the
+    builder covers the architecture, else the standard graph)."""
     from .builder import BUILDER_PRECISIONS, build_model, builder_supports
     from .kv_model import KVExportModel
-    from .onnx_export import load_hf, matmul_params, runtime_parity
+    from .onnx_export import file_records, load_hf, matmul_params, runtime_parity
 
     path = out / f"{role}.onnx"
     if precision in BUILDER_PRECISIONS:
         mtype = _model_type(model_dir)
         if builder_supports(mtype):
+            if meter is not None:
+                meter.phase(f"{role}: onnxruntime-genai model builder ({precision})")
             entry = build_model(model_dir, out, role, quant, max_ctx, out / ".builder_cache", log)
+            if meter is not None:
+                meter.phase(f"{role}: parity against PyTorch")
             hf = load_hf(model_dir)
             wrapper = KVExportModel(hf, max_ctx)
             parity = runtime_parity(hf, out, entry, max_ctx, qs=(1, k_max + 1), pasts=(0, 37))
             entry = replace(entry, params=sum(p.numel() for p in hf.parameters()), matmul_params=matmul_params(wrapper), parity=parity)
             log(f"  {precision} vs the fp32 PyTorch model (quantization, max |logit diff|): {max(v for k, v in parity.items() if k.startswith('logits')):.3g}")
-            return entry, None
+            if meter is not None:
+                meter.phase(None)
+            return entry, None, file_records(out, [path.name])
         note = f"{mtype}: onnxruntime-genai's model builder has no {mtype} models; kept specrt's standard fp32 graph in this {precision} export"
         log(f"  note: {note}")
-        exported = export_model(model_dir, path, max_ctx, k_max)
-        return replace(exported.entry, note=note), None
-    exported = export_model(model_dir, path, max_ctx, k_max, lazy_head=lazy_head, precision=precision)
-    return exported.entry, exported.lazy_head
+        exported = export_model(model_dir, path, max_ctx, k_max, external_data=external_data, meter=meter)
+        return replace(exported.entry, note=note), None, exported.files
+    exported = export_model(model_dir, path, max_ctx, k_max, lazy_head=lazy_head, precision=precision, external_data=external_data, meter=meter)
+    return exported.entry, exported.lazy_head, exported.files
 
 
 def measure_exactness(out: Path, entry, max_ctx: int, k_max: int, vocab: int) -> dict:
@@ -246,6 +256,7 @@ def export_pair(
     quant=None,
     exactness: bool = True,
     quality=None,
+    external_data: bool | None = None,
 ) -> Manifest:
     """Check the pair, export both models, check parity, measure the target's width
     exactness, and write the manifest.
@@ -288,6 +299,15 @@ def export_pair(
             only for tests that do not decode.
         quality: None, or a :class:`specrt.export.quality.QualityConfig`: score the exported
             target against the fp32 PyTorch target (``extra["quality"]``).
+        external_data: True: every standard graph keeps its weights in a ``<graph>.data``
+            file beside it; None (default): only models whose float32 weights exceed 1.5 GB
+            (protobuf cannot hold a graph over 2 GB); False: inline where torch allows.
+            (Builder graphs always keep their weights in ``<role>.onnx.data``.)
+
+    Every file written (graphs, external-data files found in the graphs' initializers,
+    the tokenizer, the chat template) is recorded in the manifest's ``files`` map with its
+    SHA-256 and size; the export's peak RSS (per phase and overall) is logged and recorded
+    in ``extra["export"]``.
 
     Returns:
         The written :class:`~specrt.runtime.manifest.Manifest`.
@@ -337,10 +357,12 @@ def export_pair(
     (out / "manifest.json").unlink(missing_ok=True)  # half-written until the new one lands
     for name in (BODY_FILE, HEAD_FILE, "target.onnx.data", "draft.onnx.data"):  # stale files of another flavor
         (out / name).unlink(missing_ok=True)
-    entries, lazy = {}, None
+    meter = PhaseMeter(log)
+    entries, lazy, files = {}, None, {}
     for role, d in (("target", target_dir), ("draft", draft_dir)):
         log(f"exporting {role} {d} -> {out / (role + '.onnx')} ({precision})")
-        entry, rec = _export_model(role, d, out, precision, quant, max_ctx, k_max, lazy_head and role == "target", log)
+        entry, rec, model_files = _export_model(role, d, out, precision, quant, max_ctx, k_max, lazy_head and role == "target", log, external_data, meter)
+        files.update(model_files)
         if entry.graph == "standard" and entry.parity:
             log(f"  parity (max |diff|): {max(entry.parity.values()):.2e}")
         if rec is not None:
@@ -365,6 +387,16 @@ def export_pair(
         log(f"chat template of {target_dir} -> {out / CHAT_TEMPLATE_FILE}")
     else:
         (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
+    for name in ("tokenizer.json", *((CHAT_TEMPLATE_FILE,) if template is not None else ())):
+        files[name] = FileRecord(sha256=sha256_file(out / name), bytes=(out / name).stat().st_size)
+    for name, rec in files.items():
+        if rec.external:
+            log(f"  {name}: weights in {', '.join(rec.external)} ({sum(files[x].bytes for x in rec.external) / 2**30:.2f} GiB)")
+    usage = meter.summary()
+    anon = f", anonymous memory {usage['peak_anon_mib']:,.0f} MiB" if usage["peak_anon_mib"] is not None else ""
+    log(
+        f"export peak RSS {usage['peak_rss_mib']:,.0f} MiB{anon} ({'max over phases' if usage['per_phase_peaks'] else 'process peak'}), {usage['seconds']:.0f} s"
+    )
     tools = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -374,21 +406,21 @@ def export_pair(
     }
     if any(e.graph == "builder" for e in entries.values()):
         tools["onnxruntime_genai"] = next(e.quant["version"] for e in entries.values() if e.graph == "builder")
-    extra: dict = {LAZY_HEAD_KEY: lazy} if lazy is not None else {}
+    extra: dict = {**({LAZY_HEAD_KEY: lazy} if lazy is not None else {}), "export": {"external_data": any(r.external for r in files.values()), **usage}}
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         name=out.name,
         draft=replace(entries["draft"], vocab_hash=v_hash),
         target=replace(entries["target"], vocab_hash=v_hash),
         tokenizer_file="tokenizer.json",
-        tokenizer_sha256=sha256_file(out / "tokenizer.json"),
+        tokenizer_sha256=files["tokenizer.json"].sha256,
         vocab_size=n_vocab,
         eos_token_id=eos,
         bos_token_id=bos,
         add_bos=add_bos,
         pad_token_id=_pad_id(target_dir),
         chat_template_file=CHAT_TEMPLATE_FILE if template is not None else None,
-        chat_template_sha256=sha256_file(out / CHAT_TEMPLATE_FILE) if template is not None else None,
+        chat_template_sha256=files[CHAT_TEMPLATE_FILE].sha256 if template is not None else None,
         max_ctx=max_ctx,
         k_min=1,
         k_max=k_max,
@@ -396,6 +428,7 @@ def export_pair(
         tools=tools,
         extra=extra,
         precision=precision,
+        files=files,
     )
     if quality is not None:
         from .quality import export_quality

@@ -27,8 +27,9 @@ from .config import GenerationConfig, resolve_config
 from .decode import Plan, Round, decode
 from .errors import BackendError, InputError
 from .flops import flop_coefficients
+from .integrity import Verification
 from .logprobs import LogprobRecorder, TokenLogprob, token_logprob
-from .manifest import GRAPH_BUILDER, LAZY_HEAD_HINT, LAZY_HEAD_KEY, Manifest, load_manifest
+from .manifest import GRAPH_BUILDER, LAZY_HEAD_HINT, LAZY_HEAD_KEY, REEXPORT_HINT, Manifest, check_files, load_manifest
 from .sampling import SampledAcceptor
 from .speculative import GreedyAcceptor
 from .stats import Stats
@@ -136,27 +137,49 @@ class Engine:
     Args:
         folder: the engine folder written by ``specrt export``.
         threads: :class:`~specrt.runtime.backends.base.ThreadConfig` for the CPU sessions.
-        verify_hashes: check the files' SHA-256 against the manifest at load.
+        verify_hashes: check the sizes and the SHA-256 of the files the load opens (both
+            graphs, their external-data files, the tokenizer) against the manifest before
+            the sessions are created; a file whose identity (device, inode, size, mtime,
+            ctime) was verified before is not hashed again (the digest cache of
+            :mod:`specrt.runtime.integrity`; ``SPECRT_DIGEST_CACHE=off`` disables it);
+            False checks only that they exist (the lazy-head graphs: when first used).
         backend: ``"ort-cpu"`` (the default), ``"ort-cuda"`` or ``"tensorrt"``
             (:mod:`specrt.runtime.backends`; the GPU backends are unverified on a GPU).
 
     Attributes:
         folder, manifest, codec (the tokenizer), backend (its name), target, draft (the
-        :class:`~specrt.runtime.backends.base.Model` objects).
+        :class:`~specrt.runtime.backends.base.Model` objects), integrity (``{"hashed":
+        [...], "cached": [...]}``: the files this load hashed and those that passed on
+        their cached digest; None without ``verify_hashes``).
 
     Raises:
-        EngineError: missing/half-written folder, unknown manifest version, mismatched pair,
-            altered files.
+        EngineError: missing/half-written folder, unknown manifest version, a manifest field
+            of the wrong type or value, mismatched pair, a file missing, truncated or
+            altered (one line naming it), graphs that disagree with the manifest.
         BackendError: a backend this machine or folder cannot run (the message lists the
             available ones).
     """
 
     def __init__(self, folder: str | Path, threads: ThreadConfig | None = None, verify_hashes: bool = True, backend: str | None = None):
         self.folder = Path(folder)
-        self.manifest: Manifest = load_manifest(self.folder, verify_hashes=verify_hashes)
+        self.manifest: Manifest = load_manifest(self.folder, verify_hashes=False)  # validated whole; files present
         m = self.manifest
-        self.codec = TextCodec(self.folder / m.tokenizer_file, m.bos_token_id, m.add_bos)
         self.backend = resolve_backend(backend, m)
+        if verify_hashes:
+            hint = REEXPORT_HINT.format(folder=self.folder)
+            check_files(m, self.folder, m.load_files(), True, hint)  # sizes: a stat each, before anything reads them
+            # Digests before any session exists: files whose identity already has the
+            # manifest's digest in the digest cache are not read again, the others are hashed
+            # on worker threads. Hashing first, not beside session creation, because it
+            # measured faster (docs/real_shapes/load_strategy_e714.json: on 2 shared cores
+            # the overlap took 15.0 s, hashing first 9.6 s, sessions alone 4.7 s), and no
+            # session is ever built over unverified bytes.
+            check = Verification(self.folder, m.load_files(), hint)
+            check.wait()
+            self.integrity = dict(hashed=check.hashed, cached=check.cached)
+        else:
+            self.integrity = None
+        self.codec = TextCodec(self.folder / m.tokenizer_file, m.bos_token_id, m.add_bos)
         self.target, self.draft = load_models(
             self.backend, self.folder, m, threads or ThreadConfig(), max(PREFILL_CHUNK, m.k_max + 1), PREFILL_CHUNK, verify_hashes
         )

@@ -8,11 +8,13 @@ the target split at its vocabulary projection, ``target_body.onnx`` and
 read the weights of ``target.onnx.data`` (stored once). The manifest records, per model,
 the graph form (:data:`GRAPH_FORMS`), its precision, the dims the runtime needs to
 allocate KV buffers, the I/O names, the parity figures and the width-exactness measured at
-export, and the SHA-256 of every file; plus the shared tokenizer hash, vocab size, special
+export; plus the shared tokenizer hash, vocab size, special
 tokens, maximum context, the allowed k range and the default decoding settings; and, when
 the target checkpoint has one, its chat template as ``chat_template.jinja``
 (``chat_template_file`` and ``chat_template_sha256``; optional fields, so older manifests
-stay loadable).
+stay loadable); and (format version 2) one ``files`` map with the SHA-256 and byte size of
+every file the engine needs, external-data weight files included (:class:`FileRecord`;
+checked at load by :mod:`specrt.runtime.integrity`).
 
 Graph forms (one per model, so a pair may mix them):
 
@@ -28,23 +30,32 @@ Graph forms (one per model, so a pair may mix them):
   :mod:`specrt.runtime.backends.ort_gqa`). Precisions int8, int4 (weights; fp32 for models
   the builder does not cover, see :mod:`specrt.export.builder`).
 
-The runtime refuses a manifest whose ``format_version`` it does not know, and a pair
-whose vocab sizes or tokenizer hashes differ, with a message saying what to re-run.
+Loading validates the whole manifest (:func:`load_manifest`): its structure and types
+against the dataclasses below with pydantic (strict JSON types: ``"1024"`` is not an
+integer), then ranges and cross-field rules; the graphs are checked against it when the
+sessions are created (:func:`specrt.runtime.backends.ort.cpu_session`). Every refusal is
+one line naming the field, the value and what is allowed.
+
+Versions: 2 is written (files map); 1 (written before the files map: per-model and
+tokenizer hashes only, no external data) still loads. Any other version is refused with a
+message saying what to re-run.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import EngineError
+from .integrity import Verification, check_present, sha256_file
 
 __all__ = [
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
     "MANIFEST",
     "KV_LAYOUT",
     "GRAPH_STANDARD",
@@ -53,16 +64,20 @@ __all__ = [
     "PRECISIONS",
     "REEXPORT_HINT",
     "sha256_file",
+    "FileRecord",
     "ModelEntry",
     "Manifest",
     "LAZY_HEAD_KEY",
     "LAZY_HEAD_HINT",
     "lazy_head_files",
     "load_manifest",
+    "validate_manifest",
+    "check_files",
     "write_defaults",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # written by this exporter: 2 = the files map (every file, SHA-256 and size)
+READABLE_VERSIONS = (1, 2)  # 1: written before the files map (no external data); still loads
 MANIFEST = "manifest.json"
 KV_LAYOUT = "BLHD"  # [batch=1, position, kv_head, head_dim], sequence-major (standard graphs)
 GRAPH_STANDARD = "standard"  # specrt's IO-bound graph (new KV rows out), BLHD KV
@@ -70,15 +85,25 @@ GRAPH_BUILDER = "builder"  # onnxruntime-genai model builder graph (GQA, past/pr
 GRAPH_FORMS = (GRAPH_STANDARD, GRAPH_BUILDER)
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")  # specrt export --precision
 REEXPORT_HINT = "re-run `specrt export --draft DRAFT_DIR --target TARGET_DIR --out {folder}` (or `make export`)"
+K_LIMIT = 64  # largest k_max the exporter writes (specrt export --k-max 1..64)
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes (read in 1 MiB chunks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+@dataclass(frozen=True)
+class FileRecord:
+    """One file of an engine folder, as the manifest's ``files`` map records it.
+
+    Attributes:
+        sha256: hex SHA-256 (64 lowercase hex digits) of the file's bytes.
+        bytes: its size in bytes.
+        external: for an ONNX graph, the files its initializers read their data from
+            (ONNX external data, ``TensorProto.external_data["location"]``, found at export
+            by reading the graph), each itself a key of ``files``; empty otherwise.
+    """
+
+    sha256: str
+    bytes: int
+    external: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,6 +145,13 @@ class ModelEntry:
         exactness: the figures behind ``exact_min_q`` (widths, offsets, max differences).
         note: what the export chose for this model and why (e.g. a GPT-2 model kept the
             standard graph in an int4 export because the builder has no GPT-2).
+
+    Schema: this dataclass is the schema of a model entry (:func:`validate_manifest` checks
+    a manifest's ``"draft"``/``"target"`` objects against these annotations with pydantic,
+    strict JSON types). A field added here with a default is an optional field of the
+    schema, type-checked from its annotation, and manifests without it still load; keys
+    that no field declares are ignored (a newer exporter's optional fields do not break
+    an older runtime).
     """
 
     file: str
@@ -175,7 +207,11 @@ class ModelEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """The parsed ``manifest.json`` of an engine folder (see module docstring)."""
+    """The parsed ``manifest.json`` of an engine folder (see module docstring).
+
+    Like :class:`ModelEntry`, this dataclass is the schema of the top-level object (types
+    checked by pydantic at load; keys no field declares are ignored).
+    """
 
     format_version: int
     name: str
@@ -204,6 +240,32 @@ class Manifest:
         """Narrowest target call the decode loop may make: the target's measured
         ``exact_min_q`` (1 when none was measured or no width is bit-identical)."""
         return max(1, self.target.exact_min_q or 1)
+
+    files: dict[str, FileRecord] = field(default_factory=dict)  # every file of the engine (format 2; empty in format 1)
+
+    def load_files(self) -> dict[str, str]:
+        """File name -> expected SHA-256 of the files an Engine load opens: both graphs,
+        the external-data files they reference, the tokenizer and the chat template when
+        there is one (format 1: the recorded hashes of the graphs, their ``data_file``
+        and the tokenizer)."""
+        if not self.files:
+            out = {**self.draft.files(), **self.target.files(), self.tokenizer_file: self.tokenizer_sha256}
+        else:
+            out = self.files_with_external(self.draft.file, self.target.file, self.tokenizer_file)
+        if self.chat_template_file is not None and self.chat_template_sha256 is not None:
+            out[self.chat_template_file] = self.chat_template_sha256
+        return out
+
+    def files_with_external(self, *names: str) -> dict[str, str]:
+        """Name -> SHA-256 of ``names`` and the external-data files they reference, from
+        the ``files`` map (format 2; validated to hold every one of them)."""
+        out: dict[str, str] = {}
+        for name in names:
+            rec = self.files[name]
+            out[name] = rec.sha256
+            for ext in rec.external:
+                out[ext] = self.files[ext].sha256
+        return out
 
     def to_json(self) -> str:
         """The manifest as indented JSON text (the dataclass fields, in order)."""
@@ -234,9 +296,12 @@ def lazy_head_files(manifest: Manifest, folder: str | Path, verify_hashes: bool 
     graphs only; format version 1 manifests without it stay loadable). Body: the target's inputs -> ``hidden``
     float32 ``[1, q, hidden]`` + new KV; head: ``hidden`` ``[1, r, hidden]`` -> ``logits``
     float32 ``[1, r, vocab]``.
+    The record's structure was validated at load (:func:`validate_manifest`); the files are
+    hashed here, when first used, with the external-data files they reference (format 2),
+    since an Engine load does not open them.
 
     Raises:
-        EngineError: no record (:data:`LAZY_HEAD_HINT`), a malformed one, a file missing, or
+        EngineError: no record (:data:`LAZY_HEAD_HINT`), a file missing, or
             (``verify_hashes``) a file whose SHA-256 differs from the record.
     """
     folder = Path(folder)
@@ -244,47 +309,338 @@ def lazy_head_files(manifest: Manifest, folder: str | Path, verify_hashes: bool 
     if rec is None:
         raise EngineError(LAZY_HEAD_HINT.format(folder=folder))
     hint = REEXPORT_HINT.format(folder=folder)
-    try:
-        parts = (dict(rec["body"]), dict(rec["head"]))
-        for part in parts:
-            str(part["file"]), str(part["sha256"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise EngineError(f"{folder / MANIFEST}: the lazy_head record is malformed ({e!r}); {hint}") from None
-    for part in parts:
-        p = folder / part["file"]
-        if not p.is_file():
-            raise EngineError(f"{p} is missing (the manifest lists it as the lazy-head target); {hint}")
-        if verify_hashes and sha256_file(p) != part["sha256"]:
-            raise EngineError(f"{p} does not match the SHA-256 recorded in the manifest (truncated or altered); {hint}")
+    parts = (dict(rec["body"]), dict(rec["head"]))
+    digests = manifest.files_with_external(*(p["file"] for p in parts)) if manifest.files else {p["file"]: p["sha256"] for p in parts}
+    check_files(manifest, folder, digests, verify_hashes, hint)
+    if verify_hashes:
+        Verification(folder, digests, hint).wait()
     return parts
 
 
-def _entry(d: dict, role: str, folder: Path) -> ModelEntry:
+def check_files(manifest: Manifest, folder: str | Path, names, sizes: bool, hint: str) -> None:
+    """Each file of ``names`` exists in ``folder``, and (``sizes``, format 2) has the byte
+    size the ``files`` map records: one ``stat`` each, so a truncated or extended file is
+    refused before anything reads it.
+
+    Raises:
+        EngineError: (param ``files``) the first file missing or of another size.
+    """
+    check_present(Path(folder), {n: (manifest.files.get(n) if sizes else None) for n in names}, hint)
+
+
+# ---- validation -------------------------------------------------------------------------
+_ADAPTERS: dict[type, Any] = {}
+
+
+def _adapter(cls: type):
+    """pydantic ``TypeAdapter`` of a dataclass (built once; importing pydantic is deferred
+    to the first load)."""
+    if cls not in _ADAPTERS:
+        from pydantic import TypeAdapter
+
+        _ADAPTERS[cls] = TypeAdapter(cls)
+    return _ADAPTERS[cls]
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """A JSON rendering of ``value`` for a one-line message, cut at ``limit`` characters."""
     try:
-        d = dict(d)
-        d["inputs"] = tuple(d.get("inputs", ()))
-        d["outputs"] = tuple(d.get("outputs", ()))
-        return ModelEntry(**d)
-    except TypeError as e:
-        raise EngineError(f"{folder / MANIFEST}: the {role} entry is malformed ({e}); {REEXPORT_HINT.format(folder=folder)}") from None
+        s = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        s = repr(value)
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _loc(parts) -> str:
+    """A field path: ``draft.n_layers``, ``files["target.onnx"].bytes``."""
+    out = ""
+    for p in parts:
+        if isinstance(p, int) or (isinstance(p, str) and not p.isidentifier()):
+            out += f"[{_show(p)}]"
+        else:
+            out += ("." if out else "") + str(p)
+    return out or "(top level)"
+
+
+def _declared(loc: tuple) -> str | None:
+    """The annotation (as written) of the schema field at ``loc``: a top-level field, a
+    model entry's, or a file record's; None for anything deeper."""
+    cls, name = Manifest, (loc[0] if loc else None)
+    if len(loc) == 2 and loc[0] in ("draft", "target"):
+        cls, name = ModelEntry, loc[1]
+    elif len(loc) == 3 and loc[0] == "files":
+        cls, name = FileRecord, loc[2]
+    elif len(loc) != 1:
+        return None
+    f = cls.__dataclass_fields__.get(name) if isinstance(name, str) else None
+    return None if f is None else str(f.type)
+
+
+def _allowed(err: dict) -> str:
+    """What a field allows, for one pydantic error record (types of the dataclass schema)."""
+    kind = err["type"]
+    loc = tuple(err["loc"])
+    if kind == "missing":
+        t = _declared(loc)
+        return f"required: {t}" if t else "required"
+    if kind == "int_type" and "None" in (_declared(loc) or ""):
+        return "an integer or null"
+    if kind == "dataclass_type":
+        cls = err.get("ctx", {}).get("class_name", "")
+        fields_of = {"ModelEntry": ModelEntry, "FileRecord": FileRecord}.get(cls)
+        names = ", ".join(f.name for f in fields_of.__dataclass_fields__.values()) if fields_of else ""
+        return f"an object ({cls}: {names})" if names else "an object"
+    return {
+        "int_type": "an integer",
+        "float_type": "a number",
+        "string_type": "a string",
+        "bool_type": "true or false",
+        "dict_type": "an object",
+        "list_type": "a list",
+        "tuple_type": "a list",
+    }.get(kind, err["msg"])
+
+
+def _field_error(path: Path, loc: str, value: Any, allowed: str, hint: str, missing: bool = False, more: str = "") -> EngineError:
+    """The one-line error for field ``loc``: its value (or that it is missing), what is
+    allowed, ``more`` (how many other problems there are), what to re-run."""
+    what = f"field {loc} is missing ({allowed}){more}" if missing else f"field {loc} = {_show(value)} is not allowed: {allowed}{more}"
+    return EngineError(f"{path}: {what}; {hint}", loc)
+
+
+def _schema_error(path: Path, e, hint: str) -> EngineError:
+    """One line for a pydantic ``ValidationError``: the first problem (field, value, what is
+    allowed) and how many more there are."""
+    errs = e.errors(include_url=False)
+    first = errs[0]
+    more = f" ({len(errs) - 1} more problem{'s' if len(errs) > 2 else ''} after this one)" if len(errs) > 1 else ""
+    return _field_error(path, _loc(first["loc"]), first.get("input"), _allowed(first), hint, first["type"] == "missing", more)
+
+
+def validate_manifest(raw: dict, folder: str | Path) -> Manifest:
+    """The :class:`Manifest` of a parsed ``manifest.json`` object, validated whole.
+
+    Structure and types: the dataclasses :class:`Manifest`, :class:`ModelEntry` and
+    :class:`FileRecord` are the schema, checked by pydantic v2 in strict JSON mode (an
+    integer field takes a JSON integer, not ``"1024"`` or ``1.0``; an object field an
+    object, not ``"draft.onnx"``; unknown keys are ignored). Then the values:
+
+    * ``format_version`` in :data:`READABLE_VERSIONS`; ``kv_layout``/``kv_dtype``
+      ``BLHD``/``float32``;
+    * per model: ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``hidden``,
+      ``vocab_size`` >= 1; ``sha256`` 64 hex digits; ``inputs``/``outputs`` exactly the
+      interface of ``n_layers`` layers (:meth:`ModelEntry.io_names`);
+    * ``vocab_size`` (the tokenizer's) 1..each model's logits width, equal tokenizer
+      vocab hashes; ``eos_token_id``, ``bos_token_id`` in 0..vocab_size-1, ``pad_token_id``
+      below the target's logits width;
+    * ``max_ctx`` >= 2; ``1 <= k_min <= k_max <= min(64, max_ctx - 1)``;
+    * ``defaults`` an object (its values are checked, one line naming the key, when a
+      generation config is resolved against them: a request can still override a stale
+      default; :func:`specrt.runtime.config.resolve_config`);
+    * ``files`` (format 2): names inside the folder; it lists both graphs, the tokenizer,
+      the lazy-head graphs when recorded, and every external-data file a graph
+      references; each recorded hash equals the model entry's / tokenizer's copy of it;
+    * ``extra["lazy_head"]`` (when present): body/head records with a file, a SHA-256 and
+      the body/head interfaces.
+
+    The graphs themselves are checked against the entries when their sessions are created
+    (I/O names, KV dims, logits width: :func:`specrt.runtime.backends.ort.cpu_session`).
+
+    Args:
+        raw: the parsed JSON object. folder: the engine folder (for messages).
+
+    Returns:
+        the :class:`Manifest`.
+
+    Raises:
+        EngineError: one line naming the field (``param``), the value and what is allowed,
+            and what to re-run.
+    """
+    folder = Path(folder)
+    path = folder / MANIFEST
+    hint = REEXPORT_HINT.format(folder=folder)
+    ver = raw.get("format_version")
+    if type(ver) is not int or ver not in READABLE_VERSIONS:
+        raise EngineError(
+            f"{path}: format_version={ver!r}, this runtime understands {' and '.join(map(str, READABLE_VERSIONS))}; {hint} with this version of specrt",
+            "format_version",
+        )
+    from pydantic import ValidationError
+
+    try:
+        m = _adapter(Manifest).validate_json(json.dumps(raw), strict=True)
+    except ValidationError as e:
+        raise _schema_error(path, e, hint) from None
+
+    def bad(loc: str, value: Any, allowed: str) -> EngineError:
+        return _field_error(path, loc, value, allowed, hint)
+
+    for role, e in (("draft", m.draft), ("target", m.target)):
+        for name in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab_size"):
+            if getattr(e, name) < 1:
+                raise bad(f"{role}.{name}", getattr(e, name), "an integer >= 1")
+        for name in ("params", "matmul_params"):
+            if getattr(e, name) < 0:
+                raise bad(f"{role}.{name}", getattr(e, name), "an integer >= 0")
+        if not e.file or not _inside(e.file):
+            raise bad(f"{role}.file", e.file, "a file name inside the engine folder")
+        if not _HEX64.match(e.sha256):
+            raise bad(f"{role}.sha256", e.sha256, "64 lowercase hex digits")
+        if e.graph not in GRAPH_FORMS:
+            raise bad(f"{role}.graph", e.graph, f"one of {', '.join(GRAPH_FORMS)} (a newer specrt wrote this engine, or it was edited)")
+        if e.precision not in PRECISIONS:
+            raise bad(f"{role}.precision", e.precision, f"one of {', '.join(PRECISIONS)}")
+        if e.data_file and not _inside(e.data_file):
+            raise bad(f"{role}.data_file", e.data_file, "a file name inside the engine folder")
+        if e.exact_min_q is not None and not 1 <= e.exact_min_q <= m.k_max + 1:
+            raise bad(f"{role}.exact_min_q", e.exact_min_q, f"null or an integer in 1..k_max+1 = {m.k_max + 1}")
+        ins, outs = ModelEntry.io_names(e.n_layers, e.graph)
+        if e.graph == GRAPH_BUILDER:
+            want_in = f"input_ids, attention_mask, past_key_values.i.key/value for i in 0..{e.n_layers - 1}"
+            want_out = f"logits, present.i.key/value for i in 0..{e.n_layers - 1}"
+        else:
+            want_in = f"input_ids, position_ids, past_key_i, past_value_i for i in 0..{e.n_layers - 1}"
+            want_out = f"logits, new_key_i, new_value_i for i in 0..{e.n_layers - 1}"
+        if e.inputs != ins:
+            raise bad(f"{role}.inputs", list(e.inputs), f"the inputs of a {e.graph} graph of n_layers={e.n_layers} layers: {want_in}")
+        if e.outputs != outs:
+            raise bad(f"{role}.outputs", list(e.outputs), f"the outputs of a {e.graph} graph of n_layers={e.n_layers} layers: {want_out}")
+    if m.kv_layout != KV_LAYOUT:
+        raise bad("kv_layout", m.kv_layout, f'"{KV_LAYOUT}"')
+    if m.kv_dtype != "float32":
+        raise bad("kv_dtype", m.kv_dtype, '"float32"')
+    if m.vocab_size < 1:
+        raise bad("vocab_size", m.vocab_size, "an integer >= 1")
+    if m.draft.vocab_size < m.vocab_size or m.target.vocab_size < m.vocab_size:
+        raise EngineError(
+            f"{path}: vocab sizes differ (draft {m.draft.vocab_size}, target {m.target.vocab_size}, tokenizer {m.vocab_size}); "
+            "the draft and the target must share one tokenizer; export a matching pair",
+            "vocab_size",
+        )
+    if m.draft.vocab_hash and m.target.vocab_hash and m.draft.vocab_hash != m.target.vocab_hash:
+        raise EngineError(
+            f"{path}: the draft and the target come from different tokenizers (vocab hash {m.draft.vocab_hash[:12]} "
+            f"vs {m.target.vocab_hash[:12]}); speculative decoding needs the draft to propose ids the target understands. "
+            f"Re-export the pair together from checkpoints that share the target's tokenizer: {hint}",
+            "vocab_hash",
+        )
+    for name in ("eos_token_id", "bos_token_id"):
+        v = getattr(m, name)
+        if v is not None and not 0 <= v < m.vocab_size:
+            raise bad(name, v, f"a token id in 0..{m.vocab_size - 1}" + (" or null" if name == "bos_token_id" else ""))
+    if m.pad_token_id is not None and not 0 <= m.pad_token_id < m.target.vocab_size:
+        raise bad("pad_token_id", m.pad_token_id, f"a token id in 0..{m.target.vocab_size - 1} or null")
+    if m.max_ctx < 2:
+        raise bad("max_ctx", m.max_ctx, "an integer >= 2")
+    k_top = min(K_LIMIT, m.max_ctx - 1)
+    if not 1 <= m.k_min <= k_top:
+        raise bad("k_min", m.k_min, f"an integer in 1..{k_top} (and <= k_max)")
+    if not m.k_min <= m.k_max <= k_top:
+        raise bad("k_max", m.k_max, f"an integer in k_min={m.k_min}..{k_top} (at most 64 and max_ctx - 1 = {m.max_ctx - 1})")
+    lazy = _check_lazy_head(m, bad)
+    if ver >= 2:
+        _check_files(m, lazy, bad, path, hint)
+    return m
+
+
+def _inside(name: str) -> bool:
+    """Whether ``name`` is a relative path that stays inside the engine folder."""
+    p = Path(name)
+    return bool(name) and not p.is_absolute() and ".." not in p.parts and "\\" not in name
+
+
+def _check_lazy_head(m: Manifest, bad) -> list[str]:
+    """Validate ``extra["lazy_head"]`` when present; returns its two file names ([] if absent)."""
+    rec = m.extra.get(LAZY_HEAD_KEY)
+    if rec is None:
+        return []
+    if not isinstance(rec, dict):
+        raise bad(f"extra.{LAZY_HEAD_KEY}", rec, "an object with body and head records")
+    ins, outs = ModelEntry.io_names(m.target.n_layers)
+    want = {"body": (list(ins), ["hidden", *outs[1:]]), "head": (["hidden"], ["logits"])}
+    names = []
+    for part, (w_in, w_out) in want.items():
+        loc = f"extra.{LAZY_HEAD_KEY}.{part}"
+        r = rec.get(part)
+        if not isinstance(r, dict):
+            raise bad(loc, r, "an object with file, sha256, inputs, outputs")
+        if not isinstance(r.get("file"), str) or not _inside(r["file"]):
+            raise bad(f"{loc}.file", r.get("file"), "a file name inside the engine folder")
+        if not isinstance(r.get("sha256"), str) or not _HEX64.match(r["sha256"]):
+            raise bad(f"{loc}.sha256", r.get("sha256"), "64 lowercase hex digits")
+        if r.get("inputs") != w_in:
+            raise bad(f"{loc}.inputs", r.get("inputs"), f"the {part} interface of the target ({_show(w_in, 60)})")
+        if r.get("outputs") != w_out:
+            raise bad(f"{loc}.outputs", r.get("outputs"), f"the {part} interface of the target ({_show(w_out, 60)})")
+        names.append(r["file"])
+    return names
+
+
+def _check_files(m: Manifest, lazy: list[str], bad, path: Path, hint: str) -> None:
+    """Format 2: the ``files`` map lists every file and agrees with the other records."""
+    if not m.files:
+        raise bad("files", {}, "an object listing every file of the engine (format_version 2)")
+    for name, rec in m.files.items():
+        loc = f"files[{_show(name)}]"
+        if not _inside(name):
+            raise bad(loc, name, "a file name inside the engine folder")
+        if not _HEX64.match(rec.sha256):
+            raise bad(f"{loc}.sha256", rec.sha256, "64 lowercase hex digits")
+        if rec.bytes < 0:
+            raise bad(f"{loc}.bytes", rec.bytes, "an integer >= 0")
+        for ext in rec.external:
+            if ext not in m.files:
+                raise bad(f"{loc}.external", list(rec.external), f"names of files listed in files ({ext!r} is not)")
+    copies = {
+        m.draft.file: ("draft.sha256", m.draft.sha256),
+        m.target.file: ("target.sha256", m.target.sha256),
+        m.tokenizer_file: ("tokenizer_sha256", m.tokenizer_sha256),
+    }
+    for part, name in zip(("body", "head"), lazy):
+        copies[name] = (f"extra.{LAZY_HEAD_KEY}.{part}.sha256", m.extra[LAZY_HEAD_KEY][part]["sha256"])
+    for role, e in (("draft", m.draft), ("target", m.target)):
+        if e.data_file:
+            copies[e.data_file] = (f"{role}.data_sha256", e.data_sha256)
+    if m.chat_template_file is not None:
+        if not m.chat_template_sha256:
+            raise bad("chat_template_sha256", m.chat_template_sha256, "the SHA-256 of chat_template_file (64 lowercase hex digits)")
+        copies[m.chat_template_file] = ("chat_template_sha256", m.chat_template_sha256)
+    for name, (loc, digest) in copies.items():
+        if name not in m.files:
+            raise bad("files", sorted(m.files), f"a record for every file of the engine ({name!r} is missing)")
+        if m.files[name].sha256 != digest:
+            raise EngineError(
+                f"{path}: {loc} ({digest[:12]}) differs from files[{_show(name)}].sha256 ({m.files[name].sha256[:12]}): the manifest was edited; {hint}",
+                loc,
+            )
 
 
 def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
-    """Read and validate ``folder/manifest.json``.
+    """Read and validate ``folder/manifest.json`` (:func:`validate_manifest`), and check the
+    files it lists.
+
+    The files an Engine load opens (:meth:`Manifest.load_files`: both graphs, the
+    external-data files they reference, the tokenizer) must exist; with ``verify_hashes``
+    they must also have their recorded sizes (format 2) and SHA-256 (hashed on worker
+    threads unless the file's identity was verified before, see
+    :mod:`specrt.runtime.integrity`). An :class:`Engine` passes False here and runs the
+    same checks itself before creating its sessions. The lazy-head graphs, optional until used,
+    are checked the same way when first loaded (:func:`lazy_head_files`).
 
     Args:
         folder: the engine folder.
-        verify_hashes: also recompute the SHA-256 of the ONNX and tokenizer files and
-            compare them with the manifest (catches truncated or altered files).
+        verify_hashes: also check the sizes and recompute the SHA-256 of those files
+            (False: presence only, the contents are trusted).
 
     Returns:
         The :class:`Manifest`.
 
     Raises:
-        EngineError: folder or file missing, JSON unreadable, unknown ``format_version``,
-            draft/target vocab sizes that differ, draft/target tokenizer vocab hashes that
-            differ, or a file whose hash does not match (the chat template included, when
-            the manifest records one).
+        EngineError: folder or manifest missing, JSON unreadable, unknown
+            ``format_version``, a field of the wrong type or out of range (one line naming
+            the field, the value and what is allowed), a mismatched pair, or a file
+            missing, of the wrong size or (``verify_hashes``) of the wrong hash (the chat
+            template included, when the manifest records one).
     """
     folder = Path(folder)
     hint = REEXPORT_HINT.format(folder=folder)
@@ -295,49 +651,14 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
         raise EngineError(f"{path} is missing (the export did not finish or this is not an engine folder); {hint}")
     try:
         raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise EngineError(f"{path} is not readable JSON ({e}); {hint}") from None
     if not isinstance(raw, dict):
         raise EngineError(f"{path} is not a JSON object; {hint}")
-    ver = raw.get("format_version")
-    if ver != FORMAT_VERSION:
-        raise EngineError(f"{path}: format_version={ver!r}, this runtime understands only {FORMAT_VERSION}; {hint} with this version of specrt")
-    try:
-        raw["draft"] = _entry(raw["draft"], "draft", folder)
-        raw["target"] = _entry(raw["target"], "target", folder)
-        m = Manifest(**raw)
-    except (KeyError, TypeError) as e:
-        raise EngineError(f"{path} is malformed ({e}); {hint}") from None
-    if m.draft.vocab_size < m.vocab_size or m.target.vocab_size < m.vocab_size:
-        raise EngineError(
-            f"{path}: vocab sizes differ (draft {m.draft.vocab_size}, target {m.target.vocab_size}, tokenizer {m.vocab_size}); "
-            "the draft and the target must share one tokenizer; export a matching pair"
-        )
-    if m.draft.vocab_hash and m.target.vocab_hash and m.draft.vocab_hash != m.target.vocab_hash:
-        raise EngineError(
-            f"{path}: the draft and the target come from different tokenizers (vocab hash {m.draft.vocab_hash[:12]} "
-            f"vs {m.target.vocab_hash[:12]}); speculative decoding needs the draft to propose ids the target understands. "
-            f"Re-export the pair together from checkpoints that share the target's tokenizer: {hint}"
-        )
-    if m.kv_layout != KV_LAYOUT or m.kv_dtype != "float32":
-        raise EngineError(f"{path}: KV layout {m.kv_layout}/{m.kv_dtype} is not supported (need {KV_LAYOUT}/float32); {hint}")
-    for role, e in (("draft", m.draft), ("target", m.target)):
-        if e.graph not in GRAPH_FORMS or e.precision not in PRECISIONS:
-            raise EngineError(
-                f"{path}: the {role} has graph form {e.graph!r} / precision {e.precision!r}; this runtime knows "
-                f"graph forms {', '.join(GRAPH_FORMS)} and precisions {', '.join(PRECISIONS)}; {hint} with this version of specrt"
-            )
-    files = {**m.draft.files(), **m.target.files(), m.tokenizer_file: m.tokenizer_sha256}
-    if m.chat_template_file is not None:
-        if not isinstance(m.chat_template_file, str) or not isinstance(m.chat_template_sha256, str):
-            raise EngineError(f"{path}: chat_template_file/chat_template_sha256 must both be strings; {hint}")
-        files[m.chat_template_file] = m.chat_template_sha256
-    for name, digest in files.items():
-        p = folder / name
-        if not p.is_file():
-            raise EngineError(f"{p} is missing; {hint}")
-        if verify_hashes and sha256_file(p) != digest:
-            raise EngineError(f"{p} does not match the SHA-256 recorded in the manifest (truncated or altered); {hint}")
+    m = validate_manifest(raw, folder)
+    check_files(m, folder, m.load_files(), verify_hashes, hint)
+    if verify_hashes:
+        Verification(folder, m.load_files(), hint).wait()
     return m
 
 

@@ -148,6 +148,13 @@ def cli():
     "(manifest extra.quality; default: on for int8/int4/fp16, off for fp32)",
 )
 @click.option(
+    "--external-data",
+    is_flag=True,
+    default=False,
+    help="write every graph's weights to a <graph>.onnx.data file beside it (automatic for models above 1.5 GB of "
+    "float32 weights: protobuf cannot hold a graph over 2 GB); every file is hashed into the manifest either way",
+)
+@click.option(
     "--defaults",
     "defaults_file",
     type=click.Path(exists=True, dir_okay=False),
@@ -155,7 +162,7 @@ def cli():
     help="JSON object of decoding defaults to write into the manifest (k_max, threshold, strategy, chunk_bound, "
     "draft_confidence_temperature), e.g. the chosen_defaults of a specrt tune run",
 )
-def export(draft, target, out, k_max, max_ctx, precision, block_size, accuracy_level, lazy_head, quality, defaults_file):
+def export(draft, target, out, k_max, max_ctx, precision, block_size, accuracy_level, lazy_head, quality, external_data, defaults_file):
     """Export a draft/target pair to ONNX engines (one --precision flavor) with parity and
     width-exactness checks and a manifest."""
     quant = None
@@ -206,6 +213,7 @@ def export(draft, target, out, k_max, max_ctx, precision, block_size, accuracy_l
             precision=precision,
             quant=quant,
             quality=quality_cfg,
+            external_data=True if external_data else None,
         )
     except SpecRTError as e:
         raise click.ClickException(str(e)) from None

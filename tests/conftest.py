@@ -11,6 +11,14 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ENGINES = REPO / "engines" / "default"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _digest_cache(tmp_path_factory):
+    """The tests' digest cache lives in their temporary folder, never in ~/.cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECRT_DIGEST_CACHE", str(tmp_path_factory.mktemp("digest_cache") / "digests.json"))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """(draft_dir, target_dir, engine_dir) for a random 2-layer target and 1-layer draft

@@ -701,7 +701,14 @@ def test_altered_engine_files_refused(tmp_path, tiny_pair, name, how):
     else:
         data += b"\0"
     p.write_bytes(bytes(data))
-    with pytest.raises(EngineError, match=re.escape(name) + ".*does not match the SHA-256 recorded in the manifest"):
+    size = len(data)
+    # same size: the digest finds it; another size: the size check, before anything reads it
+    why = (
+        "does not match the SHA-256 recorded in the manifest"
+        if how == "flip"
+        else f"has {size} bytes, the manifest records {size - (1 if how == 'append' else -1)}"
+    )
+    with pytest.raises(EngineError, match=re.escape(name) + " " + re.escape(why)):
         Engine(dst)
 
 
@@ -710,7 +717,13 @@ def test_manifest_hash_edited_refused(tmp_path, tiny_pair):
     shutil.copytree(tiny_pair[2], dst)
     m = json.loads((dst / "manifest.json").read_text())
     assert all(len(h) == 64 for h in (m["draft"]["sha256"], m["target"]["sha256"], m["tokenizer_sha256"]))
-    m["target"]["sha256"] = "0" * 64
+    assert m["files"]["target.onnx"]["sha256"] == m["target"]["sha256"]
+    m["files"]["target.onnx"]["sha256"] = m["target"]["sha256"] = "0" * 64
     (dst / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(EngineError, match="target.onnx does not match"):
+        Engine(dst)
+    # one copy edited, the other not: the manifest disagrees with itself
+    m["files"]["target.onnx"]["sha256"] = "1" * 64
+    (dst / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match=re.escape('target.sha256 (000000000000) differs from files["target.onnx"].sha256 (111111111111)')):
         Engine(dst)

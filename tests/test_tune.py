@@ -171,7 +171,7 @@ def test_tune_from_trace_writes_only_to_its_own_pair(tuned, folder, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(folder, other)
     raw = json.loads((other / "manifest.json").read_text())
-    raw["target"]["sha256"] = "0" * 64  # another pair as far as the trace's pair hash goes
+    raw["target"]["sha256"] = raw["files"]["target.onnx"]["sha256"] = "0" * 64  # another pair as far as the trace's pair hash goes
     (other / "manifest.json").write_text(json.dumps(raw))
     r = CliRunner().invoke(cli, ["tune", "--from-trace", str(wide), "--engines", str(other), "--threshold", "0", "--out", str(tmp_path / "o")])
     assert r.exit_code == 1 and "recorded on another pair" in r.output

@@ -127,10 +127,10 @@ def trt_record(manifest: Manifest, folder: Path, verify_hashes: bool = True) -> 
     return rec
 
 
-def cpu_model(folder: Path, entry, max_ctx: int, max_q: int, threads: ThreadConfig, head_sessions=None):
+def cpu_model(folder: Path, entry, max_ctx: int, max_q: int, threads: ThreadConfig, head_sessions=None, role: str = "model"):
     """The onnxruntime CPU model object for one manifest entry: :class:`~.ort_gqa.OrtGqaModel`
     for a builder graph, :class:`~.ort.OrtModel` for a standard one (``head_sessions``: the
-    folder's lazy-head sessions, target only).
+    folder's lazy-head sessions, target only; ``role``: ``draft``/``target``, named in messages).
 
     Raises:
         BackendError: a bf16 graph (onnxruntime's CPU provider has no bf16 kernels for it).
@@ -147,7 +147,7 @@ def cpu_model(folder: Path, entry, max_ctx: int, max_q: int, threads: ThreadConf
         )
     if entry.graph == GRAPH_BUILDER:
         return OrtGqaModel(Path(folder) / entry.file, entry, max_ctx, max_q, threads)
-    return OrtModel(Path(folder) / entry.file, entry, max_ctx, max_q, threads, head_sessions=head_sessions)
+    return OrtModel(Path(folder) / entry.file, entry, max_ctx, max_q, threads, head_sessions=head_sessions, role=role)
 
 
 def refuse_builder_graphs(backend: str, manifest: Manifest, folder: Path) -> None:
@@ -189,7 +189,9 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
         from .ort import SharedHeadSessions
 
         heads = SharedHeadSessions(folder, m, threads, verify_hashes)
-        return cpu_model(folder, m.target, m.max_ctx, target_q, threads, heads), cpu_model(folder, m.draft, m.max_ctx, draft_q, threads.for_draft())
+        return cpu_model(folder, m.target, m.max_ctx, target_q, threads, heads, role="target"), cpu_model(
+            folder, m.draft, m.max_ctx, draft_q, threads.for_draft(), role="draft"
+        )
     refuse_builder_graphs(backend, m, folder)
     if backend == "ort-cuda":
         from .ort_cuda import OrtCudaModel

@@ -28,7 +28,7 @@ from ..manifest import LAZY_HEAD_HINT, Manifest, ModelEntry, lazy_head_files
 from .base import ThreadConfig
 from .kv_layout import check_call
 
-__all__ = ["OrtModel", "OrtHeadSplit", "SharedHeadSessions", "cpu_session", "available_providers"]
+__all__ = ["OrtModel", "OrtHeadSplit", "SharedHeadSessions", "cpu_session", "check_graph", "graph_shapes", "head_shapes", "available_providers"]
 
 
 def available_providers() -> list[str]:
@@ -76,19 +76,88 @@ def _raw_binding(session, binding):
         return bind_in, bind_out, run
 
 
-def cpu_session(path: Path, threads: ThreadConfig, inputs: Sequence[str], outputs: Sequence[str]):
+def graph_shapes(entry: ModelEntry, body: bool = False) -> dict[str, tuple[str, tuple]]:
+    """What the manifest implies for a model's ONNX inputs and outputs: name -> (element
+    type, dims), each dim None (any size), an int, or ``(manifest field, size)`` (see
+    :func:`check_graph`). ``body``: the lazy-head body graph (``hidden`` in place of
+    ``logits``).
+
+    Shapes: ``input_ids``/``position_ids`` int64 ``[1, q]``; ``past_*``/``new_*`` float32
+    ``[1, L or q, n_kv_heads, head_dim]``; ``logits`` float32 ``[1, q, vocab_size]``
+    (``hidden`` float32 ``[1, q, hidden]`` for the body).
+    """
+    kv = ("tensor(float)", (1, None, ("n_kv_heads", entry.n_kv_heads), ("head_dim", entry.head_dim)))
+    s = {"input_ids": ("tensor(int64)", (1, None)), "position_ids": ("tensor(int64)", (1, None))}
+    if body:
+        s["hidden"] = ("tensor(float)", (1, None, ("hidden", entry.hidden)))
+    else:
+        s["logits"] = ("tensor(float)", (1, None, ("vocab_size", entry.vocab_size)))
+    for i in range(entry.n_layers):
+        for name in (f"past_key_{i}", f"past_value_{i}", f"new_key_{i}", f"new_value_{i}"):
+            s[name] = kv
+    return s
+
+
+def head_shapes(entry: ModelEntry) -> dict[str, tuple[str, tuple]]:
+    """:func:`graph_shapes` of the lazy-head head graph: ``hidden`` float32 ``[1, r, hidden]``
+    -> ``logits`` float32 ``[1, r, vocab_size]``."""
+    return {"hidden": ("tensor(float)", (1, None, ("hidden", entry.hidden))), "logits": ("tensor(float)", (1, None, ("vocab_size", entry.vocab_size)))}
+
+
+def check_graph(path: Path, session, shapes: dict[str, tuple[str, tuple]], role: str) -> None:
+    """Check a session's inputs and outputs against what the manifest implies.
+
+    Args:
+        path: the graph (for messages). session: an ``onnxruntime.InferenceSession``.
+        shapes: name -> (element type, dims) as :func:`graph_shapes` gives: a dim is None
+            (any size), an int (that size), or ``(field, size)`` (that size, named after
+            the manifest field it comes from). A graph dim given as a name (dynamic) is
+            accepted for any expected size.
+        role: ``draft``/``target`` (the manifest entry named in messages).
+
+    Raises:
+        EngineError: a rank, a fixed dim or an element type that differs: one line naming
+            the tensor, the graph's shape and the manifest field it disagrees with.
+    """
+    for arg in (*session.get_inputs(), *session.get_outputs()):
+        if arg.name not in shapes:
+            continue
+        want_type, want = shapes[arg.name]
+        got = list(arg.shape)
+        if arg.type != want_type:
+            raise EngineError(f"{path}: {arg.name} is {arg.type} in the graph; the runtime binds {want_type} (re-export the engine)")
+        shown = [w if not isinstance(w, tuple) else w[1] for w in want]
+        if len(got) != len(want):
+            raise EngineError(f"{path}: {arg.name} has shape {got} in the graph, the manifest implies {_dims(shown)} (re-export the engine)")
+        for g, w in zip(got, want):
+            size, field = (w[1], w[0]) if isinstance(w, tuple) else (w, None)
+            if isinstance(g, int) and size is not None and g != size:
+                why = f"{role}.{field}={size}" if field else f"size {size}"
+                raise EngineError(
+                    f"{path}: {arg.name} has shape {got} in the graph, but the manifest's {why} implies {_dims(shown)}; the manifest does not describe this graph"
+                )
+
+
+def _dims(dims) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
+def cpu_session(path: Path, threads: ThreadConfig, inputs: Sequence[str], outputs: Sequence[str], shapes: dict | None = None, role: str = "model"):
     """An onnxruntime CPU session with the project's settings, its I/O names checked.
 
     Args:
         path: the ONNX file.
         threads: :class:`ThreadConfig` (intra-op threads, spinning).
         inputs, outputs: the I/O names the manifest records (order free).
+        shapes: expected element types and dims (:func:`graph_shapes`), checked with
+            :func:`check_graph` when given; role: the manifest entry, for its messages.
 
     Returns:
         ``onnxruntime.InferenceSession``.
 
     Raises:
-        EngineError: onnxruntime cannot load the file, or its I/O names differ.
+        EngineError: onnxruntime cannot load the file, its I/O names differ, or a shape
+            or type disagrees with the manifest.
     """
     import onnxruntime as ort
 
@@ -107,6 +176,8 @@ def cpu_session(path: Path, threads: ThreadConfig, inputs: Sequence[str], output
     got_out = tuple(o.name for o in session.get_outputs())
     if set(got_in) != set(inputs) or set(got_out) != set(outputs):
         raise EngineError(f"{path}: I/O names {got_in} -> {got_out} differ from the manifest's {tuple(inputs)} -> {tuple(outputs)}")
+    if shapes is not None:
+        check_graph(path, session, shapes, role)
     return session
 
 
@@ -170,18 +241,27 @@ class OrtModel:
         threads: :class:`~specrt.runtime.backends.base.ThreadConfig`.
         head_sessions: the folder's :class:`SharedHeadSessions` (target only), None when
             this model offers no body/head split.
+        role: ``"draft"`` or ``"target"``: the manifest entry named in error messages.
 
     Buffers (all allocated here, once): per layer key and value float32
     ``[1, max_ctx, n_kv_heads, head_dim]``; ``logits`` float32 ``[1, max_q, vocab]``.
 
     Raises:
-        EngineError: the ONNX file cannot be loaded or its I/O names differ from the manifest.
+        EngineError: the ONNX file cannot be loaded, or its I/O names, KV dims or logits
+            width differ from the manifest (:func:`check_graph`).
     """
 
     def __init__(
-        self, path: Path, entry: ModelEntry, max_ctx: int, max_q: int, threads: ThreadConfig = ThreadConfig(), head_sessions: SharedHeadSessions | None = None
+        self,
+        path: Path,
+        entry: ModelEntry,
+        max_ctx: int,
+        max_q: int,
+        threads: ThreadConfig = ThreadConfig(),
+        head_sessions: SharedHeadSessions | None = None,
+        role: str = "model",
     ):
-        self.session = cpu_session(path, threads, entry.inputs, entry.outputs)
+        self.session = cpu_session(path, threads, entry.inputs, entry.outputs, graph_shapes(entry), role)
         self._head_sessions = head_sessions
         self._allocate(entry, max_ctx, max_q)
 
@@ -283,9 +363,10 @@ def lazy_head_sessions(folder: Path, manifest: Manifest, threads: ThreadConfig, 
             (:func:`~specrt.runtime.manifest.lazy_head_files`, :func:`cpu_session`).
     """
     body, head = lazy_head_files(manifest, folder, verify_hashes)
+    t = manifest.target
     return (
-        cpu_session(Path(folder) / body["file"], threads, body["inputs"], body["outputs"]),
-        cpu_session(Path(folder) / head["file"], threads, head["inputs"], head["outputs"]),
+        cpu_session(Path(folder) / body["file"], threads, body["inputs"], body["outputs"], graph_shapes(t, body=True), "target"),
+        cpu_session(Path(folder) / head["file"], threads, head["inputs"], head["outputs"], head_shapes(t), "target"),
     )
 
 

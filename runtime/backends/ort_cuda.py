@@ -125,6 +125,9 @@ class OrtCudaModel:
         if got_in != set(entry.inputs) or got_out != set(entry.outputs):
             raise EngineError(f"{path}: I/O names {sorted(got_in)} -> {sorted(got_out)} differ from the manifest's {entry.inputs} -> {entry.outputs}")
         self._ort = ort
+        from .ort import check_graph, graph_shapes
+
+        check_graph(path, self.session, graph_shapes(entry), "model")
         self.entry = entry
         self.max_ctx = max_ctx
         self.max_q = max_q

@@ -1,0 +1,146 @@
+"""Peak resident memory of the export process, per phase (Linux ``/proc``; elsewhere the
+process-lifetime peak from ``getrusage``).
+
+Linux keeps the peak RSS of a process (``VmHWM`` in ``/proc/self/status``); writing ``5``
+to ``/proc/self/clear_refs`` resets it to the current RSS (proc(5), "clear_refs"), so each
+phase of an export can report its own peak. Where that is not available, every phase
+reports the process peak so far (``resource.getrusage(RUSAGE_SELF).ru_maxrss``).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["rss_mib", "peak_rss_mib", "reset_peak", "PhaseMeter"]
+
+_STATUS = Path("/proc/self/status")
+_CLEAR = Path("/proc/self/clear_refs")
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def rss_mib() -> float | None:
+    """Current resident set size in MiB (Linux), else None."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib / 1024
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size in MiB since the last :func:`reset_peak` (Linux ``VmHWM``),
+    else since the process started (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib / 1024
+    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return ru / (1024 * 1024) if sys.platform == "darwin" else ru / 1024
+
+
+def reset_peak() -> bool:
+    """Reset the peak RSS to the current RSS; False where the kernel offers no reset."""
+    try:
+        _CLEAR.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class _AnonSampler:
+    """Peak of ``RssAnon`` (anonymous memory: heap, tensors; not file pages the kernel can
+    drop) sampled every ``interval`` seconds on a daemon thread (Linux; else inactive)."""
+
+    def __init__(self, interval: float = 0.05):
+        self.peak_kib = 0
+        self._stop = threading.Event()
+        self.active = _status_kib("RssAnon") is not None
+        if self.active:
+            threading.Thread(target=self._run, args=(interval,), name="specrt-rss", daemon=True).start()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.peak_kib = max(self.peak_kib, _status_kib("RssAnon") or 0)
+
+    def take(self) -> float | None:
+        """Peak since the last take, in MiB (also counting now), and restart; None if inactive."""
+        if not self.active:
+            return None
+        peak = max(self.peak_kib, _status_kib("RssAnon") or 0)
+        self.peak_kib = 0
+        return peak / 1024
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class PhaseMeter:
+    """Peak RSS and wall time per phase of an export, and overall.
+
+    ``meter.phase("name")`` ends the current phase (recording its peak RSS in MiB, the
+    sampled peak of its anonymous memory, and its seconds) and starts the next;
+    :attr:`phases` holds ``{name: {"peak_rss_mib", "peak_anon_mib", "seconds"}}`` in order.
+
+    Peak RSS (the kernel's ``VmHWM``) counts file pages mapped into the process too: a
+    memory-mapped checkpoint being read, or an ONNX external-data file onnxruntime maps.
+    Those are clean page-cache pages the kernel can drop under pressure; the anonymous
+    peak (``RssAnon``, sampled every 50 ms, so a shorter spike can be missed) is the
+    memory the export itself needs.
+
+    Args:
+        log: called with one line per finished phase (e.g. the export log), or None.
+    """
+
+    def __init__(self, log=None):
+        self.log = log
+        self.resettable = reset_peak()
+        self.phases: dict[str, dict] = {}
+        self.peak_mib = peak_rss_mib()
+        self.peak_anon_mib = 0.0
+        self._anon = _AnonSampler()
+        self._name: str | None = None
+        self._t0 = time.perf_counter()
+        self._start = self._t0
+
+    def phase(self, name: str | None) -> None:
+        """End the current phase (if any) and start ``name`` (None: just end it)."""
+        now = time.perf_counter()
+        anon = self._anon.take()
+        if self._name is not None:
+            peak = peak_rss_mib()
+            self.peak_mib = max(self.peak_mib, peak)
+            rec = {"peak_rss_mib": round(peak, 1), "seconds": round(now - self._t0, 2)}
+            if anon is not None:
+                self.peak_anon_mib = max(self.peak_anon_mib, anon)
+                rec["peak_anon_mib"] = round(anon, 1)
+            self.phases[self._name] = rec
+            if self.log is not None:
+                extra = f", anonymous {anon:,.0f} MiB" if anon is not None else ""
+                self.log(f"  [{self._name}: {now - self._t0:.1f} s, peak RSS {peak:,.0f} MiB{extra}]")
+            if self.resettable:
+                reset_peak()
+        self._name, self._t0 = name, now
+
+    def summary(self) -> dict:
+        """``{"peak_rss_mib", "peak_anon_mib", "seconds", "phases", "per_phase_peaks"}``: the
+        largest peak RSS and sampled anonymous peak (MiB) over the phases, total seconds,
+        the phases, and whether the peaks are per phase (Linux) or process-lifetime peaks.
+        Stops the sampler."""
+        self.phase(None)
+        self._anon.stop()
+        return {
+            "peak_rss_mib": round(self.peak_mib, 1),
+            "peak_anon_mib": round(self.peak_anon_mib, 1) if self._anon.active else None,
+            "seconds": round(time.perf_counter() - self._start, 1),
+            "phases": self.phases,
+            "per_phase_peaks": self.resettable,
+        }
