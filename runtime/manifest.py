@@ -428,8 +428,10 @@ def validate_manifest(raw: dict, folder: str | Path) -> Manifest:
     * ``format_version`` in :data:`READABLE_VERSIONS`; ``kv_layout``/``kv_dtype``
       ``BLHD``/``float32``;
     * per model: ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``hidden``,
-      ``vocab_size`` >= 1; ``sha256`` 64 hex digits; ``inputs``/``outputs`` exactly the
-      interface of ``n_layers`` layers (:meth:`ModelEntry.io_names`);
+      ``vocab_size`` >= 1; ``sha256`` 64 hex digits; ``inputs``/``outputs`` the names of
+      the interface of ``n_layers`` layers of the entry's graph form, in any order
+      (:meth:`ModelEntry.io_names`); ``graph``, ``precision`` known; ``exact_min_q`` null or
+      1..k_max+1;
     * ``vocab_size`` (the tokenizer's) 1..each model's logits width, equal tokenizer
       vocab hashes; ``eos_token_id``, ``bos_token_id`` in 0..vocab_size-1, ``pad_token_id``
       below the target's logits width;
@@ -501,9 +503,10 @@ def validate_manifest(raw: dict, folder: str | Path) -> Manifest:
         else:
             want_in = f"input_ids, position_ids, past_key_i, past_value_i for i in 0..{e.n_layers - 1}"
             want_out = f"logits, new_key_i, new_value_i for i in 0..{e.n_layers - 1}"
-        if e.inputs != ins:
+        # names, not order: the runtime binds by name (the model builder lists keys before values)
+        if sorted(e.inputs) != sorted(ins) or len(set(e.inputs)) != len(e.inputs):
             raise bad(f"{role}.inputs", list(e.inputs), f"the inputs of a {e.graph} graph of n_layers={e.n_layers} layers: {want_in}")
-        if e.outputs != outs:
+        if sorted(e.outputs) != sorted(outs) or len(set(e.outputs)) != len(e.outputs):
             raise bad(f"{role}.outputs", list(e.outputs), f"the outputs of a {e.graph} graph of n_layers={e.n_layers} layers: {want_out}")
     if m.kv_layout != KV_LAYOUT:
         raise bad("kv_layout", m.kv_layout, f'"{KV_LAYOUT}"')
