@@ -214,6 +214,7 @@ def test_fp16_standard_graphs_keep_the_guarantee(tiny_pair, tmp_path):
         f = folder / raw[role]["file"]
         write_variant(f, f, "fp16", 0)
         raw[role].update(precision="fp16", sha256=sha256_file(f))
+        raw["files"][raw[role]["file"]].update(sha256=sha256_file(f), bytes=f.stat().st_size)  # the files map records it too
     raw["precision"] = "fp16"
     (folder / "manifest.json").write_text(json.dumps(raw))
     m = load_manifest(folder)

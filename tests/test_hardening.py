@@ -598,7 +598,9 @@ def test_fuzz_public_api_runs_or_raises_own_error(engine):
     """Every input runs (with consistent results) or raises SpecRTError; nothing else escapes."""
     counts = {"ran": 0, "refused": 0}
 
-    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    # derandomized: a fixed set of draws, so the ran/refused floor below cannot flake (hypothesis favours
+    # boundary integers, which made the 1-in-10 invalid pick fire far more often on some seeds)
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(call=_calls())
     def one(call):
         prompt, kw, streaming = call

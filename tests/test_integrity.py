@@ -38,7 +38,7 @@ def ext_pair(tmp_path_factory):
     save_llama(root / "target", tok, seed=11, hidden=32, layers=1, heads=2, kv_heads=1, inter=64)
     save_llama(root / "draft", tok, seed=12, hidden=32, layers=1, heads=2, kv_heads=1, inter=64)
     lines = []
-    export_pair(root / "draft", root / "target", root / "engine", k_max=4, max_ctx=64, log=lines.append, external_data=True)
+    export_pair(root / "draft", root / "target", root / "engine", k_max=4, max_ctx=64, log=lines.append, external_data=True, lazy_head=True)
     (root / "export.log").write_text("\n".join(lines))
     return root / "draft", root / "target", root / "engine"
 
@@ -63,26 +63,16 @@ def test_every_file_is_recorded_with_hash_and_size(ext_pair):
     assert m.format_version == FORMAT_VERSION == 2
     on_disk = sorted(p.name for p in eng.iterdir() if p.name != "manifest.json")
     assert sorted(m.files) == on_disk  # nothing written is left out, nothing listed is absent
-    assert on_disk == sorted(
-        [
-            "draft.onnx",
-            "draft.onnx.data",
-            "target.onnx",
-            "target.onnx.data",
-            "target_body.onnx",
-            "target_body.onnx.data",
-            "target_head.onnx",
-            "target_head.onnx.data",
-            "tokenizer.json",
-        ]
-    )
+    # the lazy-head graphs read the target's weights from target.onnx.data (stored once)
+    assert on_disk == sorted(["draft.onnx", "draft.onnx.data", "target.onnx", "target.onnx.data", "target_body.onnx", "target_head.onnx", "tokenizer.json"])
+    assert m.files["target_body.onnx"].external == m.files["target_head.onnx"].external == ("target.onnx.data",)
     for name, rec in m.files.items():
         data = (eng / name).read_bytes()
         assert rec.sha256 == hashlib.sha256(data).hexdigest() and rec.bytes == len(data)
     # graphs name the files their initializers read; the weights are there, not in the graph
     for g in ("draft.onnx", "target.onnx", "target_body.onnx", "target_head.onnx"):
-        assert m.files[g].external == (g + ".data",)
-    assert m.files["target_head.onnx.data"].bytes == 4 * 320 * 32  # the LM head's float32 [320, 32] weight, nothing else
+        assert m.files[g].external == ((g + ".data",) if g in ("draft.onnx", "target.onnx") else ("target.onnx.data",))
+    assert m.files["target_head.onnx"].bytes < 4 * 320 * 32  # the LM head's float32 [320, 32] weight is read from target.onnx.data, not inline
     assert m.files["tokenizer.json"].external == ()
     assert (m.draft.sha256, m.target.sha256, m.tokenizer_sha256) == (
         m.files["draft.onnx"].sha256,
@@ -174,19 +164,19 @@ def test_flipped_weight_is_refused_before_any_session(ext_pair, tmp_path, monkey
     assert len(built) == 1
 
 
-def test_lazy_head_weights_checked_when_first_used(ext_pair, tmp_path):
+def test_lazy_head_graphs_checked_when_first_used(ext_pair, tmp_path):
     dst = _copy(tmp_path, ext_pair[2])
-    p = dst / "target_head.onnx.data"
+    p = dst / "target_head.onnx"
     data = bytearray(p.read_bytes())
-    data[7] ^= 0x01
+    data[-3] ^= 0x01
     p.write_bytes(bytes(data))
     eng = Engine(dst)  # the lazy-head graphs are not opened by a load
     assert eng.generate("x", GenerationConfig(max_new_tokens=4, strategy="full")).tokens
     with pytest.raises(EngineError, match=re.escape(f"{p} does not match the SHA-256")):
         eng.generate("x", GenerationConfig(max_new_tokens=4, strategy="lazy-head"))
-    (dst / "target_body.onnx.data").unlink()
-    eng = Engine(dst)  # optional until used, as the lazy-head graphs themselves
-    with pytest.raises(EngineError, match="target_body.onnx.data is missing"):
+    (dst / "target_body.onnx").unlink()
+    eng = Engine(dst)  # optional until used
+    with pytest.raises(EngineError, match="target_body.onnx is missing"):
         eng.generate("x", GenerationConfig(max_new_tokens=4, strategy="lazy-head"))
 
 
@@ -215,7 +205,7 @@ def test_format_1_manifest_still_loads(tiny_pair, tmp_path):
     _edit(dst, to_v1)
     m = load_manifest(dst)
     assert m.format_version == 1 and m.files == {}
-    assert set(m.load_files()) == {"draft.onnx", "target.onnx", "tokenizer.json"}
+    assert set(m.load_files()) == {"draft.onnx", "target.onnx", "tokenizer.json", "chat_template.jinja"}  # the tiny target has a chat template
     assert (
         Engine(dst).generate("def f(x):", GenerationConfig(max_new_tokens=5)).tokens
         == Engine(tiny_pair[2]).generate("def f(x):", GenerationConfig(max_new_tokens=5)).tokens
