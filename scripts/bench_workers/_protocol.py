@@ -86,7 +86,7 @@ def serve(setup: Callable[[dict], tuple[Callable, dict, dict]]) -> int:
             if op == "run":
                 tokens, seconds, ttft, extra = run(msg["ids"], int(msg["max_new_tokens"]))
                 send({"ok": True, "tokens": [int(t) for t in tokens], "seconds": seconds, "ttft": ttft, "extra": extra})
-            elif op == "rss":
+            elif op == "rss" and "rss" not in ops:  # a worker whose model lives in a child process reports that one
                 send({"ok": True, "peak_rss_mb": peak_rss_mb()})
             elif op in ops:
                 out = ops[op](msg)

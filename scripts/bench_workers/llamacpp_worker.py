@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _protocol import send, serve, set_thread_env  # noqa: E402
+from _protocol import peak_rss_mb, send, serve, set_thread_env  # noqa: E402
 
 QUANTS = {"Q8_0": 7, "Q4_K_M": 15, "Q4_0": 2}  # llama_ftype values (llama.h)
 
@@ -174,7 +174,19 @@ def setup_server(init: dict):
 
     atexit.register(lambda: (proc.terminate(), proc.wait(10)))
     info = dict(system="llama.cpp (llama-server)", load_seconds=load_s, variant=v, threads=threads, cmd=" ".join(cmd))
-    return generate, info, {}
+
+    def rss(_msg):
+        # the model runs in the server process: its peak RSS (VmHWM), not this HTTP client's
+        hwm = None
+        try:
+            for ln in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                if ln.startswith("VmHWM:"):
+                    hwm = int(ln.split()[1]) / 1024
+        except OSError:
+            pass
+        return {"peak_rss_mb": hwm, "client_peak_rss_mb": peak_rss_mb(), "measured": "llama-server VmHWM"}
+
+    return generate, info, {"rss": rss}
 
 
 def setup_python(init: dict):
