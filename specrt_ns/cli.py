@@ -636,10 +636,27 @@ def _print_tune_report(result: dict, out: Path) -> None:
     hidden=True,
     help="test hook: a worker sleeps this long after each piece (simulates a slow model)",
 )
+@click.option(
+    "--max-batch",
+    type=click.IntRange(0, 64),
+    default=0,
+    show_default=True,
+    help="continuous batching of up to N requests in one scheduler (0: --workers workers)",
+)
+@click.option(
+    "--batch-policy",
+    type=click.Choice(["auto", "speculate", "batched"]),
+    default="auto",
+    show_default=True,
+    help="with --max-batch: auto = batched steps vs speculative rounds by measured cost; speculate = exact, per-row rounds only",
+)
+@click.option("--max-tokens-in-flight", type=click.IntRange(1), default=None, help="with --max-batch: most prompt + max_tokens summed over the active requests")
 @_threads_option
 @_backend_option
 @_clean_errors
-def serve(engines, host, port, workers, max_queue, model_name, log_level, round_delay, threads, spinning, backend):
+def serve(
+    engines, host, port, workers, max_queue, model_name, log_level, round_delay, max_batch, batch_policy, max_tokens_in_flight, threads, spinning, backend
+):
     """Serve ENGINES over HTTP: OpenAI-compatible /v1/completions (SSE streaming), /metrics (docs/SERVING.md)."""
     from .runtime.serve.server import serve as run_server
 
@@ -655,6 +672,9 @@ def serve(engines, host, port, workers, max_queue, model_name, log_level, round_
         model_name=model_name,
         log_level=log_level,
         round_delay=round_delay,
+        max_batch=max_batch,
+        batch_policy=batch_policy,
+        max_tokens_in_flight=max_tokens_in_flight,
     )
 
 

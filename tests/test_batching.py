@@ -97,3 +97,148 @@ def test_move_compacts_a_slot(int4, batched):
     batched.move(3, 1, 16)
     for buf in (*batched.keys, *batched.values):
         assert np.array_equal(buf[1, :, :16], buf[3, :, :16])
+
+
+# ---- the scheduler ---------------------------------------------------------------------------
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from specrt import GenerationConfig  # noqa: E402
+from specrt.runtime.lab.bench import divergences  # noqa: E402
+from specrt.runtime.serve.batching import BatchCosts, BatchPool, choose_mode  # noqa: E402
+from specrt.runtime.serve.server import Job, ServeError  # noqa: E402
+
+PROMPTS = ["def add(a, b):", "for i in range(10):\n", "x", "class Foo:\n    def __init__(self, x):\n", "import os\nimport sys\n", "while True:"]
+
+
+class Events:
+    """A job's events with arrival times; ``done`` is set by the last one."""
+
+    def __init__(self):
+        self.items, self.done = [], threading.Event()
+
+    def __call__(self, ev):
+        self.items.append((time.perf_counter(), ev))
+        if ev[0] in ("done", "cancelled", "error"):
+            self.done.set()
+
+    def result(self, timeout=60):
+        assert self.done.wait(timeout), self.items
+        kind, payload = self.items[-1][1]
+        assert kind == "done", (kind, payload)
+        return payload
+
+
+def submit(pool, engine, prompt, stream=False, **cfg):
+    ev = Events()
+    job = Job(ids=engine.prompt_ids(prompt), config=engine.resolve(GenerationConfig(**cfg)), emit=ev, stream=stream)
+    pool.submit(job)
+    return job, ev
+
+
+def flat_costs(max_batch, s=1e-3):
+    return BatchCosts([0.0] + [s] * max_batch)
+
+
+def test_choose_mode_follows_the_costs():
+    assert choose_mode(1, 1e-3, [(3.0, 1e-3)]) == "speculate"  # one row: always its own round
+    assert choose_mode(4, 1e-3, []) == "speculate"  # nothing measured yet
+    assert choose_mode(4, 2e-3, [(3.0, 4e-3)] * 4) == "batched"  # 2000 tok/s vs 750
+    assert choose_mode(4, 8e-3, [(3.0, 4e-3)] * 4) == "speculate"  # 500 tok/s vs 750
+    assert choose_mode(2, 2e-3, [(1.0, 4e-3), (5.0, 4e-3)]) == "batched"  # 1000 vs 750
+
+
+def test_pool_refuses_bad_settings(int4, tiny_pair):
+    with pytest.raises(ServeError, match="max_batch"):
+        BatchPool(int4, 0, costs=flat_costs(1))
+    with pytest.raises(ServeError, match="policy"):
+        BatchPool(int4, 2, policy="fast", costs=flat_costs(2))
+    with pytest.raises(ServeError, match="builder-graph"):
+        BatchPool(Engine(tiny_pair[2]), 2, costs=flat_costs(2))
+
+
+def test_speculating_rows_equal_the_requests_alone_and_join_between_rounds(int4):
+    """policy speculate: every greedy row is the single-sequence loop bit for bit; 6
+    requests through 3 slots, so requests join as others finish; sampled rows keep their
+    own seeds (equal to the request alone with that seed)."""
+    pool = BatchPool(int4, 3, policy="speculate", costs=flat_costs(3))
+    try:
+        cfgs = [dict(max_new_tokens=n, k_max=k) for n, k in zip((40, 6, 25, 9, 30, 12), (3, 1, 4, 8, 2, 3))]
+        cfgs[2] = dict(max_new_tokens=25, temperature=0.8, top_p=0.95, seed=7, k_max=4)
+        cfgs[4] = dict(max_new_tokens=30, temperature=0.9, seed=8, k_max=2)
+        jobs = [submit(pool, int4, p, stream=i % 2 == 0, **c) for i, (p, c) in enumerate(zip(PROMPTS, cfgs))]
+        results = [ev.result() for _, ev in jobs]
+        for p, c, r, (_, ev) in zip(PROMPTS, cfgs, results, jobs):
+            alone = int4.generate(p, GenerationConfig(**c))
+            assert r.tokens == alone.tokens and r.text == alone.text and r.finish_reason == alone.finish_reason
+            if ev.items[0][1][0] == "text":
+                assert "".join(e[1] for _, e in ev.items if e[0] == "text") == r.text
+        # the 4th request (queued behind 3) started before the 1st (40 tokens) finished
+        assert jobs[3][0].started < jobs[0][1].items[-1][0]
+        assert pool.batch_hist.counts[2] > 0  # iterations with 3 rows
+        assert pool.steps["batched"] == 0 and pool.busy == 0 and pool.queued == 0
+    finally:
+        pool.close()
+
+
+def test_batched_steps_diverge_only_at_near_ties(int4):
+    """policy batched: rows make one token per batched step; greedy outputs equal the
+    requests alone except where the target's top-2 margin is within the kernels' rounding."""
+    pool = BatchPool(int4, 4, policy="batched", costs=flat_costs(4))
+    try:
+        cfg = dict(max_new_tokens=32, k_max=3)
+        jobs = [submit(pool, int4, p, **cfg) for p in PROMPTS[:4]]
+        got = {i: ev.result().tokens for i, (_, ev) in enumerate(jobs)}
+        assert pool.steps["batched"] > 0
+        ids = [int4.prompt_ids(p) for p in PROMPTS[:4]]
+        base = {i: int4.generate(p, GenerationConfig(**cfg)).tokens for i, p in enumerate(PROMPTS[:4])}
+        divs = divergences(int4, ids, base, got)
+        assert len(divs) < 4
+        for d in divs:
+            assert d["target_top2_margin"] < 0.1, d
+        assert "specrt_batch_size_bucket" in pool.render_metrics() and "specrt_tokens_per_forward_pass_count" in pool.render_metrics()
+    finally:
+        pool.close()
+
+
+def test_cancellation_frees_the_slot_at_once(int4):
+    pool = BatchPool(int4, 1, policy="auto", round_delay=0.05, costs=flat_costs(1))
+    try:
+        a, ea = submit(pool, int4, "def f(", stream=True, max_new_tokens=200)
+        b, eb = submit(pool, int4, "x", max_new_tokens=5)
+        while not ea.items:
+            time.sleep(0.01)
+        assert pool.busy == 1 and pool.queued == 1
+        t0 = time.perf_counter()
+        a.cancelled.set()
+        assert ea.done.wait(5) and ea.items[-1][1] == ("cancelled", None)
+        r = eb.result()
+        assert b.started - t0 < 1.0  # within an iteration, not after a's 200 tokens
+        assert len(r.tokens) == 5 and pool.busy == 0
+    finally:
+        pool.close()
+
+
+def test_tokens_in_flight_limit_keeps_first_come_first_served(int4):
+    pool = BatchPool(int4, 4, policy="speculate", max_tokens=60, costs=flat_costs(4))
+    try:
+        a, ea = submit(pool, int4, "def f(", max_new_tokens=40)
+        b, eb = submit(pool, int4, "x", max_new_tokens=40)  # 40 + 40 + prompts > 60: waits for a
+        ra, rb = ea.result(), eb.result()
+        assert b.started >= ea.items[-1][0] and len(ra.tokens) == len(rb.tokens) == 40
+    finally:
+        pool.close()
+
+
+def test_stop_strings_and_eos_under_batching(int4):
+    pool = BatchPool(int4, 2, policy="speculate", costs=flat_costs(2))
+    try:
+        alone = int4.generate("def add(a, b):", GenerationConfig(max_new_tokens=30))
+        stop = alone.text[5:8] if len(alone.text) > 8 else None
+        if stop:
+            _, ev = submit(pool, int4, "def add(a, b):", stream=True, max_new_tokens=30, stop=[stop])
+            want = int4.generate("def add(a, b):", GenerationConfig(max_new_tokens=30, stop=[stop]))
+            r = ev.result()
+            assert r.text == want.text and r.finish_reason == want.finish_reason == "stop" and r.tokens == want.tokens
+    finally:
+        pool.close()

@@ -763,7 +763,8 @@ def create_app(service: CompletionService):
     @app.get("/metrics")
     async def prom_metrics():
         """Prometheus text exposition."""
-        return PlainTextResponse(metrics.render(service.gauges()), media_type="text/plain; version=0.0.4; charset=utf-8")
+        extra = service.pool.render_metrics() if hasattr(service.pool, "render_metrics") else ""
+        return PlainTextResponse(metrics.render(service.gauges()) + extra, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/health")
     async def health():
@@ -912,6 +913,9 @@ def build_service(
     backend: str | None = None,
     model_name: str | None = None,
     round_delay: float = 0.0,
+    max_batch: int = 0,
+    batch_policy: str = "auto",
+    max_tokens_in_flight: int | None = None,
 ) -> CompletionService:
     """Load the worker pool and wrap it in a :class:`CompletionService`.
 
@@ -924,8 +928,25 @@ def build_service(
         backend: Engine backend (None: the machine's default).
         model_name: the ``model`` id clients use (default: the folder's name).
         round_delay: test hook (see :class:`WorkerPool`).
+        max_batch: > 0: continuous batching of up to this many requests in one scheduler
+            (:class:`~specrt.runtime.serve.batching.BatchPool`; ``workers`` is ignored).
+        batch_policy, max_tokens_in_flight: the BatchPool's ``policy`` and ``max_tokens``.
     """
-    pool = WorkerPool.load(engines, workers=workers, max_queue=max_queue, threads=threads, backend=backend, round_delay=round_delay)
+    if max_batch > 0:
+        from .batching import BatchPool
+
+        pool = BatchPool.load(
+            engines,
+            max_batch,
+            threads=threads,
+            backend=backend,
+            max_queue=max_queue,
+            max_tokens=max_tokens_in_flight,
+            policy=batch_policy,
+            round_delay=round_delay,
+        )
+    else:
+        pool = WorkerPool.load(engines, workers=workers, max_queue=max_queue, threads=threads, backend=backend, round_delay=round_delay)
     return CompletionService(pool, model_name or Path(engines).resolve().name)
 
 
@@ -940,6 +961,9 @@ def serve(
     model_name: str | None = None,
     log_level: str = "info",
     round_delay: float = 0.0,
+    max_batch: int = 0,
+    batch_policy: str = "auto",
+    max_tokens_in_flight: int | None = None,
 ) -> None:
     """Load the engines, then serve them with uvicorn until interrupted (Ctrl-C / SIGTERM).
 
@@ -952,7 +976,7 @@ def serve(
         import uvicorn
     except ImportError as e:
         raise ServeError(f"serving needs the [serve] extra (FastAPI, uvicorn): pip install 'specrt[serve]' ({e})") from None
-    service = build_service(engines, workers, max_queue, threads, backend, model_name, round_delay)
+    service = build_service(engines, workers, max_queue, threads, backend, model_name, round_delay, max_batch, batch_policy, max_tokens_in_flight)
     app = create_app(service)
     log.info("serving %s with %d worker(s) on http://%s:%d", service.model_name, workers, host, port)
     try:

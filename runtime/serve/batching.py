@@ -1,0 +1,534 @@
+"""Continuous batching for ``specrt serve --max-batch N``: one scheduler thread runs up to N
+requests at once over one :class:`~specrt.runtime.backends.ort_gqa_batch.BatchedGqaModel`
+(one KV slot per request, allocated once), with speculation per row.
+
+Scheduler iteration (:meth:`BatchPool._iterate`)::
+
+    drop      rows whose client went away (the slot is free at once) ...
+    admit     ... queued requests, first come first served, while a slot is free and the
+              tokens in flight (prompt + max_tokens of the active rows) stay within
+              max_tokens; each joins with a batch-1 prefill on its slot (its first token)
+    choose    batched step or speculative rounds (choose_mode, from measured costs)
+    run       batched: ONE target call, q = 1 per row, each row's pending token at its own
+              past length -> one token per row from its own acceptor (greedy argmax, or
+              a sample from its own seeded generator)
+              speculate: per row one ordinary round (runtime.decode.one_round: its own
+              draft fork, its own k, acceptance, commit, rollback) on its slot, batch-1
+    finish    rows that hit EOS, a stop string or their length leave; the last slot's KV
+              moves into the hole, so active slots stay a contiguous prefix
+
+Why speculative rounds are batch-1: onnxruntime's CPU GroupQueryAttention refuses batch > 1
+with q > 1 after a past, so one target pass cannot verify several rows' candidates.
+
+Load-aware rule (:func:`choose_mode`): a batched step makes n tokens in ``t_step(n)``
+seconds (measured per batch size at start, then a running mean of the real steps); a
+speculative iteration makes ``sum(tokens_i)`` tokens in ``sum(seconds_i)`` (each row's
+running means of its rounds). The faster one runs; one row alone always speculates. So
+speculation turns itself off as the batch grows (as vLLM and TensorRT-LLM do under load)
+and back on when the batch shrinks. One row in ``explore_every`` batched steps refreshes
+its round statistics with a speculative round.
+
+Numerics: a row's speculative rounds are the single-sequence decode loop bit for bit (its
+slot is a batch-1 model of the same graph), so a greedy request that is only ever run
+speculatively equals the same request alone. A batched step's rows differ from batch-1
+rows by the kernels' rounding (GroupQueryAttention's q = 1 path; about 6e-6, amplified by
+int8 activation quantization in int4 accuracy-level-4 graphs; docs/SERVING.md), so greedy
+outputs after a batched step may differ from the request alone at near-ties.
+``policy="speculate"`` never makes batched steps (exact, no batching speedup).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..backends.ort_gqa import OrtGqaModel
+from ..backends.ort_gqa_batch import BatchedGqaModel
+from ..decode import KVLengths, Round, chunk_bounds, feed, one_round
+from ..engine import GenerationResult
+from ..errors import SpecRTError
+from ..stats import Stats
+from ..textstream import IncrementalText
+from .server import Histogram, Job, ServeError, ServerBusy
+
+__all__ = ["POLICIES", "BatchCosts", "choose_mode", "measure_step_costs", "BatchPool"]
+
+log = logging.getLogger("specrt.serve")
+
+POLICIES = ("auto", "speculate", "batched")
+EMA = 0.2  # weight of the newest observation in the running means
+
+
+@dataclass
+class BatchCosts:
+    """Measured seconds of one batched step per batch size (index n, n = 1..max_batch;
+    index 0 unused) and a running mean per size updated by the real steps."""
+
+    step_s: list[float]
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Update the running mean of size ``n`` with one measured step."""
+        self.step_s[n] += EMA * (seconds - self.step_s[n])
+
+    def as_dict(self) -> dict:
+        """JSON-ready ``{"n": seconds}``."""
+        return {str(n): round(s, 6) for n, s in enumerate(self.step_s) if n}
+
+
+def measure_step_costs(batched: BatchedGqaModel, length: int = 64, reps: int = 5, vocab: int | None = None, seed: int = 0) -> BatchCosts:
+    """Time one batched step at each batch size 1..max_batch (median of ``reps``), every row
+    at past length ``length`` over random KV (writes the slots' rows ``[0, length]``: call
+    it before any request holds a slot).
+
+    Raises:
+        ValueError: ``length + 1 > max_ctx`` or ``reps < 1``.
+    """
+    if length + 1 > batched.max_ctx or reps < 1:
+        raise ValueError(f"length {length} must leave a row in max_ctx {batched.max_ctx}; reps {reps} >= 1")
+    rng = np.random.default_rng(seed)
+    v = vocab or batched.vocab
+    step = [0.0]
+    for n in range(1, batched.max_batch + 1):
+        times = []
+        for _ in range(reps + 1):  # the first call of a size binds (warm-up)
+            toks = rng.integers(0, v, size=n)
+            t0 = time.perf_counter()
+            batched.step(toks, [length] * n)
+            times.append(time.perf_counter() - t0)
+        step.append(float(np.median(times[1:])))
+    return BatchCosts(step)
+
+
+def choose_mode(n: int, step_s: float, rounds: Sequence[tuple[float, float]]) -> str:
+    """``"batched"`` or ``"speculate"`` for one scheduler iteration over ``n`` rows.
+
+    Args:
+        n: active rows ready for a batched step.
+        step_s: seconds of one batched step of n rows.
+        rounds: per row, ``(tokens, seconds)`` of its speculative round (running means;
+            rows without any use the mean of the others).
+
+    Returns:
+        ``"speculate"`` when ``n < 2`` (a batched step of one row is the 1-row kernel path,
+        which rounds differently; the single-sequence loop is exact), when no round has
+        been measured, or when speculative rounds make more tokens per second than the
+        batched step (``sum(tokens) / sum(seconds)`` vs ``n / step_s``); else ``"batched"``.
+    """
+    if n < 2 or not rounds:
+        return "speculate"
+    tok = sum(t for t, _ in rounds)
+    sec = sum(s for _, s in rounds)
+    if sec <= 0.0:
+        return "speculate"
+    return "batched" if n / step_s > tok / sec else "speculate"
+
+
+@dataclass
+class _Row:
+    """One active request: its sequence, KV lengths, acceptor and text state."""
+
+    job: Job
+    cfg: object
+    plan: object
+    acc: object
+    draft: object
+    slot: int
+    seq: list
+    n_prompt: int
+    kv: KVLengths = field(default_factory=KVLengths)
+    stats: Stats | None = None
+    out: list = field(default_factory=list)
+    text_out: IncrementalText | None = None
+    finish: str = "length"
+    stop_reason: str | None = None
+    done: bool = False
+    t0: float = 0.0
+    round_tok: float = 0.0  # running means of this row's speculative rounds
+    round_s: float = 0.0
+    rounds: int = 0
+
+
+class BatchPool:
+    """The continuous-batching scheduler; a drop-in for
+    :class:`~specrt.runtime.serve.server.WorkerPool` (``submit``, ``close``, ``workers``,
+    ``busy``, ``queued``, ``max_queue``, ``engines``), see the module docstring.
+
+    Args:
+        engine: a loaded :class:`~specrt.runtime.engine.Engine` whose target is a builder
+            graph (:class:`~specrt.runtime.backends.ort_gqa.OrtGqaModel`); its session
+            is shared, its own KV is not used for serving.
+        max_batch: slots (requests at once), >= 1.
+        max_queue: requests that may wait (:class:`ServerBusy` beyond).
+        max_tokens: most tokens in flight (sum of prompt + max_tokens over the active
+            rows); None: no limit but the slots.
+        policy: ``"auto"`` (:func:`choose_mode`), ``"speculate"`` (never a batched step:
+            greedy rows equal the request alone), ``"batched"`` (a batched step whenever
+            two or more rows are ready).
+        explore_every: in ``auto``, one row makes a speculative round every this many
+            batched steps (keeps its acceptance statistics fresh).
+        round_delay: test hook: seconds to sleep after each iteration.
+        costs: :class:`BatchCosts` to start from (None: measured here, about
+            ``6 * max_batch`` steps).
+
+    Raises:
+        ServeError: max_batch < 1, max_queue < 1, max_tokens < 1, an unknown policy, or a
+            target that is not a builder graph on onnxruntime CPU.
+    """
+
+    def __init__(
+        self,
+        engine,
+        max_batch: int,
+        max_queue: int = 64,
+        max_tokens: int | None = None,
+        policy: str = "auto",
+        explore_every: int = 16,
+        round_delay: float = 0.0,
+        costs: BatchCosts | None = None,
+    ):
+        if max_batch < 1:
+            raise ServeError(f"max_batch={max_batch}; it must be >= 1")
+        if max_queue < 1:
+            raise ServeError(f"max_queue={max_queue}; it must be >= 1")
+        if max_tokens is not None and max_tokens < 1:
+            raise ServeError(f"max_tokens={max_tokens}; it must be >= 1 (or None)")
+        if policy not in POLICIES:
+            raise ServeError(f"policy={policy!r}; one of {', '.join(POLICIES)}")
+        if not isinstance(engine.target, OrtGqaModel):
+            raise ServeError(
+                f"--max-batch needs a builder-graph target on ort-cpu (int4/int8 export); {engine.folder} has a {engine.manifest.target.graph} graph on {engine.backend}"
+            )
+        self.engine = engine
+        self.engines = [engine]  # the service validates and tokenizes with engines[0]
+        self.max_batch, self.max_queue, self.max_tokens = max_batch, max_queue, max_tokens
+        self.policy, self.explore_every, self.round_delay = policy, explore_every, round_delay
+        self.batched = BatchedGqaModel(engine.target, max_batch, engine.target.max_q)
+        self.costs = costs if costs is not None else measure_step_costs(self.batched, vocab=engine.manifest.vocab_size)
+        self._free_drafts = [engine.draft.fork() for _ in range(max_batch)]
+        self._flops = engine._flops
+        self._queue: deque = deque()
+        self._rows: list[_Row] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._since_explore = 0
+        self._explore_row = 0
+        # metrics (read by render_metrics under _mlock)
+        self._mlock = threading.Lock()
+        self.batch_hist = Histogram(tuple(range(1, max_batch + 1)))
+        self.queue_hist = Histogram((0, 1, 2, 4, 8, 16, 32, 64, 128))
+        self.tokens_per_pass = Histogram((1, 1.5, 2, 3, 4, 6, 8, 12, 16))
+        self.steps = {"batched": 0, "speculate": 0}
+        self._thread = threading.Thread(target=self._loop, name="specrt-batch", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(cls, folder, max_batch: int, threads=None, backend: str | None = None, **kw) -> "BatchPool":
+        """Load the engine folder and start a pool over it (``kw``: the other arguments).
+
+        Raises:
+            EngineError, BackendError: what :class:`~specrt.runtime.engine.Engine` raises.
+            ServeError: see the class.
+        """
+        from ..engine import Engine
+
+        return cls(Engine(folder, threads=threads, backend=backend), max_batch, **kw)
+
+    # ---- the WorkerPool interface ----------------------------------------------------
+    @property
+    def workers(self) -> int:
+        """Slots (the most requests generating at once)."""
+        return self.max_batch
+
+    @property
+    def busy(self) -> int:
+        """Rows generating now."""
+        return len(self._rows)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._queue)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (first come first served) without waiting.
+
+        Raises:
+            ServerBusy: ``max_queue`` requests already wait.
+        """
+        with self._cond:
+            if len(self._queue) >= self.max_queue:
+                raise ServerBusy(f"server busy: {self.max_queue} requests already queued for {self.max_batch} slot(s); retry later")
+            self._queue.append(job)
+            self._cond.notify()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the scheduler; queued and active requests end as cancelled."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def render_metrics(self) -> str:
+        """Prometheus text lines of the batching metrics: ``specrt_batch_size`` (rows per
+        iteration), ``specrt_batch_queue_depth`` (waiting requests per iteration),
+        ``specrt_tokens_per_forward_pass`` (tokens committed per target call, per
+        iteration) histograms; ``specrt_batch_iterations_total{mode=...}``; gauges
+        ``specrt_batch_step_seconds{n=...}`` (the running costs)."""
+        with self._mlock:
+            lines = []
+            for name, help_, h in (
+                ("specrt_batch_size", "Active rows per scheduler iteration.", self.batch_hist),
+                ("specrt_batch_queue_depth", "Requests waiting for a slot, per scheduler iteration.", self.queue_hist),
+                ("specrt_tokens_per_forward_pass", "Tokens committed per target call, per scheduler iteration.", self.tokens_per_pass),
+            ):
+                lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *h.lines(name)]
+            lines += ["# HELP specrt_batch_iterations_total Scheduler iterations by mode.", "# TYPE specrt_batch_iterations_total counter"]
+            lines += [f'specrt_batch_iterations_total{{mode="{k}"}} {v}' for k, v in self.steps.items()]
+            lines += ["# HELP specrt_batch_step_seconds Running mean seconds of a batched step by rows.", "# TYPE specrt_batch_step_seconds gauge"]
+            lines += [f'specrt_batch_step_seconds{{n="{n}"}} {s:.6f}' for n, s in self.costs.as_dict().items()]
+        return "\n".join(lines) + "\n"
+
+    # ---- the scheduler ---------------------------------------------------------------
+    def _loop(self) -> None:
+        """Scheduler thread: iterate while rows are active or requests wait."""
+        while True:
+            with self._cond:
+                while not self._closed and not self._rows and not self._queue:
+                    self._cond.wait()
+                if self._closed:
+                    break
+            try:
+                self._iterate()
+            except Exception:  # noqa: BLE001 - never let the scheduler thread die silently
+                log.exception("batch scheduler iteration failed")
+                for r in list(self._rows):
+                    self._end(r, "error", ServeError("internal error in the batch scheduler"))
+            if self.round_delay:
+                time.sleep(self.round_delay)
+        for r in list(self._rows):
+            self._end(r, "cancelled", None)
+        while self._queue:
+            self._queue.popleft().emit(("cancelled", None))
+
+    def _in_flight(self) -> int:
+        return sum(r.n_prompt + r.cfg.max_new_tokens for r in self._rows)
+
+    def _iterate(self) -> None:
+        """One scheduler iteration (module docstring)."""
+        for r in [r for r in self._rows if r.job.cancelled.is_set()]:
+            self._end(r, "cancelled", None)
+        while len(self._rows) < self.max_batch:
+            with self._cond:
+                if not self._queue:
+                    break
+                job = self._queue[0]
+                need = len(job.ids) + job.config.max_new_tokens
+                if self.max_tokens is not None and self._rows and self._in_flight() + need > self.max_tokens and not job.cancelled.is_set():
+                    break
+                self._queue.popleft()
+            if job.cancelled.is_set():
+                job.emit(("cancelled", None))
+                continue
+            self._admit(job)
+        rows = self._rows
+        if not rows:
+            return
+        with self._mlock:
+            self.batch_hist.observe(len(rows))
+            self.queue_hist.observe(len(self._queue))
+        ready = [r for r in rows if r.kv.target == len(r.seq) - 1]
+        mode, explore = self._mode(ready)
+        if mode == "batched":
+            self._batched_step(ready)
+            for r in list(rows):
+                if (r not in ready or r is explore) and not r.done:
+                    self._round(r)
+        else:
+            calls = tokens = 0
+            for r in list(rows):
+                if not r.done:
+                    c, t = self._round(r)
+                    calls, tokens = calls + c, tokens + t
+            with self._mlock:
+                self.steps["speculate"] += 1
+                if calls:
+                    self.tokens_per_pass.observe(tokens / calls)
+        for r in [r for r in rows if r.done]:
+            self._release(r)
+
+    def _mode(self, ready: list) -> tuple[str, object]:
+        """The policy's choice for this iteration, and the row (or None) that makes a
+        speculative round after a batched step to refresh its round statistics."""
+        n = len(ready)
+        if self.policy == "speculate" or n < 2:
+            return "speculate", None
+        if self.policy == "batched":
+            return "batched", None
+        measured = [(r.round_tok, r.round_s) for r in ready if r.rounds]
+        if measured:
+            mt, ms = sum(t for t, _ in measured) / len(measured), sum(s for _, s in measured) / len(measured)
+            rounds = [(r.round_tok, r.round_s) if r.rounds else (mt, ms) for r in ready]
+        else:
+            rounds = []
+        mode = choose_mode(n, self.costs.step_s[n], rounds)
+        explore = None
+        if mode == "batched":
+            self._since_explore += 1
+            if self._since_explore >= self.explore_every:
+                self._since_explore = 0
+                self._explore_row = (self._explore_row + 1) % n
+                explore = ready[self._explore_row]
+        return mode, explore
+
+    def _admit(self, job: Job) -> None:
+        """Start ``job`` in the next free slot: its acceptor, draft fork, prefill (first token)."""
+        eng = self.engine
+        job.started = time.perf_counter()
+        cfg = job.config
+        slot = len(self._rows)
+        row = _Row(job, cfg, eng.plan(cfg), eng.acceptor(cfg), self._free_drafts.pop(), slot, list(job.ids), len(job.ids))
+        row.stats = Stats(prompt_tokens=row.n_prompt, accepted_hist=[0] * (cfg.k_max + 1), proposed_hist=[0] * (cfg.k_max + 1))
+        row.text_out = IncrementalText(eng.codec, cfg.stop) if (job.stream or cfg.stop) else None
+        row.t0 = job.started
+        self._rows.append(row)
+        try:
+            plan, target = row.plan, self.batched.slots[slot]
+            chunks = chunk_bounds(row.n_prompt, target.max_q, plan.min_q)
+            first = row.acc.bonus(0, feed(target, row.seq, 0, plan.min_q)[-1])
+            lo, hi = chunks[-1]
+            row.kv.target = row.n_prompt if hi - lo >= plan.min_q else lo
+            row.seq.append(first)
+            finish = "stop" if first == plan.eos else self._length(row)
+            calls = [(hi - lo, lo, hi - lo) for lo, hi in chunks]
+            self._push(row, Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - row.t0, calls=calls))
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            self._fail(row, e)
+
+    def _length(self, row: _Row) -> str | None:
+        """ "length" when the row's budget or the context is used up."""
+        return "length" if len(row.seq) - row.n_prompt >= row.plan.budget or len(row.seq) >= row.plan.max_ctx else None
+
+    def _round(self, row: _Row) -> tuple[int, int]:
+        """One speculative (or target-only) round of ``row`` on its slot; returns (target
+        calls, tokens committed)."""
+        try:
+            t0 = time.perf_counter()
+            rec = one_round(self.batched.slots[row.slot], row.draft, row.seq, row.n_prompt, row.kv, row.plan, row.acc)
+            dt = time.perf_counter() - t0
+            if row.rounds:
+                row.round_tok += EMA * (len(rec.commit) - row.round_tok)
+                row.round_s += EMA * (dt - row.round_s)
+            else:
+                row.round_tok, row.round_s = float(len(rec.commit)), dt
+            row.rounds += 1
+            self._push(row, rec)
+            return sum(1 for q, _, _ in rec.calls if q > 0), len(rec.commit)
+        except Exception as e:  # noqa: BLE001
+            self._fail(row, e)
+            return 0, 0
+
+    def _batched_step(self, ready: list) -> None:
+        """One target call over the slots of ``ready`` (q = 1 each); rows then commit one
+        token each from their own acceptor."""
+        t0 = time.perf_counter()
+        n = len(ready)
+        # ready rows must be slots [0, n): the not-ready ones (short prompts) are rare;
+        # swap them behind the ready ones first
+        self._compact_ready(ready)
+        ready = sorted(ready, key=lambda r: r.slot)
+        logits = self.batched.step([r.seq[-1] for r in ready], [r.kv.target for r in ready])
+        dt = time.perf_counter() - t0
+        for i, r in enumerate(ready):
+            try:
+                tok = r.acc.bonus(0, logits[i])
+                pos = len(r.seq) - r.n_prompt
+                r.seq.append(tok)
+                r.kv.target += 1
+                finish = "stop" if tok == r.plan.eos else self._length(r)
+                self._push(r, Round(pos, [], 0, 0, [tok], finish, target_s=dt / n, calls=[(1, r.kv.target - 1, 1)]))
+            except Exception as e:  # noqa: BLE001
+                self._fail(r, e)
+        self.costs.observe(n, time.perf_counter() - t0)
+        with self._mlock:
+            self.steps["batched"] += 1
+            self.tokens_per_pass.observe(float(n))
+
+    def _compact_ready(self, ready: list) -> None:
+        """Give the ready rows slots ``[0, len(ready))`` (swapping KV rows with the others)."""
+        n = len(ready)
+        for r in ready:
+            if r.slot >= n:
+                other = next(o for o in self._rows if o.slot < n and o not in ready)
+                self._swap(r, other)
+
+    def _swap(self, a: _Row, b: _Row) -> None:
+        """Exchange the slots (and KV rows) of two rows, through a free slot or a copy."""
+        bt = self.batched
+        keep = [(buf[b.slot, :, : b.kv.target].copy()) for buf in (*bt.keys, *bt.values)]
+        bt.move(a.slot, b.slot, a.kv.target)
+        for buf, k in zip((*bt.keys, *bt.values), keep):
+            buf[a.slot, :, : b.kv.target] = k
+        a.slot, b.slot = b.slot, a.slot
+        self._rows.sort(key=lambda r: r.slot)
+
+    def _push(self, row: _Row, rec: Round) -> None:
+        """Count a round record of ``row`` and hand its text to the client (Engine._run's logic)."""
+        row.stats.add(rec, self._flops)
+        piece = rec.commit
+        if row.text_out is not None and (kept := row.text_out.push(piece)) is not None:
+            row.out.extend(piece[:kept])
+            row.finish, row.stop_reason = "stop", row.text_out.stop_reason
+            row.done = True
+        else:
+            row.out.extend(piece)
+            row.finish = rec.finish or row.finish
+            if row.job.stream and (text := row.text_out.take()):
+                row.job.emit(("text", text))
+            row.done = rec.finish is not None
+        if row.done:
+            self._complete(row)
+
+    def _complete(self, row: _Row) -> None:
+        """Emit the finished row's result (its slot is released after the iteration)."""
+        st = row.stats
+        st.total_seconds = time.perf_counter() - row.t0
+        st.new_tokens = len(row.out)
+        if row.text_out is None:
+            text = self.engine.codec.decode(row.out)
+        else:
+            row.text_out.finish()
+            if row.job.stream and (last := row.text_out.take()):
+                row.job.emit(("text", last))
+            text = row.text_out.text
+        row.job.emit(("done", GenerationResult(tokens=row.out, text=text, finish_reason=row.finish, stats=st, stop_reason=row.stop_reason)))
+
+    def _fail(self, row: _Row, e: Exception) -> None:
+        """End ``row`` with an error event."""
+        if not isinstance(e, SpecRTError):
+            log.exception("generation failed", exc_info=e)
+        row.done = True
+        row.job.emit(("error", e))
+
+    def _end(self, row: _Row, outcome: str, payload) -> None:
+        """End ``row`` now (cancelled or failed) and free its slot."""
+        row.done = True
+        row.job.emit(("cancelled", None) if outcome == "cancelled" else ("error", payload))
+        self._release(row)
+
+    def _release(self, row: _Row) -> None:
+        """Free ``row``'s slot and draft; the last slot's row moves into the hole."""
+        if row not in self._rows:
+            return
+        self._rows.remove(row)
+        self._free_drafts.append(row.draft)
+        last = max(self._rows, key=lambda r: r.slot, default=None)
+        if last is not None and last.slot > row.slot:
+            self.batched.move(last.slot, row.slot, last.kv.target)
+            last.slot = row.slot
+        self._rows.sort(key=lambda r: r.slot)
