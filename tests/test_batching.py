@@ -9,6 +9,8 @@ when it makes batched steps). Tiny int4 builder pair from conftest (seconds)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -242,3 +244,45 @@ def test_stop_strings_and_eos_under_batching(int4):
             assert r.text == want.text and r.finish_reason == want.finish_reason == "stop" and r.tokens == want.tokens
     finally:
         pool.close()
+
+
+# ---- specrt serve --max-batch (a real server process) ------------------------------------------
+def test_serve_max_batch_concurrent_clients_metrics_and_disconnect(int4_pair, int4):
+    """8 concurrent clients through 4 slots (policy speculate: exact) equal the requests
+    alone; /metrics has the batching histograms; a disconnected stream frees its slot."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import concurrent.futures as cf
+    import socket
+
+    from test_server import HOST, Server, post, post_stream, read_metrics, stream_text
+
+    srv = Server(int4_pair[2], "--max-batch", "4", "--batch-policy", "speculate", "--max-queue", "16", "--round-delay", "0.01")
+    try:
+        bodies = [dict(prompt=p, max_tokens=20 + 3 * i, temperature=0) for i, p in enumerate(PROMPTS + PROMPTS[:2])]
+        with cf.ThreadPoolExecutor(8) as ex:
+            futs = [ex.submit(post_stream if i % 2 else post, srv.port, b) for i, b in enumerate(bodies)]
+            outs = [f.result() for f in futs]
+        for i, (b, o) in enumerate(zip(bodies, outs)):
+            want = int4.generate(b["prompt"], GenerationConfig(max_new_tokens=b["max_tokens"])).text
+            assert o[0] == 200
+            assert (stream_text(o[1]) if i % 2 else o[1]["choices"][0]["text"]) == want
+        m = read_metrics(srv.port)
+        assert m["specrt_batch_size_count"] > 0 and m['specrt_batch_size_bucket{le="4.0"}'] == m["specrt_batch_size_count"]
+        assert m["specrt_batch_size_sum"] / m["specrt_batch_size_count"] > 1.0  # rows really shared iterations
+        assert m["specrt_tokens_per_forward_pass_count"] > 0 and m["specrt_workers"] == 4
+        # a client that goes away frees its slot before its 300 tokens are made
+        sock = socket.create_connection((HOST, srv.port), timeout=30)
+        data = json.dumps(dict(prompt="def f(", max_tokens=300, temperature=0, stream=True)).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        head = b""
+        while b"data: {" not in head:
+            head += sock.recv(4096)
+        sock.close()
+        deadline = time.time() + 5
+        while read_metrics(srv.port)["specrt_workers_busy"] != 0:
+            assert time.time() < deadline, "the slot was not freed"
+            time.sleep(0.05)
+        assert read_metrics(srv.port)['specrt_requests_total{outcome="cancelled"}'] >= 1
+    finally:
+        srv.stop()
