@@ -286,3 +286,25 @@ def test_serve_max_batch_concurrent_clients_metrics_and_disconnect(int4_pair, in
         assert read_metrics(srv.port)['specrt_requests_total{outcome="cancelled"}'] >= 1
     finally:
         srv.stop()
+
+
+def test_auto_policy_turns_speculation_off_when_batched_steps_are_cheaper(int4):
+    """The load-aware rule on the measured costs: cheap batched steps -> rows share batched
+    steps (and one row alone still speculates); dear ones -> every iteration speculates."""
+    for step_s, want_batched in ((1e-6, True), (10.0, False)):
+        pool = BatchPool(int4, 4, policy="auto", costs=flat_costs(4, step_s))
+        try:
+            jobs = [submit(pool, int4, p, max_new_tokens=24) for p in PROMPTS[:4]]
+            for _, ev in jobs:
+                assert len(ev.result().tokens) == 24
+            assert (pool.steps["batched"] > 0) == want_batched, pool.steps
+            assert pool.steps["speculate"] > 0  # the first iterations measure the rounds
+        finally:
+            pool.close()
+    pool = BatchPool(int4, 4, policy="auto", costs=flat_costs(4, 1e-6))
+    try:
+        _, ev = submit(pool, int4, "def f(", max_new_tokens=24)
+        assert ev.result().tokens == int4.generate("def f(", GenerationConfig(max_new_tokens=24)).tokens
+        assert pool.steps["batched"] == 0
+    finally:
+        pool.close()
