@@ -13,7 +13,9 @@ Scheduler iteration (:meth:`BatchPool._iterate`)::
               past length -> one token per row from its own acceptor (greedy argmax, or
               a sample from its own seeded generator)
               speculate: per row one ordinary round (runtime.decode.one_round: its own
-              draft fork, its own k, acceptance, commit, rollback) on its slot, batch-1
+              draft fork, its own k, acceptance, commit, rollback) on its slot, batch-1;
+              a row that finishes or is cancelled frees its slot at once and a waiting
+              request joins before the next row's round
     finish    rows that hit EOS, a stop string or their length leave; the last slot's KV
               moves into the hole, so active slots stay a contiguous prefix
 
@@ -323,19 +325,7 @@ class BatchPool:
         """One scheduler iteration (module docstring)."""
         for r in [r for r in self._rows if r.job.cancelled.is_set()]:
             self._end(r, "cancelled", None)
-        while len(self._rows) < self.max_batch:
-            with self._cond:
-                if not self._queue:
-                    break
-                job = self._queue[0]
-                need = len(job.ids) + job.config.max_new_tokens
-                if self.max_tokens is not None and self._rows and self._in_flight() + need > self.max_tokens and not job.cancelled.is_set():
-                    break
-                self._queue.popleft()
-            if job.cancelled.is_set():
-                job.emit(("cancelled", None))
-                continue
-            self._admit(job)
+        self._admit_waiting()
         rows = self._rows
         if not rows:
             return
@@ -355,12 +345,36 @@ class BatchPool:
                 if not r.done:
                     c, t = self._round(r)
                     calls, tokens = calls + c, tokens + t
+                if r.done or r.job.cancelled.is_set():
+                    # free the slot now and let a waiting request join (and get its first
+                    # token) without waiting for the other rows' rounds
+                    if not r.done:
+                        self._end(r, "cancelled", None)
+                    self._release(r)
+                    self._admit_waiting()
             with self._mlock:
                 self.steps["speculate"] += 1
                 if calls:
                     self.tokens_per_pass.observe(tokens / calls)
         for r in [r for r in rows if r.done]:
             self._release(r)
+
+    def _admit_waiting(self) -> None:
+        """Admit queued requests in arrival order while a slot is free and the head fits
+        the tokens-in-flight limit (requests cancelled while queued end here)."""
+        while len(self._rows) < self.max_batch:
+            with self._cond:
+                if not self._queue:
+                    return
+                job = self._queue[0]
+                need = len(job.ids) + job.config.max_new_tokens
+                if self.max_tokens is not None and self._rows and self._in_flight() + need > self.max_tokens and not job.cancelled.is_set():
+                    return
+                self._queue.popleft()
+            if job.cancelled.is_set():
+                job.emit(("cancelled", None))
+                continue
+            self._admit(job)
 
     def _mode(self, ready: list) -> tuple[str, object]:
         """The policy's choice for this iteration, and the row (or None) that makes a
