@@ -468,6 +468,13 @@ DEFAULT_TUNE_KS = (1, 2, 3, 4, 6, 8)
     help="with --from-trace: per-call costs JSON (a tune.json's \"costs\"); default: the trace header's",
 )
 @click.option("--cost-reps", type=click.IntRange(1), default=50, show_default=True, help="repetitions of the per-call cost measurement")
+@click.option(
+    "--batch-costs",
+    type=click.IntRange(0, 64),
+    default=0,
+    show_default=True,
+    help="also measure a batched target step at batch sizes 1..N (builder graphs; recorded for serve --max-batch)",
+)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="tune_out", show_default=True, help="folder for tune.json and the PNG plots")
 @click.option("--write/--no-write", default=True, show_default=True, help="write the chosen defaults into the engine folder's manifest.json")
 @_threads_option
@@ -488,6 +495,7 @@ def tune(
     from_trace,
     costs_file,
     cost_reps,
+    batch_costs,
     out_dir,
     write,
     threads,
@@ -549,6 +557,7 @@ def tune(
                 trace_path=trace_file,
                 cost_reps=cost_reps,
                 progress=bars,
+                batch_sizes=batch_costs,
                 log=lambda s: (bars.close(), click.echo(s, err=True)),
             )
         finally:
@@ -588,6 +597,8 @@ def _write_tune_defaults(result: dict, defaults: dict, target: str, from_trace: 
         confirm=result.get("confirm"),
         unix_time=time.time(),
     )
+    if result.get("batch_step_costs"):
+        extra["tune"]["batch_step_costs"] = result["batch_step_costs"]
     if result.get("calibration"):
         cal = result["calibration"]
         extra["calibration"] = {

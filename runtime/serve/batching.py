@@ -23,7 +23,8 @@ Why speculative rounds are batch-1: onnxruntime's CPU GroupQueryAttention refuse
 with q > 1 after a past, so one target pass cannot verify several rows' candidates.
 
 Load-aware rule (:func:`choose_mode`): a batched step makes n tokens in ``t_step(n)``
-seconds (measured per batch size at start, then a running mean of the real steps); a
+seconds (recorded by ``specrt tune --batch-costs N`` in the manifest, else measured per
+batch size at start; then a running mean of the real steps); a
 speculative iteration makes ``sum(tokens_i)`` tokens in ``sum(seconds_i)`` (each row's
 running means of its rounds). The faster one runs; one row alone always speculates. So
 speculation turns itself off as the batch grows (as vLLM and TensorRT-LLM do under load)
@@ -59,7 +60,7 @@ from ..stats import Stats
 from ..textstream import IncrementalText
 from .server import Histogram, Job, ServeError, ServerBusy
 
-__all__ = ["POLICIES", "BatchCosts", "choose_mode", "measure_step_costs", "BatchPool"]
+__all__ = ["POLICIES", "BatchCosts", "choose_mode", "measure_step_costs", "recorded_costs", "BatchPool"]
 
 log = logging.getLogger("specrt.serve")
 
@@ -105,6 +106,18 @@ def measure_step_costs(batched: BatchedGqaModel, length: int = 64, reps: int = 5
             times.append(time.perf_counter() - t0)
         step.append(float(np.median(times[1:])))
     return BatchCosts(step)
+
+
+def recorded_costs(manifest, max_batch: int) -> BatchCosts | None:
+    """The batched step costs ``specrt tune --batch-costs N`` recorded in the manifest
+    (``extra["tune"]["batch_step_costs"]``, ``{"n": seconds}``), when they cover batch sizes
+    1..max_batch with positive numbers; else None."""
+    rec = ((manifest.extra or {}).get("tune") or {}).get("batch_step_costs") or {}
+    try:
+        step = [0.0] + [float(rec[str(n)]) for n in range(1, max_batch + 1)]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return BatchCosts(step) if min(step[1:]) > 0 else None
 
 
 def choose_mode(n: int, step_s: float, rounds: Sequence[tuple[float, float]]) -> str:
@@ -175,8 +188,9 @@ class BatchPool:
         explore_every: in ``auto``, one row makes a speculative round every this many
             batched steps (keeps its acceptance statistics fresh).
         round_delay: test hook: seconds to sleep after each iteration.
-        costs: :class:`BatchCosts` to start from (None: measured here, about
-            ``6 * max_batch`` steps).
+        costs: :class:`BatchCosts` to start from (None: the manifest's
+            ``extra.tune.batch_step_costs`` from ``specrt tune --batch-costs N`` when it
+            covers 1..max_batch, else measured here, about ``6 * max_batch`` steps).
 
     Raises:
         ServeError: max_batch < 1, max_queue < 1, max_tokens < 1, an unknown policy, or a
@@ -211,7 +225,7 @@ class BatchPool:
         self.max_batch, self.max_queue, self.max_tokens = max_batch, max_queue, max_tokens
         self.policy, self.explore_every, self.round_delay = policy, explore_every, round_delay
         self.batched = BatchedGqaModel(engine.target, max_batch, engine.target.max_q)
-        self.costs = costs if costs is not None else measure_step_costs(self.batched, vocab=engine.manifest.vocab_size)
+        self.costs = costs or recorded_costs(engine.manifest, max_batch) or measure_step_costs(self.batched, vocab=engine.manifest.vocab_size)
         self._free_drafts = [engine.draft.fork() for _ in range(max_batch)]
         self._flops = engine._flops
         self._queue: deque = deque()
