@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
             divergences=divs,
             max_divergence_margin=max((d["target_top2_margin"] for d in divs if d["target_top2_margin"] is not None), default=None),
             iterations=dict(pool.steps),
-            mean_batch_size=round(pool.batch_hist.total / pool.batch_hist.n, 3) if pool.batch_hist.n else None,
+            mean_batch_size=round(pool.metrics.value("specrt_batch_size_sum") / n, 3) if (n := pool.metrics.value("specrt_batch_size_count")) else None,
             wall_s=round(wall, 3),
             tokens_per_s=round(sum(len(t) for t in got.values()) / wall, 1),
         )

@@ -329,3 +329,112 @@ def test_tune_records_batch_costs_and_the_pool_starts_from_them(int4, tiny_pair)
         assert pool.costs.as_dict() == {n: round(s, 6) for n, s in rec.items()}
     finally:
         pool.close()
+
+
+# ---- main's Job contract under BatchPool: echo, prompt-only jobs, logprobs, submit_all ------------
+def test_pool_logprobs_echo_and_prompt_only_jobs_follow_the_job_contract(int4):
+    """policy speculate: a row's logprobs equal Engine.generate's and stream with the pieces
+    (Job.lp_sent); echo scores the prompt first (Engine.prompt_logprobs); a prompt-only job
+    (generate False) ends without a slot; submit_all queues all or none."""
+    from specrt.runtime.serve.server import ServerBusy
+
+    pool = BatchPool(int4, 2, policy="speculate", max_queue=3, costs=flat_costs(2))
+    try:
+        p = PROMPTS[0]
+        cfg = dict(max_new_tokens=16, k_max=3, logprobs=2)
+        alone = int4.generate(p, GenerationConfig(**cfg))
+        ev = Events()
+        job = Job(ids=int4.prompt_ids(p), config=int4.resolve(GenerationConfig(**cfg)), emit=ev, stream=True, echo=True, prompt_logprobs=1)
+        ev2 = Events()
+        job2 = Job(ids=int4.prompt_ids(p), config=int4.resolve(GenerationConfig(max_new_tokens=1)), emit=ev2, echo=True, prompt_logprobs=0, generate=False)
+        pool.submit_all([job, job2])
+        r = ev.result()
+        assert r.tokens == alone.tokens and r.text == alone.text and r.logprobs == alone.logprobs
+        kinds = [e[0] for _, e in ev.items]
+        assert kinds[0] == "prompt" and kinds[-1] == "done"
+        assert ev.items[0][1][1] == job.prompt_lps == int4.prompt_logprobs(p, 1)
+        streamed = [x for _, e in ev.items if e[0] == "text" for x in e[1][1]]
+        assert streamed == r.logprobs[: job.lp_sent] and "".join(e[1][0] for _, e in ev.items if e[0] == "text") == r.text
+        assert job.started <= job.first <= job.finished
+        r2 = ev2.result()
+        assert r2.tokens == [] and job2.prompt_lps == int4.prompt_logprobs(p, 0) and [e[0] for _, e in ev2.items] == ["done"]
+        jobs = [Job(ids=[1], config=job2.config, emit=Events()) for _ in range(4)]
+        with pytest.raises(ServerBusy):
+            pool.submit_all(jobs)  # 4 > max_queue 3: none is queued
+        assert pool.queued == 0
+    finally:
+        pool.close()
+
+
+def test_pool_logprobs_under_batched_steps(int4):
+    """policy batched: each row's token and logprob come from its row of the batched call;
+    one entry per token, the streamed entries are the result's."""
+    pool = BatchPool(int4, 3, policy="batched", costs=flat_costs(3))
+    try:
+        jobs = [submit(pool, int4, p, stream=True, max_new_tokens=20, logprobs=1) for p in PROMPTS[:3]]
+        for job, ev in jobs:
+            r = ev.result()
+            assert len(r.logprobs) == len(r.tokens) and [e.token for e in r.logprobs] == r.tokens
+            assert all(e.logprob <= 0 and len(e.top) == 1 for e in r.logprobs)
+            streamed = [x for _, e in ev.items if e[0] == "text" for x in e[1][1]]
+            assert streamed == r.logprobs[: job.lp_sent]
+        assert pool.steps["batched"] > 0
+    finally:
+        pool.close()
+
+
+def test_serve_max_batch_chat_logprobs_and_metrics_equal_a_worker_server(int4_pair, tmp_path):
+    """--max-batch 3 --batch-policy speculate answers chat completions, logprobs (streamed
+    too), echo with prompt logprobs, n and best_of exactly as a worker server does; /metrics
+    has the batching series (prometheus_client, model_name label)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from helpers import TINY_CHAT_TEMPLATE
+    from serving import Server, get, post, post_stream, read_metrics
+
+    tpl = tmp_path / "chat.jinja"
+    tpl.write_text(TINY_CHAT_TEMPLATE)
+    common = ("--chat-template", str(tpl), "--model-name", "tiny4", "--max-queue", "16")
+    bodies = [
+        ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)),
+        ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], max_tokens=10, temperature=0.8, seed=5, n=2)),
+        ("/v1/completions", dict(prompt="for i in range(10):\n", max_tokens=10, temperature=0, logprobs=3)),
+        ("/v1/completions", dict(prompt="import os\n", max_tokens=6, temperature=0, logprobs=1, echo=True)),
+        ("/v1/completions", dict(prompt="import os\n", max_tokens=0, logprobs=2, echo=True)),
+        ("/v1/completions", dict(prompt="while True:", max_tokens=8, temperature=0.9, seed=3, best_of=3, n=2)),
+    ]
+    stream_body = dict(prompt="class Foo:\n", max_tokens=12, temperature=0, logprobs=2, stream_options={"include_usage": True})
+
+    def answers(srv):
+        out = []
+        for path, b in bodies:
+            status, body, _ = post(srv.port, b, path=path)
+            assert status == 200, body
+            out.append(body["choices"])
+        status, events, done = post_stream(srv.port, stream_body)
+        assert status == 200 and done
+        out.append([e["choices"] for e in events if e.get("choices")])
+        return out
+
+    ref = Server(int4_pair[2], "--workers", "1", *common)
+    try:
+        want = answers(ref)
+    finally:
+        ref.stop()
+    srv = Server(int4_pair[2], "--max-batch", "3", "--batch-policy", "speculate", *common)
+    try:
+        got = answers(srv)
+        for (path, b), g, w in zip(bodies + [("stream", stream_body)], got, want):
+            assert g == w, (path, b)
+        assert got[0][0]["message"]["content"] and got[0][0]["logprobs"]["content"]
+        m = read_metrics(srv.port)
+        assert m["specrt_batch_size_count"] > 0 and m["specrt_batch_queue_depth_count"] > 0
+        assert m["specrt_tokens_per_forward_pass_count"] > 0 and m['specrt_batch_iterations_total{mode="speculate"}'] > 0
+        assert m['specrt_batch_iterations_total{mode="batched"}'] == 0 and m['specrt_batch_step_seconds{n="3"}'] > 0
+        assert m["specrt_workers"] == 3 and m["specrt_queue_capacity"] == 16 and m["specrt_workers_busy"] == 0
+        assert m['specrt_requests_total{outcome="ok"}'] == len(bodies) + 1 and m["specrt_time_to_first_token_seconds_count"] > 0
+        text = get(srv.port, "/metrics")[1]
+        for name in ("specrt_batch_size_bucket", "specrt_batch_iterations_total", "specrt_batch_step_seconds", "specrt_tokens_per_forward_pass_sum"):
+            assert any(line.startswith(name + "{") and 'model_name="tiny4"' in line for line in text.splitlines()), name
+    finally:
+        srv.stop()
