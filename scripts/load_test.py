@@ -22,6 +22,7 @@ import http.client
 import ipaddress
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -67,7 +68,8 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 def read_metrics(host: str, port: int) -> dict[str, float]:
-    """The server's /metrics as {sample name without labels: value summed over its label sets}."""
+    """The server's /metrics as {sample name without labels: value summed over its label sets}; a
+    sample with a ``mode`` label is also kept as ``name{mode="..."}`` (summed over its other labels)."""
     conn = http.client.HTTPConnection(host, port, timeout=30)
     try:
         conn.request("GET", "/metrics")
@@ -78,8 +80,12 @@ def read_metrics(host: str, port: int) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            name = name.split("{", 1)[0]
-            out[name] = out.get(name, 0.0) + float(value)
+            base, _, labels = name.partition("{")
+            out[base] = out.get(base, 0.0) + float(value)
+            m = re.search(r'mode="([^"]*)"', labels)
+            if m:
+                key = f'{base}{{mode="{m.group(1)}"}}'
+                out[key] = out.get(key, 0.0) + float(value)
     return out
 
 
@@ -108,6 +114,8 @@ def start_server(args) -> tuple[subprocess.Popen, int]:
     ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.max_batch:
+        cmd += ["--max-batch", str(args.max_batch), "--batch-policy", args.batch_policy]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
     while time.time() < deadline:
@@ -145,7 +153,7 @@ class Client(threading.Thread):
                 break
             body = self.body_for(i)
             t0 = time.perf_counter()
-            rec = {"i": i, "status": None, "latency": None, "ttft": None, "tokens": 0}
+            rec = {"i": i, "status": None, "latency": None, "ttft": None, "tokens": 0, "text": ""}
             try:
                 self.conn.request("POST", self.path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
                 r = self.conn.getresponse()
@@ -155,8 +163,11 @@ class Client(threading.Thread):
                         if line.startswith(b"data: {"):
                             ev = json.loads(line[6:])
                             ch = ev.get("choices")
-                            if ch and (ch[0].get("text") or (ch[0].get("delta") or {}).get("content")) and rec["ttft"] is None:
-                                rec["ttft"] = time.perf_counter() - t0
+                            piece = (ch[0].get("text") or (ch[0].get("delta") or {}).get("content")) if ch else None
+                            if piece:
+                                rec["text"] += piece
+                                if rec["ttft"] is None:
+                                    rec["ttft"] = time.perf_counter() - t0
                             if ev.get("usage"):
                                 rec["tokens"] = ev["usage"]["completion_tokens"]
                         elif line.startswith(b"data: [DONE]"):
@@ -166,6 +177,8 @@ class Client(threading.Thread):
                     data = json.loads(r.read())
                     if r.status == 200:
                         rec["tokens"] = data["usage"]["completion_tokens"]
+                        c0 = data["choices"][0]
+                        rec["text"] = c0["message"]["content"] if "message" in c0 else c0["text"]
                 rec["latency"] = time.perf_counter() - t0
             except (OSError, http.client.HTTPException, ValueError) as e:
                 rec["status"] = f"{type(e).__name__}"
@@ -198,6 +211,8 @@ def main(argv=None) -> dict:
     src.add_argument("--engines", help="start `specrt serve` on this engine folder for the run")
     ap.add_argument("--workers", type=int, default=2, help="with --engines: server workers")
     ap.add_argument("--threads", type=int, default=1, help="with --engines: onnxruntime threads per session")
+    ap.add_argument("--max-batch", type=int, default=0, help="with --engines: serve --max-batch N (continuous batching; 0: --workers)")
+    ap.add_argument("--batch-policy", default="auto", choices=["auto", "speculate", "batched"], help="with --engines and --max-batch: serve --batch-policy")
     ap.add_argument("--requests", type=int, default=200, help=f"requests in total (1..{MAX_REQUESTS})")
     ap.add_argument("--concurrency", type=int, default=8, help="client threads (1..256)")
     ap.add_argument("--max-seconds", type=float, default=120.0, help=f"stop issuing requests after this (<= {MAX_SECONDS})")
@@ -208,6 +223,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--chat", action="store_true", help="POST /v1/chat/completions, each prompt as one user message (the engine's chat template)")
     ap.add_argument("--prompts", help='JSONL with {"prompt": ...} per line (default: built-in code prompts)')
     ap.add_argument("--out", help="write the summary JSON here")
+    ap.add_argument("--save-texts", action="store_true", help="keep every response's text in the summary (by request number)")
     args = ap.parse_args(argv)
     if not 1 <= args.requests <= MAX_REQUESTS:
         ap.error(f"--requests must be in 1..{MAX_REQUESTS}")
@@ -273,7 +289,17 @@ def main(argv=None) -> dict:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
     d = {
         k: after.get(k, 0) - before.get(k, 0)
-        for k in ("specrt_draft_tokens_proposed_total", "specrt_draft_tokens_accepted_total", "specrt_verify_passes_total")
+        for k in (
+            "specrt_draft_tokens_proposed_total",
+            "specrt_draft_tokens_accepted_total",
+            "specrt_verify_passes_total",
+            "specrt_batch_size_sum",
+            "specrt_batch_size_count",
+            "specrt_tokens_per_forward_pass_sum",
+            "specrt_tokens_per_forward_pass_count",
+            'specrt_batch_iterations_total{mode="batched"}',
+            'specrt_batch_iterations_total{mode="speculate"}',
+        )
     }
     tokens = sum(r["tokens"] for r in ok)
     summary = {
@@ -289,6 +315,17 @@ def main(argv=None) -> dict:
         "max_seconds": args.max_seconds,
         "workers": args.workers if args.engines else None,
         "threads": args.threads if args.engines else None,
+        "max_batch": args.max_batch if args.engines else None,
+        "batch_policy": args.batch_policy if args.engines and args.max_batch else None,
+        "batching": {
+            "mean_batch_size": round(d["specrt_batch_size_sum"] / d["specrt_batch_size_count"], 3) if d["specrt_batch_size_count"] else None,
+            "mean_tokens_per_forward_pass": round(d["specrt_tokens_per_forward_pass_sum"] / d["specrt_tokens_per_forward_pass_count"], 3)
+            if d["specrt_tokens_per_forward_pass_count"]
+            else None,
+            "iterations": {m: d[f'specrt_batch_iterations_total{{mode="{m}"}}'] for m in ("batched", "speculate")},
+        }
+        if d["specrt_batch_size_count"]
+        else None,
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(ok) / wall, 3) if wall else None,
         "completion_tokens_per_s": round(tokens / wall, 1) if wall else None,
@@ -309,6 +346,8 @@ def main(argv=None) -> dict:
         # other processes on the machine slow everything: the 1-minute load average at the
         # start and end of the run (2 cores: above 2 means the run did not have them alone)
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        # request i's prompt is prompts[i % len(prompts)]: greedy runs compare text by i
+        "texts": {str(r["i"]): r["text"] for r in sorted(ok, key=lambda r: r["i"])} if args.save_texts else None,
     }
     print(json.dumps(summary, indent=1))
     if args.out:

@@ -484,6 +484,13 @@ DEFAULT_TUNE_KS = (1, 2, 3, 4, 6, 8)
     help="with --from-trace: per-call costs JSON (a tune.json's \"costs\"); default: the trace header's",
 )
 @click.option("--cost-reps", type=click.IntRange(1), default=50, show_default=True, help="repetitions of the per-call cost measurement")
+@click.option(
+    "--batch-costs",
+    type=click.IntRange(0, 64),
+    default=0,
+    show_default=True,
+    help="also measure a batched target step at batch sizes 1..N (builder graphs; recorded for serve --max-batch)",
+)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="tune_out", show_default=True, help="folder for tune.json and the PNG plots")
 @click.option("--write/--no-write", default=True, show_default=True, help="write the chosen defaults into the engine folder's manifest.json")
 @click.option(
@@ -514,6 +521,7 @@ def tune(
     from_trace,
     costs_file,
     cost_reps,
+    batch_costs,
     out_dir,
     write,
     dry_run,
@@ -567,6 +575,7 @@ def tune(
                 trace_path=trace_file,
                 cost_reps=cost_reps,
                 progress=bars,
+                batch_sizes=batch_costs,
                 log=lambda s: (bars.close(), click.echo(s, err=True)),
             )
         finally:
@@ -670,6 +679,8 @@ def _write_tune_defaults(result: dict, defaults: dict, target: str, from_trace: 
         confirm=result.get("confirm"),
         unix_time=time.time(),
     )
+    if result.get("batch_step_costs"):
+        extra["tune"]["batch_step_costs"] = result["batch_step_costs"]
     if result.get("calibration"):
         cal = result["calibration"]
         extra["calibration"] = {
@@ -746,6 +757,21 @@ def _print_tune_report(result: dict, out: Path) -> None:
     hidden=True,
     help="test hook: a worker sleeps this long after each piece (simulates a slow model)",
 )
+@click.option(
+    "--max-batch",
+    type=click.IntRange(0, 64),
+    default=0,
+    show_default=True,
+    help="continuous batching of up to N requests in one scheduler (0: --workers workers)",
+)
+@click.option(
+    "--batch-policy",
+    type=click.Choice(["auto", "speculate", "batched"]),
+    default="auto",
+    show_default=True,
+    help="with --max-batch: auto = batched steps vs speculative rounds by measured cost; speculate = exact, per-row rounds only",
+)
+@click.option("--max-tokens-in-flight", type=click.IntRange(1), default=None, help="with --max-batch: most prompt + max_tokens summed over the active requests")
 @_threads_option
 @_backend_option
 @_clean_errors
@@ -762,6 +788,9 @@ def serve(
     allowed_origins,
     max_body_bytes,
     round_delay,
+    max_batch,
+    batch_policy,
+    max_tokens_in_flight,
     threads,
     spinning,
     backend,
@@ -786,6 +815,9 @@ def serve(
         api_key=api_key,
         allowed_origins=allowed_origins,
         max_body_bytes=max_body_bytes,
+        max_batch=max_batch,
+        batch_policy=batch_policy,
+        max_tokens_in_flight=max_tokens_in_flight,
     )
 
 

@@ -189,6 +189,7 @@ def tune(
     cost_reps: int = 50,
     progress: Progress | None = None,
     log: Callable[[str], None] = lambda s: None,
+    batch_sizes: int = 0,
 ) -> dict:
     """Sweep settings on validation prompts with the models (module docstring, steps 1-5).
 
@@ -205,6 +206,9 @@ def tune(
         cost_reps: repetitions of the cost measurement.
         progress: ``progress(phase, done, total)``.
         log: one-line messages.
+        batch_sizes: > 0: also measure a batched target step at batch sizes
+            1..batch_sizes (:func:`batch_step_costs`; builder-graph targets only), recorded
+            as ``batch_step_costs`` for ``specrt serve --max-batch``'s load-aware rule.
 
     Returns:
         JSON-ready dict: ``rows`` (per setting: measured tokens/s, speedup over target-only,
@@ -246,6 +250,8 @@ def tune(
     past = int(min(max(1, round(n_prompt + max_new_tokens / 2)), m.max_ctx - m.k_max - 1))
     costs = measure_costs(engine, range(1, m.k_max + 2), past, cost_reps, progress=progress)
     result["costs"] = costs.to_json()
+    if batch_sizes > 0:
+        result["batch_step_costs"] = batch_step_costs(engine, batch_sizes, past, min(cost_reps, 15))
     # 3. wide trace -> predictions
     views = _wide_views(engine, ids, replace(greedy, k_max=m.k_max, threshold=0.0, confidence_temperature=temperature), costs, trace_path, result, progress)
     # 4. sweep
@@ -256,6 +262,29 @@ def tune(
     # 5. confirmation
     result["confirm"] = _confirm(engine, prompts, configs, result["best"], result["best_fixed"], confirm_repeats, progress)
     return result
+
+
+def batch_step_costs(engine, max_batch: int, past: int, reps: int = 15) -> dict | None:
+    """Median seconds of one batched q = 1 target step per batch size 1..max_batch at past
+    length ``past`` (:func:`specrt.runtime.serve.batching.measure_step_costs`, on a
+    temporary :class:`~specrt.runtime.backends.ort_gqa_batch.BatchedGqaModel` over the
+    target's session), as ``{"n": seconds}``; None when the target is not a builder graph
+    on onnxruntime CPU (no batched model for it).
+
+    Raises:
+        InputError: max_batch < 1 (param ``max_batch``).
+    """
+    from ..backends.ort_gqa import OrtGqaModel
+    from ..backends.ort_gqa_batch import BatchedGqaModel
+    from ..serve.batching import measure_step_costs
+
+    if not isinstance(engine.target, OrtGqaModel):
+        return None
+    b = BatchedGqaModel(engine.target, max_batch, 1)
+    try:
+        return measure_step_costs(b, length=min(past, engine.manifest.max_ctx - 1), reps=reps, vocab=engine.manifest.vocab_size).as_dict()
+    finally:
+        b.close()
 
 
 def _calibrate(engine, ids: list[list[int]], greedy, progress):

@@ -21,12 +21,15 @@ import math
 import threading
 from typing import Callable
 
-__all__ = ["ServerMetrics", "LATENCY_BUCKETS", "TPOT_BUCKETS"]
+__all__ = ["ServerMetrics", "BatchMetrics", "LATENCY_BUCKETS", "TPOT_BUCKETS", "QUEUE_DEPTH_BUCKETS", "TOKENS_PER_PASS_BUCKETS"]
 
 # seconds; request latency, TTFT and queue time (vLLM's TTFT buckets start at 1 ms too)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # seconds per output token after the first (vLLM's, with 1-5 ms added for small CPU models)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# continuous batching (serve --max-batch): requests waiting per scheduler iteration, tokens per target call
+QUEUE_DEPTH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+TOKENS_PER_PASS_BUCKETS = (1, 1.5, 2, 3, 4, 6, 8, 12, 16)
 
 
 class ServerMetrics:
@@ -167,3 +170,58 @@ class ServerMetrics:
             accepted=int(self.value("specrt_draft_tokens_accepted_total")),
             passes=int(self.value("specrt_verify_passes_total")),
         )
+
+
+class BatchMetrics:
+    """The continuous-batching scheduler's metrics (``specrt serve --max-batch``,
+    :class:`~specrt.runtime.serve.batching.BatchPool`), labelled ``model_name`` like the
+    server's, in a prometheus_client registry (the server's :attr:`ServerMetrics.registry`
+    once the pool is attached to a service, else a registry of their own).
+
+    Series: histograms ``specrt_batch_size`` (active rows per scheduler iteration, buckets
+    1..max_batch), ``specrt_batch_queue_depth`` (requests waiting for a slot, per
+    iteration), ``specrt_tokens_per_forward_pass`` (tokens committed per target call, per
+    iteration); counter ``specrt_batch_iterations_total{mode}`` (``batched``,
+    ``speculate``); gauge ``specrt_batch_step_seconds{n}`` (the running mean seconds of a
+    batched step of n rows, read from ``step_s`` at each scrape).
+
+    Args:
+        model_name: value of the ``model_name`` label.
+        max_batch: slots (the batch size buckets and the ``n`` labels are 1..max_batch).
+        step_s: callable returning the running step costs, index n = 1..max_batch.
+        registry: the registry to register in (None: a new one).
+
+    Raises:
+        ImportError: prometheus_client is missing (the ``[serve]`` extra).
+    """
+
+    MODES = ("batched", "speculate")
+
+    def __init__(self, model_name: str, max_batch: int, step_s: Callable[[], list[float]], registry=None):
+        import prometheus_client as pc
+
+        pc.disable_created_metrics()
+        self.registry = reg = registry if registry is not None else pc.CollectorRegistry(auto_describe=True)
+        self.model_name = name = model_name
+        L = ["model_name"]
+
+        def hist(n, doc, buckets):
+            return pc.Histogram(n, doc, L, buckets=buckets, registry=reg).labels(name)
+
+        self.batch_size = hist("specrt_batch_size", "Active rows per scheduler iteration (--max-batch).", tuple(range(1, max_batch + 1)))
+        self.queue_depth = hist("specrt_batch_queue_depth", "Requests waiting for a slot, per scheduler iteration.", QUEUE_DEPTH_BUCKETS)
+        self.tokens_per_pass = hist("specrt_tokens_per_forward_pass", "Tokens committed per target call, per scheduler iteration.", TOKENS_PER_PASS_BUCKETS)
+        self._iterations = pc.Counter("specrt_batch_iterations", "Scheduler iterations by mode (batched step, speculative rounds).", L + ["mode"], registry=reg)
+        self.iterations = {m: self._iterations.labels(name, m) for m in self.MODES}
+        g = pc.Gauge("specrt_batch_step_seconds", "Running mean seconds of one batched step of n rows.", L + ["n"], registry=reg)
+        for n in range(1, max_batch + 1):
+            g.labels(name, str(n)).set_function(lambda n=n: step_s()[n])
+
+    def iteration(self, mode: str) -> None:
+        """Count one scheduler iteration of ``mode`` (one of :attr:`MODES`)."""
+        self.iterations[mode].inc()
+
+    def value(self, name: str, **labels) -> float:
+        """One sample's current value (0 when absent), e.g. ``value("specrt_batch_iterations_total", mode="batched")``."""
+        v = self.registry.get_sample_value(name, {"model_name": self.model_name, **labels})
+        return 0.0 if v is None else v

@@ -410,7 +410,8 @@ class CompletionService:
     (the same object serves ``specrt serve`` and a Ray Serve replica).
 
     Args:
-        pool: the :class:`WorkerPool`.
+        pool: the :class:`WorkerPool`, or a
+            :class:`~specrt.runtime.serve.batching.BatchPool` (``serve --max-batch``).
         model_name: the id clients may send as ``model`` (any other is a 404).
         chat_template: a :class:`~specrt.runtime.serve.chat.ChatTemplate`, or None (chat
             requests then get a 400 saying so).
@@ -424,7 +425,7 @@ class CompletionService:
             tokenizers that normalise text).
     """
 
-    def __init__(self, pool: WorkerPool, model_name: str, chat_template=None):
+    def __init__(self, pool, model_name: str, chat_template=None):
         from .metrics import ServerMetrics
 
         self.pool = pool
@@ -432,6 +433,8 @@ class CompletionService:
         self.engine = pool.engines[0]  # validation and tokenizing only (no generation)
         m = self.engine.manifest
         self.metrics = ServerMetrics(model_name, m.k_max, lambda: (pool.workers, pool.busy, pool.queued, pool.max_queue))
+        if hasattr(pool, "attach_metrics"):  # the BatchPool's batching metrics join this registry
+            pool.attach_metrics(self.metrics)
         self.chat_template = chat_template
         self.created = int(time.time())
         self.prompt_char_limit = 2 * (m.max_ctx - 1) * self.engine.codec.max_token_bytes
@@ -1211,6 +1214,9 @@ def build_service(
     model_name: str | None = None,
     round_delay: float = 0.0,
     chat_template: str | Path | None = None,
+    max_batch: int = 0,
+    batch_policy: str = "auto",
+    max_tokens_in_flight: int | None = None,
 ) -> CompletionService:
     """Load the worker pool and wrap it in a :class:`CompletionService`.
 
@@ -1224,6 +1230,9 @@ def build_service(
         model_name: the ``model`` id clients use (default: the folder's name).
         round_delay: test hook (see :class:`WorkerPool`).
         chat_template: a Jinja2 template file overriding the folder's ``chat_template.jinja``.
+        max_batch: > 0: continuous batching of up to this many requests in one scheduler
+            (:class:`~specrt.runtime.serve.batching.BatchPool`; ``workers`` is ignored).
+        batch_policy, max_tokens_in_flight: the BatchPool's ``policy`` and ``max_tokens``.
 
     Raises:
         EngineError, BackendError: the engine folder cannot be loaded.
@@ -1231,7 +1240,21 @@ def build_service(
     """
     from .chat import ChatTemplate, TemplateSourceError, load_chat_template
 
-    pool = WorkerPool.load(engines, workers=workers, max_queue=max_queue, threads=threads, backend=backend, round_delay=round_delay)
+    if max_batch > 0:
+        from .batching import BatchPool
+
+        pool = BatchPool.load(
+            engines,
+            max_batch,
+            threads=threads,
+            backend=backend,
+            max_queue=max_queue,
+            max_tokens=max_tokens_in_flight,
+            policy=batch_policy,
+            round_delay=round_delay,
+        )
+    else:
+        pool = WorkerPool.load(engines, workers=workers, max_queue=max_queue, threads=threads, backend=backend, round_delay=round_delay)
     engine = pool.engines[0]
     m = engine.manifest
     special = {}
@@ -1274,11 +1297,15 @@ def serve(
     api_key: str | None = None,
     allowed_origins: Sequence[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_batch: int = 0,
+    batch_policy: str = "auto",
+    max_tokens_in_flight: int | None = None,
 ) -> None:
     """Load the engines, then serve them with uvicorn until interrupted (Ctrl-C / SIGTERM).
 
-    Logs one line naming the model, engine folder, backend, workers and threads (and the
-    chat template), and a warning when workers x threads exceeds the cores.
+    Logs one line naming the model, engine folder, backend, workers (or the batching
+    settings with ``max_batch``) and threads (and the chat template), and a warning when
+    workers x threads exceeds the cores (``max_batch``: one scheduler thread).
 
     Raises:
         ServeError: the ``[serve]`` extra is missing; a bad chat template.
@@ -1298,15 +1325,17 @@ def serve(
         log.propagate = False
     log.setLevel(log_level.upper())
     tc = threads or ThreadConfig()
-    service = build_service(engines, workers, max_queue, tc, backend, model_name, round_delay, chat_template)
+    service = build_service(engines, workers, max_queue, tc, backend, model_name, round_delay, chat_template, max_batch, batch_policy, max_tokens_in_flight)
     app = create_app(service, api_key=api_key, allowed_origins=allowed_origins, max_body_bytes=max_body_bytes)
     tpl = service.chat_template.origin if service.chat_template is not None else "none (chat completions answer 400)"
+    if max_batch > 0:  # one scheduler thread runs every row
+        workers = 1
     log.info(
-        "specrt serve: model %r from %s, backend %s, %d worker(s) x %d thread(s) (draft %d), chat template %s, on http://%s:%d",
+        "specrt serve: model %r from %s, backend %s, %s x %d thread(s) (draft %d), chat template %s, on http://%s:%d",
         service.model_name,
         Path(engines).resolve(),
         service.engine.backend,
-        workers,
+        f"continuous batching of up to {max_batch} requests (policy {batch_policy}), 1 scheduler" if max_batch > 0 else f"{workers} worker(s)",
         tc.intra_op,
         tc.for_draft().intra_op,
         tpl,

@@ -1,0 +1,630 @@
+"""Continuous batching for ``specrt serve --max-batch N``: one scheduler thread runs up to N
+requests at once over one :class:`~specrt.runtime.backends.ort_gqa_batch.BatchedGqaModel`
+(one KV slot per request, allocated once), with speculation per row.
+
+Scheduler iteration (:meth:`BatchPool._iterate`)::
+
+    drop      rows whose client went away (the slot is free at once) ...
+    admit     ... queued requests, first come first served, while a slot is free and the
+              tokens in flight (prompt + max_tokens of the active rows) stay within
+              max_tokens; each joins with a batch-1 prefill on its slot (its first token)
+    choose    batched step or speculative rounds (choose_mode, from measured costs)
+    run       batched: ONE target call, q = 1 per row, each row's pending token at its own
+              past length -> one token per row from its own acceptor (greedy argmax, or
+              a sample from its own seeded generator)
+              speculate: per row one ordinary round (runtime.decode.one_round: its own
+              draft fork, its own k, acceptance, commit, rollback) on its slot, batch-1;
+              a row that finishes or is cancelled frees its slot at once and a waiting
+              request joins before the next row's round
+    finish    rows that hit EOS, a stop string or their length leave; the last slot's KV
+              moves into the hole, so active slots stay a contiguous prefix
+
+Why speculative rounds are batch-1: onnxruntime's CPU GroupQueryAttention refuses batch > 1
+with q > 1 after a past, so one target pass cannot verify several rows' candidates.
+
+Load-aware rule (:func:`choose_mode`): a batched step makes n tokens in ``t_step(n)``
+seconds (recorded by ``specrt tune --batch-costs N`` in the manifest, else measured per
+batch size at start; then a running mean of the real steps); a
+speculative iteration makes ``sum(tokens_i)`` tokens in ``sum(seconds_i)`` (each row's
+running means of its rounds). The faster one runs; one row alone always speculates. So
+speculation turns itself off as the batch grows (as vLLM and TensorRT-LLM do under load)
+and back on when the batch shrinks. One row in ``explore_every`` batched steps refreshes
+its round statistics with a speculative round.
+
+Numerics: a row's speculative rounds are the single-sequence decode loop bit for bit (its
+slot is a batch-1 model of the same graph), so a greedy request that is only ever run
+speculatively equals the same request alone. A batched step's rows differ from batch-1
+rows by the kernels' rounding (GroupQueryAttention's q = 1 path; about 6e-6, amplified by
+int8 activation quantization in int4 accuracy-level-4 graphs; docs/SERVING.md), so greedy
+outputs after a batched step may differ from the request alone at near-ties.
+``policy="speculate"`` never makes batched steps (exact, no batching speedup).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..backends.ort_gqa import OrtGqaModel
+from ..backends.ort_gqa_batch import BatchedGqaModel
+from ..decode import KVLengths, Round, chunk_bounds, feed, one_round
+from ..engine import GenerationResult
+from ..errors import SpecRTError
+from ..logprobs import LogprobRecorder
+from ..stats import Stats
+from ..textstream import CompletionText
+from .metrics import BatchMetrics
+from .server import Job, ServeError, ServerBusy, _prompt_only_result
+
+__all__ = ["POLICIES", "BatchCosts", "choose_mode", "measure_step_costs", "recorded_costs", "BatchPool"]
+
+log = logging.getLogger("specrt.serve")
+
+POLICIES = ("auto", "speculate", "batched")
+EMA = 0.2  # weight of the newest observation in the running means
+
+
+@dataclass
+class BatchCosts:
+    """Measured seconds of one batched step per batch size (index n, n = 1..max_batch;
+    index 0 unused) and a running mean per size updated by the real steps."""
+
+    step_s: list[float]
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Update the running mean of size ``n`` with one measured step."""
+        self.step_s[n] += EMA * (seconds - self.step_s[n])
+
+    def as_dict(self) -> dict:
+        """JSON-ready ``{"n": seconds}``."""
+        return {str(n): round(s, 6) for n, s in enumerate(self.step_s) if n}
+
+
+def measure_step_costs(batched: BatchedGqaModel, length: int = 64, reps: int = 5, vocab: int | None = None, seed: int = 0) -> BatchCosts:
+    """Time one batched step at each batch size 1..max_batch (median of ``reps``), every row
+    at past length ``length`` over random KV (writes the slots' rows ``[0, length]``: call
+    it before any request holds a slot).
+
+    Raises:
+        ValueError: ``length + 1 > max_ctx`` or ``reps < 1``.
+    """
+    if length + 1 > batched.max_ctx or reps < 1:
+        raise ValueError(f"length {length} must leave a row in max_ctx {batched.max_ctx}; reps {reps} >= 1")
+    rng = np.random.default_rng(seed)
+    v = vocab or batched.vocab
+    step = [0.0]
+    for n in range(1, batched.max_batch + 1):
+        times = []
+        for _ in range(reps + 1):  # the first call of a size binds (warm-up)
+            toks = rng.integers(0, v, size=n)
+            t0 = time.perf_counter()
+            batched.step(toks, [length] * n)
+            times.append(time.perf_counter() - t0)
+        step.append(float(np.median(times[1:])))
+    return BatchCosts(step)
+
+
+def recorded_costs(manifest, max_batch: int) -> BatchCosts | None:
+    """The batched step costs ``specrt tune --batch-costs N`` recorded in the manifest
+    (``extra["tune"]["batch_step_costs"]``, ``{"n": seconds}``), when they cover batch sizes
+    1..max_batch with positive numbers; else None."""
+    rec = ((manifest.extra or {}).get("tune") or {}).get("batch_step_costs") or {}
+    try:
+        step = [0.0] + [float(rec[str(n)]) for n in range(1, max_batch + 1)]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return BatchCosts(step) if min(step[1:]) > 0 else None
+
+
+def choose_mode(n: int, step_s: float, rounds: Sequence[tuple[float, float]]) -> str:
+    """``"batched"`` or ``"speculate"`` for one scheduler iteration over ``n`` rows.
+
+    Args:
+        n: active rows ready for a batched step.
+        step_s: seconds of one batched step of n rows.
+        rounds: per row, ``(tokens, seconds)`` of its speculative round (running means;
+            rows without any use the mean of the others).
+
+    Returns:
+        ``"speculate"`` when ``n < 2`` (a batched step of one row is the 1-row kernel path,
+        which rounds differently; the single-sequence loop is exact), when no round has
+        been measured, or when speculative rounds make more tokens per second than the
+        batched step (``sum(tokens) / sum(seconds)`` vs ``n / step_s``); else ``"batched"``.
+    """
+    if n < 2 or not rounds:
+        return "speculate"
+    tok = sum(t for t, _ in rounds)
+    sec = sum(s for _, s in rounds)
+    if sec <= 0.0:
+        return "speculate"
+    return "batched" if n / step_s > tok / sec else "speculate"
+
+
+@dataclass
+class _Row:
+    """One active request: its sequence, KV lengths, acceptor (a
+    :class:`~specrt.runtime.logprobs.LogprobRecorder` around the engine's acceptor when the
+    job asks for logprobs), text state and output logprob entries."""
+
+    job: Job
+    cfg: object
+    plan: object
+    acc: object
+    draft: object
+    slot: int
+    seq: list
+    n_prompt: int
+    kv: KVLengths = field(default_factory=KVLengths)
+    stats: Stats | None = None
+    out: list = field(default_factory=list)
+    text_out: CompletionText | None = None
+    lps: list | None = None  # output logprob entries (cfg.logprobs set), one per entry of out
+    finish: str = "length"
+    stop_reason: str | None = None
+    done: bool = False
+    t0: float = 0.0
+    round_tok: float = 0.0  # running means of this row's speculative rounds
+    round_s: float = 0.0
+    rounds: int = 0
+
+
+class BatchPool:
+    """The continuous-batching scheduler; a drop-in for
+    :class:`~specrt.runtime.serve.server.WorkerPool` (``submit``, ``submit_all``, ``close``,
+    ``workers``, ``busy``, ``queued``, ``max_queue``, ``engines``), see the module docstring.
+
+    Jobs follow :class:`~specrt.runtime.serve.server.Job`'s contract as
+    ``WorkerPool._run`` does: with ``echo`` the prompt is scored first
+    (:meth:`Engine.prompt_logprobs` on the pool's Engine, in the scheduler thread, before the
+    row takes a slot) and ``("prompt", entries)`` is emitted when streaming; a job with
+    ``generate`` False ends there; a row's text comes from
+    :class:`~specrt.runtime.textstream.CompletionText` (the Engine's text rules, stop strings
+    included); with ``config.logprobs`` the row's acceptor is wrapped in a
+    :class:`~specrt.runtime.logprobs.LogprobRecorder` (as ``Engine._run`` does) and each
+    ``("text", (piece, entries))`` event carries the entries committed since the last one
+    (``Job.lp_sent``); ``Job.started``, ``first`` and ``finished`` are set as a worker sets
+    them. Under a batched step a row's token and logprob come from its row of the batched
+    target call (the kernels' rounding, module docstring).
+
+    Args:
+        engine: a loaded :class:`~specrt.runtime.engine.Engine` whose target is a builder
+            graph (:class:`~specrt.runtime.backends.ort_gqa.OrtGqaModel`); its session
+            is shared, its own KV is not used for serving.
+        max_batch: slots (requests at once), >= 1.
+        max_queue: requests that may wait (:class:`ServerBusy` beyond).
+        max_tokens: most tokens in flight (sum of prompt + max_tokens over the active
+            rows); None: no limit but the slots.
+        policy: ``"auto"`` (:func:`choose_mode`), ``"speculate"`` (never a batched step:
+            greedy rows equal the request alone), ``"batched"`` (a batched step whenever
+            two or more rows are ready).
+        explore_every: in ``auto``, one row makes a speculative round every this many
+            batched steps (keeps its acceptance statistics fresh).
+        round_delay: test hook: seconds to sleep after each iteration.
+        costs: :class:`BatchCosts` to start from (None: the manifest's
+            ``extra.tune.batch_step_costs`` from ``specrt tune --batch-costs N`` when it
+            covers 1..max_batch, else measured here, about ``6 * max_batch`` steps).
+
+    Raises:
+        ServeError: max_batch < 1, max_queue < 1, max_tokens < 1, an unknown policy, or a
+            target that is not a builder graph on onnxruntime CPU.
+    """
+
+    def __init__(
+        self,
+        engine,
+        max_batch: int,
+        max_queue: int = 64,
+        max_tokens: int | None = None,
+        policy: str = "auto",
+        explore_every: int = 16,
+        round_delay: float = 0.0,
+        costs: BatchCosts | None = None,
+    ):
+        if max_batch < 1:
+            raise ServeError(f"max_batch={max_batch}; it must be >= 1")
+        if max_queue < 1:
+            raise ServeError(f"max_queue={max_queue}; it must be >= 1")
+        if max_tokens is not None and max_tokens < 1:
+            raise ServeError(f"max_tokens={max_tokens}; it must be >= 1 (or None)")
+        if policy not in POLICIES:
+            raise ServeError(f"policy={policy!r}; one of {', '.join(POLICIES)}")
+        if not isinstance(engine.target, OrtGqaModel):
+            raise ServeError(
+                f"--max-batch needs a builder-graph target on ort-cpu (int4/int8 export); {engine.folder} has a {engine.manifest.target.graph} graph on {engine.backend}"
+            )
+        self.engine = engine
+        self.engines = [engine]  # the service validates and tokenizes with engines[0]
+        self.max_batch, self.max_queue, self.max_tokens = max_batch, max_queue, max_tokens
+        self.policy, self.explore_every, self.round_delay = policy, explore_every, round_delay
+        self.batched = BatchedGqaModel(engine.target, max_batch, engine.target.max_q)
+        self.costs = costs or recorded_costs(engine.manifest, max_batch) or measure_step_costs(self.batched, vocab=engine.manifest.vocab_size)
+        self._free_drafts = [engine.draft.fork() for _ in range(max_batch)]
+        self._flops = engine._flops
+        self._queue: deque = deque()
+        self._rows: list[_Row] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._since_explore = 0
+        self._explore_row = 0
+        # prometheus_client metrics: a registry of their own until attach_metrics puts them
+        # in the server's (CompletionService does)
+        self.metrics = BatchMetrics(engine.folder.name, max_batch, lambda: self.costs.step_s)
+        self._thread = threading.Thread(target=self._loop, name="specrt-batch", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(cls, folder, max_batch: int, threads=None, backend: str | None = None, **kw) -> "BatchPool":
+        """Load the engine folder and start a pool over it (``kw``: the other arguments).
+
+        Raises:
+            EngineError, BackendError: what :class:`~specrt.runtime.engine.Engine` raises.
+            ServeError: see the class.
+        """
+        from ..engine import Engine
+
+        return cls(Engine(folder, threads=threads, backend=backend), max_batch, **kw)
+
+    # ---- the WorkerPool interface ----------------------------------------------------
+    @property
+    def workers(self) -> int:
+        """Slots (the most requests generating at once)."""
+        return self.max_batch
+
+    @property
+    def busy(self) -> int:
+        """Rows generating now."""
+        return len(self._rows)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._queue)
+
+    @property
+    def steps(self) -> dict[str, int]:
+        """Scheduler iterations so far by mode (``batched``, ``speculate``)."""
+        return {m: int(self.metrics.value("specrt_batch_iterations_total", mode=m)) for m in BatchMetrics.MODES}
+
+    def attach_metrics(self, server_metrics) -> None:
+        """Register the batching metrics in ``server_metrics``' registry (a
+        :class:`~specrt.runtime.serve.metrics.ServerMetrics`), labelled with its model name;
+        they start from zero there."""
+        self.metrics = BatchMetrics(server_metrics.model_name, self.max_batch, lambda: self.costs.step_s, server_metrics.registry)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (first come first served) without waiting.
+
+        Raises:
+            ServerBusy: ``max_queue`` generations already wait.
+        """
+        self.submit_all([job])
+
+    def submit_all(self, jobs: Sequence[Job]) -> None:
+        """Queue all ``jobs`` or none (one request's generations), in order, without waiting.
+
+        Raises:
+            ServerBusy: fewer than ``len(jobs)`` places are free in the queue.
+        """
+        with self._cond:
+            if len(self._queue) + len(jobs) > self.max_queue:
+                raise ServerBusy(
+                    f"server busy: {len(self._queue)} generations already queued for {self.max_batch} slot(s) (at most {self.max_queue}); retry later"
+                )
+            self._queue.extend(jobs)
+            self._cond.notify()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the scheduler; queued and active requests end as cancelled."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # ---- the scheduler ---------------------------------------------------------------
+    def _loop(self) -> None:
+        """Scheduler thread: iterate while rows are active or requests wait."""
+        while True:
+            with self._cond:
+                while not self._closed and not self._rows and not self._queue:
+                    self._cond.wait()
+                if self._closed:
+                    break
+            try:
+                self._iterate()
+            except Exception:  # noqa: BLE001 - never let the scheduler thread die silently
+                log.exception("batch scheduler iteration failed")
+                for r in list(self._rows):
+                    self._end(r, "error", ServeError("internal error in the batch scheduler"))
+            if self.round_delay:
+                time.sleep(self.round_delay)
+        for r in list(self._rows):
+            self._end(r, "cancelled", None)
+        with self._cond:
+            left, self._queue = list(self._queue), deque()
+        for job in left:
+            job.cancelled.set()
+            _finish(job, "cancelled", None)
+
+    def _in_flight(self) -> int:
+        return sum(r.n_prompt + r.cfg.max_new_tokens for r in self._rows)
+
+    def _iterate(self) -> None:
+        """One scheduler iteration (module docstring)."""
+        for r in [r for r in self._rows if r.job.cancelled.is_set()]:
+            self._end(r, "cancelled", None)
+        self._admit_waiting()
+        rows = self._rows
+        if not rows:
+            return
+        self.metrics.batch_size.observe(len(rows))
+        self.metrics.queue_depth.observe(len(self._queue))
+        ready = [r for r in rows if not r.done and r.kv.target == len(r.seq) - 1]
+        mode, explore = self._mode(ready)
+        if mode == "batched":
+            self._batched_step(ready)
+            for r in list(rows):
+                if (r not in ready or r is explore) and not r.done:
+                    self._round(r)
+        else:
+            calls = tokens = 0
+            for r in list(rows):
+                if not r.done:
+                    c, t = self._round(r)
+                    calls, tokens = calls + c, tokens + t
+                if r.done or r.job.cancelled.is_set():
+                    # free the slot now and let a waiting request join (and get its first
+                    # token) without waiting for the other rows' rounds
+                    if not r.done:
+                        self._end(r, "cancelled", None)
+                    self._release(r)
+                    self._admit_waiting()
+            self.metrics.iteration("speculate")
+            if calls:
+                self.metrics.tokens_per_pass.observe(tokens / calls)
+        for r in [r for r in rows if r.done]:
+            self._release(r)
+
+    def _admit_waiting(self) -> None:
+        """Admit queued requests in arrival order while a slot is free and the head fits
+        the tokens-in-flight limit (requests cancelled while queued end here)."""
+        while len(self._rows) < self.max_batch:
+            with self._cond:
+                if not self._queue:
+                    return
+                job = self._queue[0]
+                need = len(job.ids) + job.config.max_new_tokens
+                if self.max_tokens is not None and self._rows and self._in_flight() + need > self.max_tokens and not job.cancelled.is_set():
+                    return
+                self._queue.popleft()
+            if job.cancelled.is_set():
+                _finish(job, "cancelled", None)
+                continue
+            self._admit(job)
+
+    def _mode(self, ready: list) -> tuple[str, object]:
+        """The policy's choice for this iteration, and the row (or None) that makes a
+        speculative round after a batched step to refresh its round statistics."""
+        n = len(ready)
+        if self.policy == "speculate" or n < 2:
+            return "speculate", None
+        if self.policy == "batched":
+            return "batched", None
+        measured = [(r.round_tok, r.round_s) for r in ready if r.rounds]
+        if measured:
+            mt, ms = sum(t for t, _ in measured) / len(measured), sum(s for _, s in measured) / len(measured)
+            rounds = [(r.round_tok, r.round_s) if r.rounds else (mt, ms) for r in ready]
+        else:
+            rounds = []
+        mode = choose_mode(n, self.costs.step_s[n], rounds)
+        explore = None
+        if mode == "batched":
+            self._since_explore += 1
+            if self._since_explore >= self.explore_every:
+                self._since_explore = 0
+                self._explore_row = (self._explore_row + 1) % n
+                explore = ready[self._explore_row]
+        return mode, explore
+
+    def _admit(self, job: Job) -> None:
+        """Start ``job``: the prompt scoring pass (``echo``); then, unless it only echoes, in
+        the next free slot: its acceptor (recording logprobs when asked), draft fork,
+        prefill (first token)."""
+        eng = self.engine
+        job.started = time.perf_counter()
+        try:
+            if job.echo:
+                if job.prompt_logprobs is not None:
+                    job.prompt_lps = eng.prompt_logprobs(job.ids, job.prompt_logprobs)
+                if job.stream:
+                    job.emit(("prompt", job.prompt_lps))
+            if not job.generate:
+                _finish(job, "ok", _prompt_only_result(job))
+                return
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            if not isinstance(e, SpecRTError):
+                log.exception("generation failed")
+            _finish(job, "error", e)
+            return
+        cfg = job.config
+        slot = len(self._rows)
+        acc = eng.acceptor(cfg)
+        if cfg.logprobs is not None:
+            acc = LogprobRecorder(acc, eng.manifest.vocab_size, cfg.logprobs)
+        row = _Row(job, cfg, eng.plan(cfg), acc, self._free_drafts.pop(), slot, list(job.ids), len(job.ids))
+        row.stats = Stats(prompt_tokens=row.n_prompt, accepted_hist=[0] * (cfg.k_max + 1), proposed_hist=[0] * (cfg.k_max + 1))
+        row.text_out = CompletionText(eng.codec, job.ids, cfg.stop)
+        row.lps = [] if cfg.logprobs is not None else None
+        row.t0 = job.started
+        self._rows.append(row)
+        try:
+            plan, target = row.plan, self.batched.slots[slot]
+            chunks = chunk_bounds(row.n_prompt, target.max_q, plan.min_q)
+            first = row.acc.bonus(0, feed(target, row.seq, 0, plan.min_q)[-1])
+            lo, hi = chunks[-1]
+            row.kv.target = row.n_prompt if hi - lo >= plan.min_q else lo
+            row.seq.append(first)
+            finish = "stop" if first == plan.eos else self._length(row)
+            calls = [(hi - lo, lo, hi - lo) for lo, hi in chunks]
+            self._push(row, Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - row.t0, calls=calls))
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            self._fail(row, e)
+
+    def _length(self, row: _Row) -> str | None:
+        """ "length" when the row's budget or the context is used up."""
+        return "length" if len(row.seq) - row.n_prompt >= row.plan.budget or len(row.seq) >= row.plan.max_ctx else None
+
+    def _round(self, row: _Row) -> tuple[int, int]:
+        """One speculative (or target-only) round of ``row`` on its slot; returns (target
+        calls, tokens committed)."""
+        try:
+            t0 = time.perf_counter()
+            rec = one_round(self.batched.slots[row.slot], row.draft, row.seq, row.n_prompt, row.kv, row.plan, row.acc)
+            dt = time.perf_counter() - t0
+            if row.rounds:
+                row.round_tok += EMA * (len(rec.commit) - row.round_tok)
+                row.round_s += EMA * (dt - row.round_s)
+            else:
+                row.round_tok, row.round_s = float(len(rec.commit)), dt
+            row.rounds += 1
+            self._push(row, rec)
+            return sum(1 for q, _, _ in rec.calls if q > 0), len(rec.commit)
+        except Exception as e:  # noqa: BLE001
+            self._fail(row, e)
+            return 0, 0
+
+    def _batched_step(self, ready: list) -> None:
+        """One target call over the slots of ``ready`` (q = 1 each); rows then commit one
+        token each from their own acceptor."""
+        t0 = time.perf_counter()
+        n = len(ready)
+        # ready rows must be slots [0, n): the not-ready ones (short prompts) are rare;
+        # swap them behind the ready ones first
+        self._compact_ready(ready)
+        ready = sorted(ready, key=lambda r: r.slot)
+        logits = self.batched.step([r.seq[-1] for r in ready], [r.kv.target for r in ready])
+        dt = time.perf_counter() - t0
+        for i, r in enumerate(ready):
+            try:
+                tok = r.acc.bonus(0, logits[i])
+                pos = len(r.seq) - r.n_prompt
+                r.seq.append(tok)
+                r.kv.target += 1
+                finish = "stop" if tok == r.plan.eos else self._length(r)
+                self._push(r, Round(pos, [], 0, 0, [tok], finish, target_s=dt / n, calls=[(1, r.kv.target - 1, 1)]))
+            except Exception as e:  # noqa: BLE001
+                self._fail(r, e)
+        self.costs.observe(n, time.perf_counter() - t0)
+        self.metrics.iteration("batched")
+        self.metrics.tokens_per_pass.observe(float(n))
+
+    def _compact_ready(self, ready: list) -> None:
+        """Give the ready rows slots ``[0, len(ready))`` (swapping KV rows with the others)."""
+        n = len(ready)
+        for r in ready:
+            if r.slot >= n:
+                other = next(o for o in self._rows if o.slot < n and o not in ready)
+                self._swap(r, other)
+
+    def _swap(self, a: _Row, b: _Row) -> None:
+        """Exchange the slots (and KV rows) of two rows, through a free slot or a copy."""
+        bt = self.batched
+        keep = [(buf[b.slot, :, : b.kv.target].copy()) for buf in (*bt.keys, *bt.values)]
+        bt.move(a.slot, b.slot, a.kv.target)
+        for buf, k in zip((*bt.keys, *bt.values), keep):
+            buf[a.slot, :, : b.kv.target] = k
+        a.slot, b.slot = b.slot, a.slot
+        self._rows.sort(key=lambda r: r.slot)
+
+    def _push(self, row: _Row, rec: Round) -> None:
+        """Count a round record of ``row`` and hand its text (and logprob entries) to the
+        client: ``Engine._run``'s logic, with ``WorkerPool._run``'s events."""
+        row.stats.add(rec, self._flops)
+        piece = rec.commit
+        entries = row.acc.take()[: len(piece)] if row.lps is not None else None  # the commit is cut after EOS
+        if (kept := row.text_out.push(piece)) is not None:
+            row.out.extend(piece[:kept])
+            if entries is not None:
+                row.lps.extend(entries[:kept])
+            row.finish, row.stop_reason = "stop", row.text_out.stop_reason
+            row.done = True
+        else:
+            row.out.extend(piece)
+            if entries is not None:
+                row.lps.extend(entries)
+            row.finish = rec.finish or row.finish
+            self._send(row, row.text_out.take())
+            row.done = rec.finish is not None
+        if row.done:
+            self._complete(row)
+
+    def _send(self, row: _Row, text: str) -> None:
+        """A text piece of ``row`` (nothing when empty): ``Job.first``, and with ``stream``
+        the ``("text", (piece, new logprob entries | None))`` event."""
+        if not text:
+            return
+        job = row.job
+        if job.first is None:
+            job.first = time.perf_counter()
+        if job.stream:
+            new = None
+            if row.lps is not None:
+                new = row.lps[job.lp_sent :]
+                job.lp_sent += len(new)
+            job.emit(("text", (text, new)))
+
+    def _complete(self, row: _Row) -> None:
+        """Emit the finished row's result (its slot is released after the iteration)."""
+        st = row.stats
+        st.total_seconds = time.perf_counter() - row.t0
+        st.new_tokens = len(row.out)
+        row.text_out.finish()
+        self._send(row, row.text_out.take())
+        res = GenerationResult(
+            tokens=list(row.out),
+            text=row.text_out.text,
+            finish_reason=row.finish,
+            stats=st,
+            stop_reason=row.stop_reason,
+            logprobs=list(row.lps) if row.lps is not None else None,
+        )
+        _finish(row.job, "ok", res)
+
+    def _fail(self, row: _Row, e: Exception) -> None:
+        """End ``row`` with an error event."""
+        if not isinstance(e, SpecRTError):
+            log.exception("generation failed", exc_info=e)
+        row.done = True
+        _finish(row.job, "error", e)
+
+    def _end(self, row: _Row, outcome: str, payload) -> None:
+        """End ``row`` now (cancelled or failed; a row that already ended emits nothing
+        more) and free its slot."""
+        if not row.done:
+            row.done = True
+            _finish(row.job, outcome, payload)
+        self._release(row)
+
+    def _release(self, row: _Row) -> None:
+        """Free ``row``'s slot and draft; the last slot's row moves into the hole."""
+        if row not in self._rows:
+            return
+        self._rows.remove(row)
+        self._free_drafts.append(row.draft)
+        last = max(self._rows, key=lambda r: r.slot, default=None)
+        if last is not None and last.slot > row.slot:
+            self.batched.move(last.slot, row.slot, last.kv.target)
+            last.slot = row.slot
+        self._rows.sort(key=lambda r: r.slot)
+
+
+def _finish(job: Job, outcome: str, payload) -> None:
+    """Hand the job's end to its client (``"ok"``, ``"cancelled"`` or ``"error"``), as
+    ``WorkerPool._finish``."""
+    job.finished = time.perf_counter()
+    job.emit({"ok": ("done", payload), "cancelled": ("cancelled", None), "error": ("error", payload)}[outcome])
