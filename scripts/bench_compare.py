@@ -476,13 +476,13 @@ def parse_args(argv=None):
     ap.add_argument(
         "--spinning",
         action="store_true",
-        help="let idle pool threads spin: onnxruntime allow_spinning (specrt, optimum, onnxruntime-genai) and OMP_WAIT_POLICY=ACTIVE (torch); default: off / PASSIVE everywhere",
+        help="let idle pool threads spin: onnxruntime allow_spinning (specrt, optimum, onnxruntime-genai) and OMP_WAIT_POLICY=ACTIVE (torch, llama.cpp); default: onnxruntime spinning off, OpenMP unset",
     )
     ap.add_argument(
         "--omp-wait-policy",
         choices=["PASSIVE", "ACTIVE", "unset"],
         default=None,
-        help="OMP_WAIT_POLICY of the workers (torch's OpenMP pool); default: follows --spinning; 'unset' = libgomp's own default (spins a while, then sleeps)",
+        help="OMP_WAIT_POLICY of the workers (torch's and llama.cpp's OpenMP pools); default: ACTIVE with --spinning, else unset = libgomp's own default (spins a while, then sleeps), what users of those systems run",
     )
     ap.add_argument("--out", default="bench_out/compare")
     ap.add_argument(
@@ -547,9 +547,11 @@ def main(argv=None) -> int:
     env["PYTHONUNBUFFERED"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
     env["HF_HUB_OFFLINE"] = "1"
-    # the same idle policy for every thread pool: onnxruntime's allow_spinning and OpenMP's
-    # wait policy (torch); spinning pools of one system steal the cores of the next one
-    policy = a.omp_wait_policy or ("ACTIVE" if a.spinning else "PASSIVE")
+    # OpenMP's wait policy: by default each system's own (unset). Forcing PASSIVE on every
+    # system, as this script once did, made llama.cpp's OpenMP build 5x slower per token on
+    # this machine (llama-server Q4_0: 135 tok/s PASSIVE vs 755 unset, same run otherwise,
+    # docs/bench/compare_int4_passive_quiet.md vs compare_int4_nospin.md): users run it unset.
+    policy = a.omp_wait_policy or ("ACTIVE" if a.spinning else "unset")
     if policy == "unset":
         env.pop("OMP_WAIT_POLICY", None)
     else:
