@@ -223,8 +223,8 @@ class Engine:
         if cfg.strategy == "lazy-head":
             if m.target.graph == GRAPH_BUILDER:
                 raise InputError(
-                    f"strategy 'lazy-head' needs the standard graph's body/head split; the target in {self.folder} is a "
-                    f"{m.target.precision} builder graph, which computes its LM head inside (use 'full' or 'chunked', "
+                    f"strategy 'lazy-head' needs the standard graph's body/head split; the target in {self.folder} is "
+                    f"an {m.target.precision} builder graph, which computes its LM head inside (use 'full' or 'chunked', "
                     "or export --precision fp32 --lazy-head)",
                     "strategy",
                 )

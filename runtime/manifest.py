@@ -647,6 +647,8 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     """
     folder = Path(folder)
     hint = REEXPORT_HINT.format(folder=folder)
+    if folder.exists() and not folder.is_dir():
+        raise EngineError(f"engine folder {folder} is a file, not a folder: give the folder that holds manifest.json", "engines")
     if not folder.is_dir():
         raise EngineError(f"engine folder {folder} does not exist; {hint}")
     path = folder / MANIFEST

@@ -57,6 +57,9 @@ def test_bad_prompts(engine):
 def test_missing_and_half_written_folder(tmp_path, tiny_pair):
     with pytest.raises(EngineError, match="does not exist"):
         Engine(tmp_path / "nope")
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(EngineError, match="is a file, not a folder: give the folder that holds manifest.json"):
+        Engine(tmp_path / "a_file")
     half = tmp_path / "half"
     shutil.copytree(tiny_pair[2], half)
     (half / "manifest.json").unlink()
