@@ -36,7 +36,7 @@ from .stats import Stats
 from .textstream import CompletionText
 from .tokenizer import TextCodec
 
-__all__ = ["Engine", "GenerationResult", "Stream", "PREFILL_CHUNK"]
+__all__ = ["Engine", "GenerationResult", "Stream", "PREFILL_CHUNK", "commit_output"]
 
 PREFILL_CHUNK = 256  # widest prefill call; longer prompts are fed in chunks
 
@@ -125,6 +125,30 @@ class Stream:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def commit_output(piece: list[int], entries: list | None, text_out, out: list[int], lps: list | None) -> bool:
+    """Append one round's committed tokens to the output, cut where a stop string ends it.
+
+    The one place that turns a :class:`~specrt.runtime.decode.Round`'s ``commit`` into output,
+    for :meth:`Engine.generate`/:meth:`Engine.stream` and the server's batch scheduler alike.
+
+    Args:
+        piece: the round's committed token ids.
+        entries: their logprob entries (same length, already cut after EOS), or None.
+        text_out: the generation's :class:`~specrt.runtime.textstream.CompletionText`.
+        out, lps: the output token ids and logprob entries so far (extended in place; ``lps``
+            only when ``entries`` is given).
+
+    Returns:
+        True when a stop string ended the output inside ``piece`` (``text_out.stop_reason``
+        says which); the tokens after it are not appended.
+    """
+    kept = text_out.push(piece)
+    out.extend(piece if kept is None else piece[:kept])
+    if entries is not None:
+        lps.extend(entries if kept is None else entries[:kept])
+    return kept is not None
 
 
 class Engine:
@@ -404,15 +428,9 @@ class Engine:
                     trace.add(rec)
                 piece = rec.commit
                 entries = recorder.take()[: len(piece)] if recorder is not None else None  # the commit is cut after EOS
-                if (kept := text_out.push(piece)) is not None:
-                    out.extend(piece[:kept])
-                    if entries is not None:
-                        lps.extend(entries[:kept])
+                if commit_output(piece, entries, text_out, out, lps):
                     finish, stop_reason = "stop", text_out.stop_reason
                     break
-                out.extend(piece)
-                if entries is not None:
-                    lps.extend(entries)
                 finish = rec.finish or finish
                 yield text_out.take() if streaming else ""
         finally:

@@ -20,24 +20,13 @@ import os
 import threading
 import time
 
+from load_test import PROMPTS as LOAD_PROMPTS  # the same built-in prompts as scripts/load_test.py (this folder)
+
 from specrt import Engine, GenerationConfig
 from specrt.runtime.backends.base import ThreadConfig
 from specrt.runtime.lab.bench import divergences
 from specrt.runtime.serve.batching import BatchPool
 from specrt.runtime.serve.server import Job
-
-LOAD_PROMPTS = [
-    "def add(a, b):",
-    "for i in range(10):",
-    "class Foo:",
-    "import os\nimport sys\n",
-    "def fib(n):",
-    "if __name__ == '__main__':",
-    "def __init__(self, x):",
-    "print(",
-    "return a +",
-    "while True:",
-]
 
 
 def run_pool(eng: Engine, pool: BatchPool, ids: list, cfg) -> list:

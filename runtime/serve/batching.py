@@ -54,7 +54,7 @@ import numpy as np
 from ..backends.ort_gqa import OrtGqaModel
 from ..backends.ort_gqa_batch import BatchedGqaModel
 from ..decode import KVLengths, Round, chunk_bounds, feed, one_round
-from ..engine import GenerationResult
+from ..engine import GenerationResult, commit_output
 from ..errors import SpecRTError
 from ..logprobs import LogprobRecorder
 from ..stats import Stats
@@ -543,20 +543,15 @@ class BatchPool:
 
     def _push(self, row: _Row, rec: Round) -> None:
         """Count a round record of ``row`` and hand its text (and logprob entries) to the
-        client: ``Engine._run``'s logic, with ``WorkerPool._run``'s events."""
+        client (:func:`~specrt.runtime.engine.commit_output`, as the Engine), with
+        ``WorkerPool._run``'s events."""
         row.stats.add(rec, self._flops)
         piece = rec.commit
         entries = row.acc.take()[: len(piece)] if row.lps is not None else None  # the commit is cut after EOS
-        if (kept := row.text_out.push(piece)) is not None:
-            row.out.extend(piece[:kept])
-            if entries is not None:
-                row.lps.extend(entries[:kept])
+        if commit_output(piece, entries, row.text_out, row.out, row.lps):
             row.finish, row.stop_reason = "stop", row.text_out.stop_reason
             row.done = True
         else:
-            row.out.extend(piece)
-            if entries is not None:
-                row.lps.extend(entries)
             row.finish = rec.finish or row.finish
             self._send(row, row.text_out.take())
             row.done = rec.finish is not None
