@@ -53,25 +53,36 @@ L.llama_backend_init()
 def context(path, n_seq):
     mp = L.llama_model_default_params()
     model = L.llama_model_load_from_file(path.encode(), mp)
+    if not model:
+        raise SystemExit(f"llama.cpp cannot load {path}")
     cp = L.llama_context_default_params()
     cp.n_ctx = 4096; cp.n_batch = 512; cp.n_ubatch = 512; cp.n_seq_max = n_seq
     cp.n_threads = a["threads"]; cp.n_threads_batch = a["threads"]
-    return model, L.llama_init_from_model(model, cp)
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        raise SystemExit(f"llama.cpp cannot make a context for {path}")
+    return model, ctx
 
 batch = L.llama_batch_init(512, 0, a["max_batch"])
 
-def decode(ctx, toks, pos, seqs):
+def fill(toks, pos, seqs):
     batch.n_tokens = len(toks)
     for i, (t, p, s) in enumerate(zip(toks, pos, seqs)):
         batch.token[i] = t; batch.pos[i] = p; batch.n_seq_id[i] = 1; batch.seq_id[i][0] = s; batch.logits[i] = 1
+
+def run(ctx):
     if L.llama_decode(ctx, batch) != 0:
         raise SystemExit("llama_decode failed")
     L.llama_synchronize(ctx)
 
+def decode(ctx, toks, pos, seqs):
+    fill(toks, pos, seqs); run(ctx)
+
 def timed(ctx, mem, toks, pos, seqs, reps):
     out = []
     for _ in range(reps + 1):
-        t0 = time.perf_counter(); decode(ctx, toks, pos, seqs); out.append(time.perf_counter() - t0)
+        fill(toks, pos, seqs)  # outside the timing: only llama_decode is timed, as only run() is for specrt
+        t0 = time.perf_counter(); run(ctx); out.append(time.perf_counter() - t0)
         for s in set(seqs):
             L.llama_memory_seq_rm(mem, s, a["past"], -1)
     return float(np.median(out[1:]) * 1e3)
@@ -94,8 +105,21 @@ print(json.dumps(res))
 
 
 def specrt_costs(eng, batched, past: int, q_max: int, max_batch: int, reps: int) -> dict:
-    """Median ms of specrt's target at widths 1..q_max, draft 1-token step and batched steps
-    B = 1..max_batch, every call reading ``past`` KV rows (the Engine's own sessions)."""
+    """One repetition of specrt's per-call costs, on the Engine's own sessions.
+
+    Args:
+        eng: a :class:`specrt.Engine` whose target and draft hold at least ``past`` KV rows.
+        batched: a :class:`~specrt.runtime.backends.ort_gqa_batch.BatchedGqaModel` over it.
+        past: KV rows every timed call reads; q_max: widest target call timed.
+        max_batch: batched steps timed for B = 1..max_batch; reps: calls per cost.
+
+    Returns:
+        ``{"target": {"q": ms}, "draft": {"1": ms}, "batched": {"B": ms}}``: medians of
+        ``reps`` calls in milliseconds (the first call of each cost is a warm-up, dropped).
+
+    Raises:
+        ValueError: ``past + max(q_max, 1) > max_ctx`` (from the batched measurement).
+    """
     from specrt.runtime.serve.batching import measure_step_costs
 
     def timed(model, q):
@@ -113,8 +137,20 @@ def specrt_costs(eng, batched, past: int, q_max: int, max_batch: int, reps: int)
 
 
 def tokens_per_pass(eng, prompts: list[str], ks: list[int], new_tokens: int) -> dict:
-    """Measured tokens per target pass L(k) at fixed k (threshold 0: every round drafts k),
-    greedy, and the tuned defaults' (k_max, threshold); also their measured tokens/s."""
+    """Measured tokens per target pass L(k), greedy, on ``prompts``.
+
+    Args:
+        eng: a :class:`specrt.Engine`; prompts: texts; ks: fixed k values (threshold 0:
+            every round drafts k); new_tokens: tokens per prompt (>= 2).
+
+    Returns:
+        ``{"k<k>": {...}, "defaults": {...}}`` (``defaults``: the manifest's decoding
+        defaults), each with ``tokens_per_pass`` (decoded tokens / target passes, the
+        prefill's token excluded) and ``tokens_per_second`` (decoding time only).
+
+    Raises:
+        ValueError: no target pass was made (``new_tokens < 2`` or no prompts).
+    """
     from specrt import GenerationConfig
 
     out = {}
@@ -126,30 +162,59 @@ def tokens_per_pass(eng, prompts: list[str], ks: list[int], new_tokens: int) -> 
             tok += st.new_tokens - 1  # the prefill's token costs no decoding pass
             passes += st.passes
             sec += st.total_seconds - st.prefill_seconds
+        if not passes:
+            raise ValueError(f"{name}: no target pass in {len(prompts)} prompts x {new_tokens} tokens; need prompts and --new-tokens >= 2")
         out[name] = dict(tokens_per_pass=tok / passes, tokens_per_second=tok / sec, **kw)
     return out
 
 
 def medians(samples: list[dict]) -> dict:
-    """Per (table, key): median, 25th and 75th percentile over the repetitions (ms)."""
+    """Median and quartiles over repetitions.
+
+    Args:
+        samples: one ``{table: {key: ms}}`` per repetition, all with the same keys.
+
+    Returns:
+        ``{table: {key: {"median", "q25", "q75"}}}`` in the samples' unit (ms).
+
+    Raises:
+        ValueError: no samples.
+    """
+    if not samples:
+        raise ValueError("no repetitions to summarise")
     out = {}
     for table in samples[0]:
         out[table] = {}
         for key in samples[0][table]:
-            v = [s[table][key] for s in samples]
+            v = [x[table][key] for x in samples]
             out[table][key] = dict(median=float(np.median(v)), q25=float(np.percentile(v, 25)), q75=float(np.percentile(v, 75)))
     return out
 
 
 def ceilings(costs: dict, L: dict | None, ks: list[int], baseline_ms: float, min_q: int = 1, goal: float = 1.5) -> dict:
-    """Tokens/s ceilings (and at measured L) of speculation at each k from the median costs,
-    their ratio to ``baseline_ms`` per token (a target-only system), and the tokens per pass
-    a ``goal`` x speedup over that baseline would need (more than k+1: out of reach at k).
+    """Speculation's ceiling at each k from median per-call costs.
+
+    A round of k candidates costs ``c_t(max(k+1, min_q)) + k c_d(1)`` (one verification
+    pass, k draft steps; host work and prefill left out, which only raises the ceiling) and
+    yields at most k+1 tokens (Leviathan et al. 2023, Algorithm 1).
 
     Args:
-        costs: :func:`medians` of one system's costs (``target`` widths, ``draft`` "1").
-        L: :func:`tokens_per_pass` records (keys ``k<k>``) or None.
-        ks: speculative factors; min_q: narrowest target call (specrt's ``exact_min_q``).
+        costs: :func:`medians` of one system (``target`` widths ``"1".."q_max"``, ``draft``
+            ``"1"``), in ms.
+        L: :func:`tokens_per_pass` records or None; a k without a ``k<k>`` record gets no
+            measured-L fields.
+        ks: speculative factors (each needs ``max(k+1, min_q) <= q_max``).
+        baseline_ms: ms per token of the target-only system compared with.
+        min_q: narrowest target call (specrt's ``exact_min_q``; 1 for other systems).
+        goal: speedup whose required tokens per pass is reported.
+
+    Returns:
+        ``{"k": {"round_ms", "ceiling_tok_s", "ceiling_vs_baseline",
+        "tokens_per_pass_for_<goal>x"[, "at_measured_L_tok_s", "at_measured_L_vs_baseline"]}}``;
+        a required tokens per pass above k+1 means the goal is out of reach at that k.
+
+    Raises:
+        KeyError: a width the costs do not hold.
     """
     t = {int(q): v["median"] for q, v in costs["target"].items()}
     d = costs["draft"]["1"]["median"]
@@ -157,16 +222,52 @@ def ceilings(costs: dict, L: dict | None, ks: list[int], baseline_ms: float, min
     for k in ks:
         rnd = t[max(k + 1, min_q)] + k * d
         r = dict(round_ms=rnd, ceiling_tok_s=1e3 * (k + 1) / rnd, ceiling_vs_baseline=baseline_ms * (k + 1) / rnd)
-        r[f"tokens_per_pass_for_{goal}x"] = goal * rnd / baseline_ms  # k+1 is the most a pass can give
-        if L is not None:
+        r[f"tokens_per_pass_for_{goal}x"] = goal * rnd / baseline_ms
+        if L is not None and f"k{k}" in L:
             r["at_measured_L_tok_s"] = 1e3 * L[f"k{k}"]["tokens_per_pass"] / rnd
             r["at_measured_L_vs_baseline"] = baseline_ms * L[f"k{k}"]["tokens_per_pass"] / rnd
         rows[str(k)] = r
     return rows
 
 
+def best(rows: dict) -> dict:
+    """The k with the highest ceiling and the k with the highest rate at measured L (where
+    measured) of a :func:`ceilings` table: ``{"ceiling": {"k", "vs_baseline"},
+    "at_measured_L": {...} or None}``."""
+    k1 = max(rows, key=lambda k: rows[k]["ceiling_vs_baseline"])
+    out = dict(ceiling=dict(k=int(k1), vs_baseline=rows[k1]["ceiling_vs_baseline"]), at_measured_L=None)
+    measured = [k for k in rows if "at_measured_L_vs_baseline" in rows[k]]
+    if measured:
+        k2 = max(measured, key=lambda k: rows[k]["at_measured_L_vs_baseline"])
+        out["at_measured_L"] = dict(k=int(k2), vs_baseline=rows[k2]["at_measured_L_vs_baseline"])
+    return out
+
+
+def llama_costs(python: str, arg: dict, timeout: float = 600.0) -> tuple[dict | None, str | None]:
+    """One repetition of llama.cpp's costs: :data:`LLAMA_SNIPPET` run by ``python``.
+
+    Returns:
+        ``(costs, None)`` with the snippet's ``{"target", "draft", "batched"}`` ms, or
+        ``(None, reason)`` when it failed, timed out or printed no JSON (never raises).
+    """
+    try:
+        p = subprocess.run([python, "-c", LLAMA_SNIPPET, json.dumps(arg)], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"llama.cpp measurement failed: {type(e).__name__}: {e}"
+    if p.returncode != 0:
+        return None, f"llama.cpp measurement failed (exit {p.returncode}): {' '.join((p.stderr or p.stdout).strip().splitlines()[-1:])}"
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1]), None
+    except (IndexError, ValueError):
+        return None, "llama.cpp measurement printed no JSON"
+
+
 def main(argv=None) -> dict:
-    """Measure, compute the ceilings, print and (``--out``) write the JSON record."""
+    """Measure, compute the ceilings, print and (``--out``) write the JSON record.
+
+    Raises:
+        SystemExit: bad arguments (argparse).
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="engines/default")
     ap.add_argument("--llama-python", help="python of a venv with llama-cpp-python (llama.cpp rows)")
@@ -176,7 +277,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--past", type=int, default=200, help="KV rows every timed call reads")
-    ap.add_argument("--k", default="1,2,3,4")
+    ap.add_argument("--k", default="1,2,3,4", help="k values whose tokens per pass are measured; ceilings for every k up to the largest")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--reps", type=int, default=30, help="calls per cost per repetition")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved repetitions (specrt, llama.cpp, ...)")
@@ -184,13 +285,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--out")
     a = ap.parse_args(argv)
 
+    from dataclasses import asdict
+
     from specrt import Engine
+    from specrt.runtime.backends.base import ThreadConfig
     from specrt.runtime.backends.ort_gqa_batch import BatchedGqaModel
 
     ks = [int(k) for k in a.k.split(",")]
-    q_max = max(ks) + 1
-    eng = Engine(a.engines)
+    tc = ThreadConfig()  # the runtime's defaults (target 2 threads, draft 1, no spinning)
+    eng = Engine(a.engines, threads=tc)
     min_q = eng.manifest.min_q()
+    q_max = max(max(ks) + 1, min_q)
+    all_k = list(range(1, max(ks) + 1))
+    if not 1 <= min(ks) or max(ks) > eng.manifest.k_max:
+        ap.error(f"--k {a.k}: every k must be in 1..{eng.manifest.k_max} (these engines' k_max)")
     batched = BatchedGqaModel(eng.target, a.max_batch, eng.target.max_q)
     for s in range(0, a.past, 16):  # the single-sequence sessions' past rows (values do not matter for timing)
         eng.target.run([1] * min(16, a.past - s), s)
@@ -204,11 +312,9 @@ def main(argv=None) -> dict:
         ours.append(specrt_costs(eng, batched, a.past, q_max, a.max_batch, a.reps))
         if llama_reason is None:
             arg = dict(target=a.gguf_target, draft=a.gguf_draft, past=a.past, q_max=q_max, max_batch=a.max_batch, reps=a.reps, threads=a.threads)
-            p = subprocess.run([a.llama_python, "-c", LLAMA_SNIPPET, json.dumps(arg)], capture_output=True, text=True)
-            if p.returncode != 0:
-                llama_reason = f"llama.cpp measurement failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}"
-            else:
-                theirs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+            got, llama_reason = llama_costs(a.llama_python, arg)
+            if got is not None:
+                theirs.append(got)
         print(f"repetition {r + 1}/{a.rounds} done", file=sys.stderr)
     load1 = os.getloadavg()
     ours_m = medians(ours)
@@ -226,24 +332,27 @@ def main(argv=None) -> dict:
         past=a.past,
         rounds=a.rounds,
         reps=a.reps,
-        specrt=dict(engines=a.engines, min_q=min_q, costs_ms=ours_m),
+        specrt=dict(engines=a.engines, min_q=min_q, k_max=eng.manifest.k_max, threads=asdict(tc), costs_ms=ours_m),
         tokens_per_pass=L,
     )
     spec_only_ms = ours_m["target"][str(min_q)]["median"]
     rec["specrt"]["target_only_ms_per_token"] = spec_only_ms
-    rec["specrt"]["speculation_vs_own_target_only"] = ceilings(ours_m, L, ks, spec_only_ms, min_q)
-    bat = {b: v["median"] for b, v in ours_m["batched"].items()}
-    rec["specrt"]["batched_tok_s"] = {b: 1e3 * int(b) / ms for b, ms in bat.items()}
-    if llama_reason is None:
-        th = medians(theirs)
-        ll1 = th["target"]["1"]["median"]
-        rec["llama_cpp"] = dict(gguf_target=a.gguf_target, gguf_draft=a.gguf_draft, threads=a.threads, costs_ms=th, target_only_ms_per_token=ll1)
-        rec["specrt"]["speculation_vs_llama_cpp_target_only"] = ceilings(ours_m, L, ks, ll1, min_q)
-        rec["llama_cpp"]["speculation_on_its_kernels_vs_its_target_only"] = ceilings(th, L, ks, ll1)
-        rec["llama_cpp"]["batched_tok_s"] = {b: 1e3 * int(b) / v["median"] for b, v in th["batched"].items()}
+    rows = ceilings(ours_m, L, all_k, spec_only_ms, min_q)
+    rec["specrt"]["speculation_vs_own_target_only"] = dict(rows=rows, best=best(rows))
+    rec["specrt"]["batched_tok_s"] = {b: 1e3 * int(b) / v["median"] for b, v in ours_m["batched"].items()}
+    if llama_reason is None and theirs:
+        tm = medians(theirs)
+        ll1 = tm["target"]["1"]["median"]
+        rec["llama_cpp"] = dict(gguf_target=a.gguf_target, gguf_draft=a.gguf_draft, threads=a.threads, costs_ms=tm, target_only_ms_per_token=ll1)
+        rows = ceilings(ours_m, L, all_k, ll1, min_q)
+        rec["specrt"]["speculation_vs_llama_cpp_target_only"] = dict(rows=rows, best=best(rows))
+        rows = ceilings(tm, L, all_k, ll1)
+        rec["llama_cpp"]["speculation_on_its_kernels_vs_its_target_only"] = dict(rows=rows, best=best(rows))
+        rec["llama_cpp"]["batched_tok_s"] = {b: 1e3 * int(b) / v["median"] for b, v in tm["batched"].items()}
     else:
         rec["llama_cpp"] = dict(reason=llama_reason)
     if L is not None:
+        # the best of the measured settings (fixed k and the defaults): a slight upward bias on a noisy machine
         one = max(v["tokens_per_second"] for v in L.values())
         rec["batching"] = dict(
             one_client_best_measured_tok_s=one,
