@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import sys
-import sysconfig
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -38,8 +37,10 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+# the held-out split and windows have one definition, shared with the quality scores of exports
+from specrt.runtime.lab.quality import HELDOUT_EVERY, heldout_windows, stdlib_files
+
 EOS = "<|endoftext|>"
-HELDOUT_EVERY = 20  # every 20th file (sorted order) is held out for evaluation
 
 
 @dataclass(frozen=True)
@@ -58,18 +59,6 @@ DRAFT = ModelSize(hidden=192, layers=2, heads=4, kv_heads=2, intermediate=512)
 VOCAB = 4096
 SEQ = 256
 MAX_POS = 2048
-
-
-def stdlib_files() -> list[Path]:
-    """Sorted ``*.py`` files of the running interpreter's stdlib, tests excluded."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for p in sorted(root.rglob("*.py")):
-        parts = p.relative_to(root).parts
-        if "site-packages" in parts or any(x in ("test", "tests", "idle_test") for x in parts):
-            continue
-        out.append(p)
-    return out
 
 
 def read_texts(files: list[Path]) -> list[str]:
@@ -135,11 +124,6 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
         return peak * (step + 1) / warmup
     t = (step - warmup) / max(1, steps - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-def heldout_windows(data: np.ndarray, n: int) -> torch.Tensor:
-    stride = (len(data) - SEQ - 1) // n
-    return torch.from_numpy(np.stack([data[i * stride : i * stride + SEQ + 1] for i in range(n)]).astype(np.int64))
 
 
 @torch.no_grad()
@@ -297,7 +281,7 @@ def main(argv=None) -> int:
     train_data = np.load(args.work / "train.npy")
     held = np.load(args.work / "heldout.npy")
     log.update(tokens_train=int(len(train_data)), tokens_heldout=int(len(held)))
-    windows = heldout_windows(held, 64)
+    windows = torch.from_numpy(heldout_windows(held, 64, SEQ))
 
     target_ckpt = args.work / ("target_fp32.pt" if target_size == TARGET else f"target_fp32_L{target_size.layers}.pt")
     if args.stage in ("all", "target"):
