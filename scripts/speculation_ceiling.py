@@ -105,32 +105,30 @@ print(json.dumps(res))
 
 
 def specrt_costs(eng, batched, past: int, q_max: int, max_batch: int, reps: int) -> dict:
-    """One repetition of specrt's per-call costs, on the Engine's own sessions.
+    """One repetition of specrt's per-call costs, on the Engine's own sessions: the tuner's
+    :func:`~specrt.runtime.lab.tune.measure_costs` (cases in random order; a width below the
+    engine's ``exact_min_q`` is timed as the wider call the decode loop makes) and the batch
+    scheduler's :func:`~specrt.runtime.serve.batching.measure_step_costs`.
 
     Args:
-        eng: a :class:`specrt.Engine` whose target and draft hold at least ``past`` KV rows.
-        batched: a :class:`~specrt.runtime.backends.ort_gqa_batch.BatchedGqaModel` over it.
+        eng: a :class:`specrt.Engine`; batched: a
+            :class:`~specrt.runtime.backends.ort_gqa_batch.BatchedGqaModel` over it.
         past: KV rows every timed call reads; q_max: widest target call timed.
         max_batch: batched steps timed for B = 1..max_batch; reps: calls per cost.
 
     Returns:
         ``{"target": {"q": ms}, "draft": {"1": ms}, "batched": {"B": ms}}``: medians of
-        ``reps`` calls in milliseconds (the first call of each cost is a warm-up, dropped).
+        ``reps`` calls in milliseconds.
 
     Raises:
-        ValueError: ``past + max(q_max, 1) > max_ctx`` (from the batched measurement).
+        InputError: a width outside 1..k_max+1 or ``past + q > max_ctx`` (measure_costs);
+        ValueError: no row left for the batched step (measure_step_costs).
     """
+    from specrt.runtime.lab.tune import measure_costs
     from specrt.runtime.serve.batching import measure_step_costs
 
-    def timed(model, q):
-        t = []
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            model.run([7] * q, past)
-            t.append(time.perf_counter() - t0)
-        return float(np.median(t[1:]) * 1e3)
-
-    out = dict(target={str(q): timed(eng.target, q) for q in range(1, q_max + 1)}, draft={"1": timed(eng.draft, 1)})
+    c = measure_costs(eng, range(1, q_max + 1), past, reps=reps)
+    out = dict(target={str(q): s * 1e3 for q, s in c.target_s_by_q.items()}, draft={"1": c.draft_s_per_call * 1e3})
     steps = measure_step_costs(batched, length=past, reps=reps, vocab=eng.manifest.vocab_size)
     out["batched"] = {str(b): steps.step_s[b] * 1e3 for b in range(1, max_batch + 1)}
     return out
@@ -300,9 +298,6 @@ def main(argv=None) -> dict:
     if not 1 <= min(ks) or max(ks) > eng.manifest.k_max:
         ap.error(f"--k {a.k}: every k must be in 1..{eng.manifest.k_max} (these engines' k_max)")
     batched = BatchedGqaModel(eng.target, a.max_batch, eng.target.max_q)
-    for s in range(0, a.past, 16):  # the single-sequence sessions' past rows (values do not matter for timing)
-        eng.target.run([1] * min(16, a.past - s), s)
-        eng.draft.run([1] * min(16, a.past - s), s)
     llama_reason = None
     if not (a.llama_python and a.gguf_target and a.gguf_draft):
         llama_reason = "not measured: needs --llama-python, --gguf-target and --gguf-draft"
