@@ -9,16 +9,27 @@ specrt's standard graph. specrt then runs it with its own runtime through plain
 onnxruntime (:mod:`specrt.runtime.backends.ort_gqa`); onnxruntime-genai is not needed to
 serve it. Why this graph form and these defaults: docs/ENGINES.md.
 
-Options passed to the builder (``--extra_options``):
+How a model is built (memory-bounded; :mod:`specrt.export.prequantize`):
 
-* ``block_size`` (default 32) and ``accuracy_level`` (default 4: int8 activations, the
-  fast CPU kernels; 0/1 compute in fp32 and were 2.5-35x slower per call in research r14);
-* for int4, ``shared_embeddings=false`` and ``matmul_mixed_precision=last_matmul:int8``:
-  with tied embeddings the builder's default int4 build quantizes the embedding table too
-  (it gathers from the int4 LM head); keeping the table in fp32 and the LM head in int8
-  raised the top-1 agreement with the fp32 target from 95.3% to 98.0% at the same speed
-  (r14 section 5). The combination shared_embeddings=true + last_matmul:int8 yields an
-  invalid graph in 0.18.0, so it is never passed.
+1. the checkpoint's linear layers are quantized one tensor at a time with onnxruntime's MLAS
+   quantizer (the kernel the builder's own int4 path calls: symmetric, ``block_size``
+   weights per block) into a prequantized checkpoint, so the builder repacks integer weights
+   instead of holding the whole model as float32 (13.6 GB peak for a 1.5B model that way,
+   2-3x less this way; docs/REAL_PAIR.md);
+2. the builder (``--extra_options block_size accuracy_level``) emits the graph;
+3. for int4, the embedding table (a float Gather in the builder's graph) is quantized to
+   int4 blocks (``GatherBlockQuantized``) with onnxruntime's ``MatMulNBitsQuantizer``: the
+   table is the largest float tensor of a real model (151,936 x 1,536 fp32 = 933 MB of
+   Qwen2.5-1.5B), and its quantized lookup is exact per row.
+
+The graph equals the builder's own ``-p int4 --extra_options op_types_to_quantize=MatMul/Gather``
+build bit for bit in its logits (checked on Qwen2.5-Coder-0.5B, docs/REAL_PAIR.md).
+
+Options: ``block_size`` (default 32) and ``accuracy_level`` (default 4: int8 activations, the
+fast CPU kernels; 0/1 compute in fp32 and were 2.5-35x slower per call in research r14);
+``head_bits``: the LM head's width (default: 8 for int4 models that tie it to the embedding,
+the choice r14 measured: top-1 agreement with fp32 95.3% -> 98.0% at the same speed; else the
+body's).
 
 GPT-2-family models: the builder has no GPT-2; such a model keeps specrt's standard fp32
 graph in an integer export, with a note in the manifest entry and the export log
@@ -32,7 +43,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from specrt.runtime.errors import ExportError, UnsupportedModelError
@@ -44,7 +55,6 @@ __all__ = [
     "QuantOptions",
     "builder_supports",
     "build_model",
-    "default_extra",
 ]
 
 BUILDER_PRECISIONS = ("int8", "int4")
@@ -63,14 +73,14 @@ class QuantOptions:
             the layers' input widths, e.g. the default draft's 192).
         accuracy_level: MatMulNBits compute type: 0 (unset: fp32), 1 fp32, 2 fp16, 3 bf16,
             4 int8 activations (the fast CPU path).
-        extra: further builder ``--extra_options`` (``key=value``); None = the defaults of
-            :func:`default_extra`.
+        head_bits: the LM head's bits, 4 or 8 (None: 8 for an int4 model with tied
+            embeddings, else the body's).
     """
 
     precision: str
     block_size: int = 32
     accuracy_level: int = 4
-    extra: dict | None = field(default=None)
+    head_bits: int | None = None
 
     def __post_init__(self):
         if self.precision not in BUILDER_PRECISIONS:
@@ -79,20 +89,23 @@ class QuantOptions:
             raise ValueError(f"block_size={self.block_size}; must be a power of two in 16..256")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ValueError(f"accuracy_level={self.accuracy_level}; must be 0..4 (4 = int8 activations, the fast CPU kernels)")
+        if self.head_bits not in (None, 4, 8):
+            raise ValueError(f"head_bits={self.head_bits}; must be 4 or 8")
 
-    def options(self, tied_embeddings: bool) -> dict[str, str]:
-        """The ``--extra_options`` for one model (``key -> value`` strings)."""
-        opts = {"block_size": str(self.block_size), "accuracy_level": str(self.accuracy_level)}
-        opts.update(default_extra(self.precision, tied_embeddings) if self.extra is None else {k: str(v) for k, v in self.extra.items()})
-        return opts
+    @property
+    def bits(self) -> int:
+        """The body's weight bits (4 or 8)."""
+        return 4 if self.precision == "int4" else 8
 
+    def lm_head_bits(self, tied_embeddings: bool) -> int:
+        """The LM head's bits for a model (see ``head_bits``)."""
+        if self.head_bits is not None:
+            return self.head_bits
+        return 8 if self.precision == "int4" and tied_embeddings else self.bits
 
-def default_extra(precision: str, tied_embeddings: bool) -> dict[str, str]:
-    """specrt's default builder extra options (module docstring): for int4 with tied
-    embeddings, a separate fp32 embedding table and an int8 LM head; else none."""
-    if precision == "int4" and tied_embeddings:
-        return {"shared_embeddings": "false", "matmul_mixed_precision": "last_matmul:int8"}
-    return {}
+    def options(self) -> dict[str, str]:
+        """The builder's ``--extra_options`` (``key -> value`` strings)."""
+        return {"block_size": str(self.block_size), "accuracy_level": str(self.accuracy_level)}
 
 
 def builder_supports(model_type: str) -> bool:
@@ -115,7 +128,7 @@ def _rename_external_data(graph_path: Path, data_name: str) -> None:
     onnx.save(m, str(graph_path))
 
 
-def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_ctx: int, cache: Path, log=print) -> ModelEntry:
+def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_ctx: int, cache: Path, log=print, meter=None) -> ModelEntry:
     """Build one checkpoint with the model builder into ``out/{role}.onnx`` (+ ``.data``).
 
     Args:
@@ -124,6 +137,9 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
         opts: :class:`QuantOptions`. max_ctx: the engines' context (checked against the
             graph's rotary cache, ``context_length``).
         cache: a scratch folder for the builder (``-c``); log: progress sink.
+        meter: a :class:`~specrt.export.resources.PhaseMeter`: each step is its own phase
+            (prequantize, the builder's process, the embedding), so a phase's peak pairs
+            this process's memory with the child's only while the child runs.
 
     Returns:
         The model's :class:`~specrt.runtime.manifest.ModelEntry` (graph ``builder``; parity,
@@ -140,14 +156,27 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     cfg = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     if not builder_supports(cfg.model_type):
         raise UnsupportedModelError(f"{model_dir}: model_type {cfg.model_type!r} is not covered by onnxruntime-genai's model builder")
+    from .onnx_export import trim_heap
+    from .prequantize import prequantize, quantize_embedding
+
+    def phase(name):
+        if meter is not None:
+            trim_heap()  # freed tensors back to the OS, so the next phase starts from what is live
+            meter.phase(f"{role}: {name}" if name else None)
+
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    extra = opts.options(tied)
+    extra = opts.options()
+    head_bits = opts.lm_head_bits(tied)
     tmp = out / f".build_{role}"
     shutil.rmtree(tmp, ignore_errors=True)
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir), "-o", str(tmp), "-p", opts.precision, "-e", "cpu", "-c", str(cache)]
-    cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra.items())]
     t0 = time.perf_counter()
+    phase(f"prequantize ({opts.precision})")
+    source = prequantize(model_dir, cache / f"{role}.prequantized", opts.bits, opts.block_size, head_bits, log=log)
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(tmp), "-p", opts.precision, "-e", "cpu", "-c", str(cache)]
+    cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra.items())]
+    phase("onnxruntime-genai model builder (child process)")
     p = subprocess.run(cmd, capture_output=True, text=True)
+    shutil.rmtree(source, ignore_errors=True)
     if p.returncode != 0 or not (tmp / "model.onnx").is_file():
         tail = " | ".join([ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip() and "Saving " not in ln][-5:])
         raise ExportError(f"onnxruntime-genai model builder failed for {model_dir} ({opts.precision}, exit {p.returncode}): {tail[-800:]}")
@@ -159,13 +188,18 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     shutil.move(str(tmp / "model.onnx"), graph)
     shutil.move(str(tmp / "model.onnx.data"), data)
     _rename_external_data(graph, data.name)
+    phase("embedding table")
+    embedding = "int4" if opts.precision == "int4" and quantize_embedding(graph, opts.block_size, log) else "float32"
     shutil.rmtree(tmp, ignore_errors=True)
+    phase(None)
     n_layers = int(dec["num_hidden_layers"])
     ins, outs = _graph_io(graph)
     want_in, want_out = ModelEntry.io_names(n_layers, GRAPH_BUILDER)
     if set(ins) != set(want_in) or set(outs) != set(want_out):
         raise ExportError(f"{graph}: builder graph I/O {ins} -> {outs} is not the interface the runtime binds ({want_in} -> {want_out})")
-    log(f"  model builder {opts.precision} ({', '.join(f'{k}={v}' for k, v in extra.items())}): {time.perf_counter() - t0:.1f} s")
+    log(
+        f"  model builder {opts.precision} ({', '.join(f'{k}={v}' for k, v in extra.items())}, LM head {head_bits}-bit, embedding {embedding}): {time.perf_counter() - t0:.1f} s"
+    )
     return ModelEntry(
         file=graph.name,
         sha256=sha256_file(graph),
@@ -188,6 +222,9 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
             block_size=opts.block_size,
             accuracy_level=opts.accuracy_level,
             extra_options=extra,
+            head_bits=head_bits,
+            embedding=embedding,
+            prequantized="onnxruntime MLAS quantize_matmul_nbits, symmetric, per tensor (specrt.export.prequantize)",
             context_length=int(gcfg.get("context_length", 0)),
         ),
         data_file=data.name,

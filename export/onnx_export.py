@@ -34,7 +34,29 @@ from specrt.runtime.manifest import FileRecord, ModelEntry, sha256_file
 from .kv_model import HeadModel, KVBodyModel, KVExportModel
 from .resources import PhaseMeter
 
-PARITY_TOL = 1e-4  # max |logit difference| allowed, fp32
+# fp32 parity: max |difference| allowed per unit of the reference's scale (parity_tolerance)
+PARITY_TOL = 1e-4
+
+
+def parity_tolerance(tol: float, reference: np.ndarray) -> float:
+    """The absolute tolerance of a parity comparison: ``tol * max(1, max |reference|)``.
+
+    fp32 rounding grows with the magnitude of what is computed: a tiny model's logits stay
+    within +-10, a trained 1.5B model's reach the hundreds, where the same relative error
+    is ~10x larger in absolute terms; a fixed absolute bound refused correct exports of
+    real models. Values below 1 keep the absolute bound ``tol``.
+
+    Args:
+        tol: relative tolerance (e.g. :data:`PARITY_TOL`). reference: PyTorch's values.
+    """
+    return tol * max(1.0, float(np.abs(reference).max()) if reference.size else 1.0)
+
+
+def _max_abs(reference: list) -> np.ndarray:
+    """One array of the largest |value| of each tensor in ``reference`` (for the KV scale)."""
+    return np.array([float(np.abs(a).max()) if a.size else 0.0 for a in reference], np.float32)
+
+
 # automatic external data: above this many bytes of float32 weights a model's graphs keep
 # their weights in <graph>.data files (protobuf cannot serialize a message over 2 GB; torch
 # itself switches at 1.5 GB of initializers, this decides before the export)
@@ -431,8 +453,9 @@ def compare_full(refs: list[Reference], onnx_path: Path, tol: float = PARITY_TOL
     """Run the full graph on every reference case and compare (see :func:`parity_check`).
 
     Raises:
-        ParityError: a logits difference above ``tol`` (default :data:`PARITY_TOL`) or a KV
-            difference above 10x that.
+        ParityError: a logits difference above :func:`parity_tolerance` of ``tol`` (default
+            :data:`PARITY_TOL`) and PyTorch's logits, or a KV difference above 10x that
+            relative to PyTorch's KV rows.
     """
     sess = _parity_session(onnx_path)
     figures: dict[str, float] = {}
@@ -443,10 +466,11 @@ def compare_full(refs: list[Reference], onnx_path: Path, tol: float = PARITY_TOL
         d_kv = _kv_diff(res, r, n_layers)
         figures[f"logits_q{r.q}_L{r.p}"] = d_logits
         figures[f"kv_q{r.q}_L{r.p}"] = d_kv
-        if d_logits > tol or d_kv > 10 * tol:
+        t_logits, t_kv = parity_tolerance(tol, r.logits), parity_tolerance(10 * tol, _max_abs(r.keys + r.values))
+        if d_logits > t_logits or d_kv > t_kv:
             raise ParityError(
                 f"{onnx_path.name}: parity failed for q={r.q}, past={r.p}: max |logit diff| {d_logits:.3g} "
-                f"(tolerance {tol}), max |new KV diff| {d_kv:.3g} (tolerance {10 * tol})"
+                f"(tolerance {t_logits:.3g} = {tol} x the logits' scale), max |new KV diff| {d_kv:.3g} (tolerance {t_kv:.3g})"
             )
     return figures
 
@@ -472,11 +496,17 @@ def compare_lazy_head(refs: list[Reference], body_path: Path, head_path: Path) -
         for name, v in d.items():
             figures[f"{name}_q{r.q}_L{r.p}"] = v
         figures[f"kv_q{r.q}_L{r.p}"] = d_kv
-        bad = [f"max |{n} diff| {v:.3g}" for n, v in d.items() if v > PARITY_TOL]
-        if bad or d_kv > 10 * PARITY_TOL:
+        scale = {"hidden": r.hidden, "head": r.head, "logits": r.logits}
+        bad = [
+            f"max |{n} diff| {v:.3g} (tolerance {parity_tolerance(PARITY_TOL, scale[n]):.3g})"
+            for n, v in d.items()
+            if v > parity_tolerance(PARITY_TOL, scale[n])
+        ]
+        t_kv = parity_tolerance(10 * PARITY_TOL, _max_abs(r.keys + r.values))
+        if bad or d_kv > t_kv:
             raise ParityError(
                 f"{body_path.name}/{head_path.name}: lazy-head parity failed for q={r.q}, past={r.p}: "
-                f"{', '.join(bad) or 'logits ok'} (tolerance {PARITY_TOL}), max |new KV diff| {d_kv:.3g} (tolerance {10 * PARITY_TOL})"
+                f"{', '.join(bad) or 'logits ok'} ({PARITY_TOL} x each reference's scale), max |new KV diff| {d_kv:.3g} (tolerance {t_kv:.3g})"
             )
     return figures
 
@@ -498,8 +528,9 @@ def lazy_head_parity_check(
         "kv_q{q}_L{P}": ...}``, max absolute differences.
 
     Raises:
-        ParityError: a logits, hidden or head difference above :data:`PARITY_TOL`, or a
-            KV difference above 10x that; the message names the graph, check and value.
+        ParityError: a logits, hidden or head difference above :data:`PARITY_TOL` relative to
+            its reference's scale (:func:`parity_tolerance`), or a KV difference above 10x
+            that; the message names the graph, check and value.
     """
     return compare_lazy_head(references(hf_model, qs, pasts, seed, wrapper), body_path, head_path)
 
@@ -715,46 +746,76 @@ def export_model(
     return ExportedModel(entry=entry, path=out_path, lazy_head=record, files=files)
 
 
-def runtime_parity(hf_model, folder: Path, entry: ModelEntry, max_ctx: int, qs: tuple[int, ...], pasts: tuple[int, ...], seed: int = 0) -> dict[str, float]:
+# A quantized graph's logits rows against PyTorch's on random tokens (the parity cases):
+# mean correlation 0.86 for SmolLM2-135M int4 at accuracy level 4, 0.96 for Qwen2.5-0.5B,
+# 0.999 in int8 at level 0; rows of *other* positions of the same forward (what a miswired
+# graph resembles) correlate at 0.43-0.49: token-frequency structure all rows share.
+# (The argmax agreement is no wiring test on random tokens: 46% for that correct SmolLM2 graph.)
+WIRING_MIN_CORRELATION = 0.7
+
+
+def row_correlation(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Pearson correlation of each row of ``a`` with the same row of ``b`` (float ``[n, V]``
+    each): ``[n]`` in [-1, 1]."""
+    a = a.astype(np.float64) - a.mean(-1, keepdims=True)
+    b = b.astype(np.float64) - b.mean(-1, keepdims=True)
+    return (a * b).sum(-1) / np.sqrt((a * a).sum(-1) * (b * b).sum(-1) + 1e-300)
+
+
+def runtime_parity(
+    hf_model, folder: Path, entry: ModelEntry, max_ctx: int, qs: tuple[int, ...], pasts: tuple[int, ...], seed: int = 0, release=None
+) -> dict[str, float]:
     """Compare an exported graph, run by the runtime's own model class for its graph form
     (:func:`specrt.runtime.backends.cpu_model`), with a full PyTorch forward.
 
     For every (q, P): P random tokens are fed (one call), then q more at position P; the q
-    logits rows are compared with PyTorch's over the same P + q tokens. For a quantized
+    logits rows are compared with PyTorch's over the same P + q tokens. PyTorch's answers
+    are computed first; ``release`` (when given) is then called, e.g. to drop the caller's
+    last reference to the PyTorch model, so the two never share memory (a 1.5B model is
+    6 GB in float32). For a quantized
     graph the figures are the quantization error (recorded, not a pass/fail tolerance;
     the quality record measures what it does to the output).
 
     Returns:
-        ``{"logits_q{q}_L{P}": max_abs_diff, ...}``.
+        ``{"logits_q{q}_L{P}": max_abs_diff, ..., "logits_correlation": mean}``.
 
     Raises:
-        ParityError: non-finite logits, or the argmax of fewer than half of the compared
-            rows equal to PyTorch's (a wiring fault, not quantization).
+        ParityError: non-finite logits, or logits rows whose mean correlation with
+            PyTorch's (:func:`row_correlation`) is below :data:`WIRING_MIN_CORRELATION`
+            (a wiring fault, not quantization).
     """
     from specrt.runtime.backends import cpu_model
     from specrt.runtime.backends.base import ThreadConfig
 
     n = max(pasts) + max(qs)
-    model = cpu_model(folder, entry, min(max_ctx, n), max(max(qs), max(pasts), 1), ThreadConfig())
     rng = np.random.default_rng(seed)
-    figures: dict[str, float] = {}
-    agree = total = 0
+    cases = []  # PyTorch's answers first, so a caller can free the model before the graph loads
     for q in qs:
         for p in pasts:
             ids = rng.integers(0, hf_model.config.vocab_size, size=p + q)
             with torch.no_grad():
-                ref = hf_model(input_ids=torch.from_numpy(ids[None].astype(np.int64))).logits[0, p:].float().numpy()
-            if p:
-                model.run(ids[:p], 0)
-            rows = model.run(ids[p:], p)
-            if not np.isfinite(rows).all():
-                raise ParityError(f"{entry.file}: non-finite logits for q={q}, past={p}")
-            figures[f"logits_q{q}_L{p}"] = float(np.abs(rows - ref).max())
-            agree += int((rows.argmax(-1) == ref.argmax(-1)).sum())
-            total += q
-    if agree < total / 2:
+                cases.append((q, p, ids, hf_model(input_ids=torch.from_numpy(ids[None].astype(np.int64))).logits[0, p:].float().numpy()))
+    vocab_size = hf_model.config.vocab_size
+    del hf_model
+    if release is not None:
+        release()
+        gc.collect()
+    model = cpu_model(folder, entry, min(max_ctx, n), max(max(qs), max(pasts), 1), ThreadConfig())
+    figures: dict[str, float] = {}
+    corr = []
+    for q, p, ids, ref in cases:
+        if p:
+            model.run(ids[:p], 0)
+        rows = model.run(ids[p:], p)[:, :vocab_size]
+        if not np.isfinite(rows).all():
+            raise ParityError(f"{entry.file}: non-finite logits for q={q}, past={p}")
+        figures[f"logits_q{q}_L{p}"] = float(np.abs(rows - ref).max())
+        corr.extend(row_correlation(rows, ref).tolist())
+    figures["logits_correlation"] = float(np.mean(corr))
+    if figures["logits_correlation"] < WIRING_MIN_CORRELATION:
         raise ParityError(
-            f"{entry.file}: argmax equals PyTorch's on only {agree}/{total} rows (max |logit diff| {max(figures.values()):.3g}): the graph is miswired"
+            f"{entry.file}: its logits rows correlate with PyTorch's at {figures['logits_correlation']:.3f} on average "
+            f"(below {WIRING_MIN_CORRELATION}; max |logit diff| {max(v for k, v in figures.items() if k.startswith('logits_q')):.3g}): the graph is miswired"
         )
     model.close()
     return figures

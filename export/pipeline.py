@@ -121,6 +121,22 @@ def _check_configs(draft_dir: Path, target_dir: Path, max_ctx: int, n_vocab: int
             log(f"  note: draft {name}={d}, target {name}={t}; the target's is used for draft, target and baseline")
 
 
+def end_of_generation_ids(target_dir: Path, eos: int) -> tuple[int, ...]:
+    """Every id the checkpoint ends generation on, ascending: ``eos`` (the config's), and
+    ``eos_token_id`` of ``generation_config.json`` (an int or a list: Qwen2.5 lists
+    ``<|im_end|>`` and ``<|endoftext|>``; a GGUF import writes llama.cpp's end-of-generation
+    ids there, :func:`specrt.export.gguf_import.end_of_generation_ids`)."""
+    ids = {int(eos)}
+    path = Path(target_dir) / "generation_config.json"
+    if path.is_file():
+        try:
+            gen = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as e:
+            raise PairError(f"{path} is not a readable JSON object ({e})") from None
+        ids.update(int(i) for i in (gen if isinstance(gen, list) else [gen]) if isinstance(i, int))
+    return tuple(sorted(ids))
+
+
 def _special_ids(target_dir: Path) -> tuple[int, int | None, bool, int]:
     """(eos id, bos id, whether the tokenizer prepends BOS, tokenizer vocab size)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -207,16 +223,17 @@ def _export_model(role: str, model_dir: Path, out: Path, precision: str, quant, 
     if precision in BUILDER_PRECISIONS:
         mtype = _model_type(model_dir)
         if builder_supports(mtype):
-            if meter is not None:
-                meter.phase(f"{role}: onnxruntime-genai model builder ({precision})")
-            entry = build_model(model_dir, out, role, quant, max_ctx, out / ".builder_cache", log)
+            entry = build_model(model_dir, out, role, quant, max_ctx, out / ".builder_cache", log, meter)
             if meter is not None:
                 meter.phase(f"{role}: parity against PyTorch")
-            hf = load_hf(model_dir)
-            wrapper = KVExportModel(hf, max_ctx)
-            parity = runtime_parity(hf, out, entry, max_ctx, qs=(1, k_max + 1), pasts=(0, 37))
-            entry = replace(entry, params=sum(p.numel() for p in hf.parameters()), matmul_params=matmul_params(wrapper), parity=parity)
-            log(f"  {precision} vs the fp32 PyTorch model (quantization, max |logit diff|): {max(v for k, v in parity.items() if k.startswith('logits')):.3g}")
+            held = [load_hf(model_dir)]
+            counts = dict(params=sum(p.numel() for p in held[0].parameters()), matmul_params=matmul_params(KVExportModel(held[0], max_ctx)))
+            # PyTorch's answers first, then the model is freed before the graph's session loads
+            parity = runtime_parity(held[0], out, entry, max_ctx, qs=(1, k_max + 1), pasts=(0, 37), release=held.clear)
+            entry = replace(entry, **counts, parity=parity)
+            log(
+                f"  {precision} vs the fp32 PyTorch model (quantization, max |logit diff|): {max(v for k, v in parity.items() if k.startswith('logits_q')):.3g}, row correlation {parity['logits_correlation']:.3f}"
+            )
             if meter is not None:
                 meter.phase(None)
             return entry, None, file_records(out, [path.name])
@@ -230,13 +247,14 @@ def _export_model(role: str, model_dir: Path, out: Path, precision: str, quant, 
 
 def measure_exactness(out: Path, entry, max_ctx: int, k_max: int, vocab: int) -> dict:
     """Width exactness of an exported graph (:func:`specrt.runtime.lab.exactness.measure`):
-    widths 1, 2, 3, k_max + 1 at row offsets 0, 1, 2, with 2 and 1 intra-op threads, on the
-    runtime's own model class for the graph."""
+    every width 1 .. k_max + 1 (each width the decode loop calls the target at, the last
+    prefill chunk included: :func:`specrt.runtime.decode.chunk_bounds`) at row offsets 0, 1,
+    2, with 2 and 1 intra-op threads, on the runtime's own model class for the graph."""
     from specrt.runtime.backends import cpu_model
     from specrt.runtime.backends.base import ThreadConfig
     from specrt.runtime.lab.exactness import measure
 
-    widths = sorted({1, 2, 3, k_max + 1})
+    widths = list(range(1, k_max + 2))
     length = min(max_ctx, max(40, 3 * (k_max + 1) + 4))
     q = 2 * widths[-1] + 2  # the widest pattern call (pattern_bounds folds a tail into the last call)
     models = [(f"t{t}", cpu_model(out, entry, length, q, ThreadConfig(t, False, t))) for t in (2, 1)]
@@ -257,6 +275,8 @@ def export_pair(
     exactness: bool = True,
     quality=None,
     external_data: bool | None = None,
+    gguf_cache: str | Path | None = None,
+    draft_precision: str | None = None,
 ) -> Manifest:
     """Check the pair, export both models, check parity, measure the target's width
     exactness, and write the manifest.
@@ -274,7 +294,11 @@ def export_pair(
     and recorded with its SHA-256.
 
     Args:
-        draft_dir, target_dir: local HF checkpoint folders (config, safetensors, tokenizer).
+        draft_dir, target_dir: local HF checkpoint folders (config, safetensors, tokenizer),
+            or GGUF files (converted first into cached HF folders by
+            :func:`specrt.export.gguf_import.checkpoint_folder`; architecture, tokenizer,
+            special and end-of-generation ids and chat template from the file's metadata;
+            recorded in ``extra["gguf"]``).
         out: engine folder to (over)write.
         k_max: largest number of draft candidates per verification pass (1..64);
             the target is verified with q up to k_max + 1.
@@ -303,6 +327,12 @@ def export_pair(
             file beside it; None (default): only models whose float32 weights exceed 1.5 GB
             (protobuf cannot hold a graph over 2 GB); False: inline where torch allows.
             (Builder graphs always keep their weights in ``<role>.onnx.data``.)
+        gguf_cache: where GGUF inputs are converted (None: beside each file).
+        draft_precision: the draft's flavor when it differs from the target's (None: the
+            same), e.g. an int4 draft for an fp32 target: with ``--draft`` and ``--target``
+            the same checkpoint, the model's own int4 graph drafts for its exact one (a
+            self-draft, for a user with one model). Integer drafts use ``quant``'s block
+            size and accuracy level (or the defaults).
 
     Every file written (graphs, external-data files found in the graphs' initializers,
     the tokenizer, the chat template) is recorded in the manifest's ``files`` map with its
@@ -338,13 +368,34 @@ def export_pair(
             f"--lazy-head is offered for --precision fp32 (standard graphs) only; {precision} graphs "
             + ("compute their LM head inside (onnxruntime-genai builder graphs)" if precision in BUILDER_PRECISIONS else "have no body/head split")
         )
-    if precision in BUILDER_PRECISIONS:
-        quant = quant or QuantOptions(precision)
-        if quant.precision != precision:
-            raise ValueError(f"quant options are for {quant.precision}, the export is {precision}")
-    elif quant is not None:
+    draft_precision = draft_precision or precision
+    if draft_precision not in PRECISIONS:
+        raise ValueError(f"draft_precision={draft_precision!r}; choose one of {', '.join(PRECISIONS)}")
+    quants = {}
+    for role, p in (("target", precision), ("draft", draft_precision)):
+        if p in BUILDER_PRECISIONS:
+            q = quant if quant is not None and quant.precision == p else None
+            if q is None and quant is not None:
+                q = QuantOptions(p, quant.block_size, quant.accuracy_level, quant.head_bits)
+            quants[role] = q or QuantOptions(p)
+    if quant is not None and not quants:
         raise ValueError(f"block size / accuracy level apply to int8/int4 exports, not {precision}")
-    draft_dir, target_dir, out = Path(draft_dir), Path(target_dir), Path(out)
+    meter = PhaseMeter(log)
+    gguf: dict = {}
+    paths = {}
+    for role, d in (("draft", Path(draft_dir)), ("target", Path(target_dir))):
+        if d.is_file():
+            from .gguf_import import checkpoint_folder
+
+            meter.phase(f"{role}: GGUF -> Hugging Face folder")
+            d, gguf[role] = checkpoint_folder(d, role, gguf_cache, log=log)
+        paths[role] = d
+    if gguf:
+        from .onnx_export import trim_heap
+
+        trim_heap()  # the conversion's freed tensors back to the OS before the next phase
+        meter.phase(None)
+    draft_dir, target_dir, out = paths["draft"], paths["target"], Path(out)
     for role, d in (("draft", draft_dir), ("target", target_dir)):
         if not (d / "config.json").is_file():
             raise ValueError(f"{role} folder {d} is not a Hugging Face checkpoint (no config.json)")
@@ -357,11 +408,11 @@ def export_pair(
     (out / "manifest.json").unlink(missing_ok=True)  # half-written until the new one lands
     for name in (BODY_FILE, HEAD_FILE, "target.onnx.data", "draft.onnx.data"):  # stale files of another flavor
         (out / name).unlink(missing_ok=True)
-    meter = PhaseMeter(log)
     entries, lazy, files = {}, None, {}
     for role, d in (("target", target_dir), ("draft", draft_dir)):
-        log(f"exporting {role} {d} -> {out / (role + '.onnx')} ({precision})")
-        entry, rec, model_files = _export_model(role, d, out, precision, quant, max_ctx, k_max, lazy_head and role == "target", log, external_data, meter)
+        p = precision if role == "target" else draft_precision
+        log(f"exporting {role} {d} -> {out / (role + '.onnx')} ({p})")
+        entry, rec, model_files = _export_model(role, d, out, p, quants.get(role), max_ctx, k_max, lazy_head and role == "target", log, external_data, meter)
         files.update(model_files)
         if entry.graph == "standard" and entry.parity:
             log(f"  parity (max |diff|): {max(entry.parity.values()):.2e}")
@@ -395,7 +446,8 @@ def export_pair(
     usage = meter.summary()
     anon = f", anonymous memory {usage['peak_anon_mib']:,.0f} MiB" if usage["peak_anon_mib"] is not None else ""
     log(
-        f"export peak RSS {usage['peak_rss_mib']:,.0f} MiB{anon} ({'max over phases' if usage['per_phase_peaks'] else 'process peak'}), {usage['seconds']:.0f} s"
+        f"export peak RSS {usage['peak_rss_mib']:,.0f} MiB{anon} ({'max over phases' if usage['per_phase_peaks'] else 'process peak'}; "
+        f"with the model builder's process {usage['total_peak_mib']:,.0f} MiB), {usage['seconds']:.0f} s"
     )
     tools = {
         "python": platform.python_version(),
@@ -407,6 +459,8 @@ def export_pair(
     if any(e.graph == "builder" for e in entries.values()):
         tools["onnxruntime_genai"] = next(e.quant["version"] for e in entries.values() if e.graph == "builder")
     extra: dict = {**({LAZY_HEAD_KEY: lazy} if lazy is not None else {}), "export": {"external_data": any(r.external for r in files.values()), **usage}}
+    if gguf:
+        extra["gguf"] = gguf
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         name=out.name,
@@ -416,6 +470,7 @@ def export_pair(
         tokenizer_sha256=files["tokenizer.json"].sha256,
         vocab_size=n_vocab,
         eos_token_id=eos,
+        eos_token_ids=tuple(i for i in end_of_generation_ids(target_dir, eos) if i < n_vocab),
         bos_token_id=bos,
         add_bos=add_bos,
         pad_token_id=_pad_id(target_dir),

@@ -2,10 +2,15 @@
 target, on the held-out stdlib text and on HumanEval outputs.
 
 The sets and figures are those of :mod:`specrt.runtime.lab.quality` (top-1 agreement, loss
-in nats per token, teacher-forced). The reference is the checkpoint's fp32 *standard* graph,
-exported to a scratch folder for the purpose (equal to PyTorch to ~1e-5, the parity every
-fp32 export checks) and run by the runtime like the flavor: a forward in PyTorch took
-2 s per 256-token window on this 2-core machine, onnxruntime a tenth of that.
+in nats per token, teacher-forced). The reference is the checkpoint in float32: for a model
+up to 1.5 GB of fp32 weights its fp32 *standard* graph, exported to a scratch folder for the
+purpose (equal to PyTorch to ~1e-5, the parity every fp32 export checks) and run by the
+runtime like the flavor (a forward in PyTorch took 2 s per 256-token window on this 2-core
+machine, onnxruntime a tenth of that); above it PyTorch itself
+(:class:`~specrt.export.torch_reference.TorchModel`), since exporting the fp32 graph of a
+real model costs more memory than the rest of the export. The reference is scored first and
+freed before the flavor is loaded. For large models the sets shrink so the record costs
+about what it costs a 0.5B model (:meth:`QualityConfig.scaled`).
 ``scripts/eval_quality.py`` computes the same figures against an fp32 engine folder (all
 100 HumanEval prompts) for docs/ENGINES.md.
 """
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from specrt.runtime.lab.quality import WINDOW, compare, encode_texts, heldout_windows, score_model, stdlib_heldout_texts
@@ -44,6 +49,20 @@ class QualityConfig:
     humaneval_prompts: int = 20
     new_tokens: int = 128
 
+    def scaled(self, params: int) -> "QualityConfig":
+        """The sets for a target of ``params`` parameters: unchanged up to 5e8, above it
+        windows and prompts shrink in proportion (at least 16 windows and 8 prompts of 64
+        tokens: 4,096 held-out positions keep the agreement's standard error near 0.3%)."""
+        f = 5e8 / params
+        if f >= 1:
+            return self
+        return replace(
+            self,
+            heldout_windows=max(min(16, self.heldout_windows), int(self.heldout_windows * f)),
+            humaneval_prompts=max(min(8, self.humaneval_prompts), int(self.humaneval_prompts * f)),
+            new_tokens=min(self.new_tokens, 64),
+        )
+
 
 def holds(record: dict) -> bool:
     """Whether every measured set meets :data:`QUALITY_BOUNDS`."""
@@ -51,14 +70,15 @@ def holds(record: dict) -> bool:
     return bool(sets) and all(s["top1_agreement"] >= QUALITY_BOUNDS["min_top1_agreement"] and s["loss_delta"] <= QUALITY_BOUNDS["max_loss_delta"] for s in sets)
 
 
-def greedy(model, ids: list[int], new_tokens: int, vocab: int, eos: int) -> list[int]:
-    """The model's greedy continuation of ``ids`` (at most ``new_tokens``, EOS included
-    when it ends it): one call per token after a chunked prefill."""
+def greedy(model, ids: list[int], new_tokens: int, vocab: int, eos) -> list[int]:
+    """The model's greedy continuation of ``ids`` (at most ``new_tokens``, the
+    end-of-generation id included when one of ``eos`` (a set) ends it): one call per token
+    after a chunked prefill."""
     from specrt.runtime.decode import feed
 
     rows = feed(model, ids, 0)
     out = [int(rows[-1, :vocab].argmax())]
-    while len(out) < new_tokens and out[-1] != eos:
+    while len(out) < new_tokens and out[-1] not in eos:
         out.append(int(model.run(out[-1:], len(ids) + len(out) - 1)[0, :vocab].argmax()))
     return out
 
@@ -79,27 +99,32 @@ def export_quality(manifest, out: Path, target_dir: Path, cfg: QualityConfig, lo
     from specrt.runtime.backends.base import ThreadConfig
     from specrt.runtime.tokenizer import TextCodec
 
-    from .onnx_export import export_model
+    from .onnx_export import EXTERNAL_DATA_ABOVE, export_model
 
     t0 = time.perf_counter()
     m = manifest
+    cfg = cfg.scaled(m.target.params or 1)
     scratch = out / ".quality_reference"
     shutil.rmtree(scratch, ignore_errors=True)
-    ref_entry = export_model(target_dir, scratch / "target.onnx", m.max_ctx, m.k_max, check=False).entry
     max_q = max(256, m.k_max + 1)
-    ref = cpu_model(scratch, ref_entry, m.max_ctx, max_q, ThreadConfig())
-    model = cpu_model(out, m.target, m.max_ctx, max_q, ThreadConfig())
+    if 4 * m.target.params > EXTERNAL_DATA_ABOVE:
+        from .torch_reference import TorchModel
+
+        ref = TorchModel(target_dir, m.max_ctx, max_q)
+        rec: dict = dict(reference=f"float32 PyTorch model of {target_dir}", bounds=QUALITY_BOUNDS)
+    else:
+        ref_entry = export_model(target_dir, scratch / "target.onnx", m.max_ctx, m.k_max, check=False).entry
+        ref = cpu_model(scratch, ref_entry, m.max_ctx, max_q, ThreadConfig())
+        rec = dict(reference=f"fp32 standard graph of {target_dir} (exported for the comparison)", bounds=QUALITY_BOUNDS)
     vocab, min_q = m.vocab_size, m.min_q()
-    rec: dict = dict(reference=f"fp32 standard graph of {target_dir} (exported for the comparison)", bounds=QUALITY_BOUNDS)
     window = min(cfg.window, m.max_ctx - 1)
+    sets: dict = {}  # name -> (sequences, first scored positions, record); the reference scored first
     if cfg.heldout_windows > 0:
         tok = Tokenizer.from_file(str(out / m.tokenizer_file))
         try:
             data = encode_texts(lambda t: tok.encode(t, add_special_tokens=False).ids, stdlib_heldout_texts(), m.eos_token_id)
             wins = heldout_windows(data, cfg.heldout_windows, window).tolist()
-            firsts = [0] * len(wins)
-            fig = compare(score_model(ref, wins, firsts, vocab), score_model(model, wins, firsts, vocab, min_q))
-            rec["heldout_stdlib"] = dict(fig, windows=len(wins), window=window, tokens=int(len(data)))
+            sets["heldout_stdlib"] = (wins, [0] * len(wins), dict(windows=len(wins), window=window, tokens=int(len(data))))
         except ValueError as e:
             rec["heldout_stdlib"] = {"skipped": str(e)}
     path = Path(cfg.prompts) if cfg.prompts else None
@@ -109,15 +134,19 @@ def export_quality(manifest, out: Path, target_dir: Path, cfg: QualityConfig, lo
         seqs, firsts = [], []
         for p in prompts:
             ids = codec.encode(p)[: m.max_ctx - cfg.new_tokens - 1]
-            seqs.append(ids + greedy(ref, ids, cfg.new_tokens, vocab, m.eos_token_id))
+            seqs.append(ids + greedy(ref, ids, cfg.new_tokens, vocab, m.stop_ids()))
             firsts.append(len(ids) - 1)
-        fig = compare(score_model(ref, seqs, firsts, vocab), score_model(model, seqs, firsts, vocab, min_q))
-        rec["humaneval"] = dict(fig, prompts=len(prompts), new_tokens=cfg.new_tokens, file=str(path))
+        sets["humaneval"] = (seqs, firsts, dict(prompts=len(prompts), new_tokens=cfg.new_tokens, file=str(path)))
     else:
         rec["humaneval"] = {"skipped": f"no prompts file {cfg.prompts!r}"}
-    model.close()
+    refs = {name: score_model(ref, seqs, firsts, vocab) for name, (seqs, firsts, _) in sets.items()}
     ref.close()
+    del ref
     shutil.rmtree(scratch, ignore_errors=True)
+    model = cpu_model(out, m.target, m.max_ctx, max_q, ThreadConfig())
+    for name, (seqs, firsts, info) in sets.items():
+        rec[name] = dict(compare(refs[name], score_model(model, seqs, firsts, vocab, min_q)), **info)
+    model.close()
     rec["holds"] = holds(rec)
     rec["config"] = asdict(cfg)
     rec["seconds"] = round(time.perf_counter() - t0, 1)

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["rss_mib", "peak_rss_mib", "reset_peak", "PhaseMeter"]
+__all__ = ["rss_mib", "peak_rss_mib", "children_peak_rss_mib", "reset_peak", "PhaseMeter"]
 
 _STATUS = Path("/proc/self/status")
 _CLEAR = Path("/proc/self/clear_refs")
@@ -44,6 +44,13 @@ def peak_rss_mib() -> float:
     if kib is not None:
         return kib / 1024
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return ru / (1024 * 1024) if sys.platform == "darwin" else ru / 1024
+
+
+def children_peak_rss_mib() -> float:
+    """Largest peak RSS of any finished child process so far (``getrusage(RUSAGE_CHILDREN)``:
+    the model builder runs as one), in MiB."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return ru / (1024 * 1024) if sys.platform == "darwin" else ru / 1024
 
 
@@ -96,6 +103,11 @@ class PhaseMeter:
     peak (``RssAnon``, sampled every 50 ms, so a shorter spike can be missed) is the
     memory the export itself needs.
 
+    A phase that runs a child process (the model builder) also records the child's peak
+    (``child_peak_rss_mib``, when it exceeds every earlier child's) and ``total_peak_mib`` =
+    the phase's own peak + the child's: an upper bound of what the machine held at once.
+    :meth:`summary` gives the largest ``total_peak_mib`` over the phases.
+
     Args:
         log: called with one line per finished phase (e.g. the export log), or None.
     """
@@ -107,6 +119,8 @@ class PhaseMeter:
         self.peak_mib = peak_rss_mib()
         self.peak_anon_mib = 0.0
         self._anon = _AnonSampler()
+        self.total_peak_mib = self.peak_mib
+        self._children = children_peak_rss_mib()
         self._name: str | None = None
         self._t0 = time.perf_counter()
         self._start = self._t0
@@ -122,23 +136,35 @@ class PhaseMeter:
             if anon is not None:
                 self.peak_anon_mib = max(self.peak_anon_mib, anon)
                 rec["peak_anon_mib"] = round(anon, 1)
+            children = children_peak_rss_mib()
+            total = peak
+            if children > self._children:
+                rec["child_peak_rss_mib"] = round(children, 1)
+                total = peak + children
+                self._children = children
+            rec["total_peak_mib"] = round(total, 1)
+            self.total_peak_mib = max(self.total_peak_mib, total)
             self.phases[self._name] = rec
             if self.log is not None:
                 extra = f", anonymous {anon:,.0f} MiB" if anon is not None else ""
+                if "child_peak_rss_mib" in rec:
+                    extra += f", child process {children:,.0f} MiB"
                 self.log(f"  [{self._name}: {now - self._t0:.1f} s, peak RSS {peak:,.0f} MiB{extra}]")
             if self.resettable:
                 reset_peak()
         self._name, self._t0 = name, now
 
     def summary(self) -> dict:
-        """``{"peak_rss_mib", "peak_anon_mib", "seconds", "phases", "per_phase_peaks"}``: the
-        largest peak RSS and sampled anonymous peak (MiB) over the phases, total seconds,
+        """``{"peak_rss_mib", "total_peak_mib", "peak_anon_mib", "seconds", "phases",
+        "per_phase_peaks"}``: the largest peak RSS of this process, the largest phase total
+        with its child process, and the sampled anonymous peak (MiB) over the phases, total seconds,
         the phases, and whether the peaks are per phase (Linux) or process-lifetime peaks.
         Stops the sampler."""
         self.phase(None)
         self._anon.stop()
         return {
             "peak_rss_mib": round(self.peak_mib, 1),
+            "total_peak_mib": round(self.total_peak_mib, 1),
             "peak_anon_mib": round(self.peak_anon_mib, 1) if self._anon.active else None,
             "seconds": round(time.perf_counter() - self._start, 1),
             "phases": self.phases,

@@ -20,13 +20,15 @@ pass of the full target over the pending token in every strategy.
 
 Exactness by construction (``Plan.min_q``): a kernel may round a 1-row call differently
 from a wider one (onnxruntime's GEMV path vs its GEMM path, measured per engine at export:
-``ModelEntry.exact_min_q``, :mod:`specrt.runtime.lab.exactness`), while every call at least
-``min_q`` wide gives bit-identical rows whatever its width and offset. So the loop never
+``ModelEntry.exact_min_q``, :mod:`specrt.runtime.lab.exactness`), while every call from
+``min_q`` to ``k_max + 1`` wide (every width the export measures) gives bit-identical rows
+whatever its width and offset. So the loop never
 calls the target narrower than ``min_q``: a call that would be narrower starts earlier and
 recomputes the committed tokens before it (their KV rows are rewritten with the same bits;
 :func:`call_start`), e.g. a target-only step runs ``[previous, pending]`` at ``start - 1``
 and reads row 1; the prefill never ends in a chunk narrower than ``min_q``
-(:func:`chunk_bounds`), and a prompt shorter than ``min_q`` leaves its rows to be recomputed
+or wider than ``tail_q`` (the widest measured width, so the rows a round recomputes come
+from a measured width; :func:`chunk_bounds`), and a prompt shorter than ``min_q`` leaves its rows to be recomputed
 by the first round. Every logits row and every KV row the target produces is then the same
 in speculative and target-only decoding, so the greedy outputs are equal bit for bit.
 
@@ -88,23 +90,28 @@ class Plan:
 
     Attributes:
         k_max, threshold, speculative, strategy, chunk_bound: as GenerationConfig.
-        budget: max_new_tokens. eos: EOS id. max_ctx: the engines' context.
+        budget: max_new_tokens. eos: the end-of-generation ids (a frozenset: the
+            manifest's :meth:`~specrt.runtime.manifest.Manifest.stop_ids`). max_ctx: the engines' context.
         observe: also record the draft's top-1 of the pending token (``Round.pre``) and,
             after the last round, of the committed tokens the draft has not seen
             (``Round.tail``), for replayable traces; greedy only; costs one extra draft
             call per generation and a softmax per fed row.
+        min_q: the narrowest target call (exactness by construction, module docstring).
+        tail_q: the widest last prefill chunk (0: no limit): the widest call width the
+            export measured bit-identical, ``k_max + 1`` of the engine (:func:`chunk_bounds`).
     """
 
     k_max: int
     threshold: float
     budget: int
-    eos: int
+    eos: frozenset
     max_ctx: int
     speculative: bool = True
     strategy: str = "full"
     chunk_bound: float = 0.5
     observe: bool = False
     min_q: int = 1
+    tail_q: int = 0
 
 
 @dataclass
@@ -150,15 +157,28 @@ class Round:
     tail: tuple | None = None
 
 
-def chunk_bounds(n: int, step: int, min_q: int = 1) -> list[tuple[int, int]]:
-    """``[lo, hi)`` chunks of at most ``step`` tokens covering ``0..n`` in order, the last one
-    at least ``min_q`` wide whenever ``n >= min_q`` (the one before it gives up tokens).
+def chunk_bounds(n: int, step: int, min_q: int = 1, tail_q: int = 0) -> list[tuple[int, int]]:
+    """``[lo, hi)`` chunks of at most ``step`` tokens covering ``0..n`` in order, each at
+    least ``min_q`` wide whenever ``n >= min_q`` (a chunk before a short one gives up tokens),
+    and, with ``tail_q``, the last one at most ``tail_q`` wide when ``n >= 2 * min_q``.
+
+    Why the tail: the decode loop may recompute the last ``min_q - 1`` prompt rows at a
+    narrow width (:func:`call_start`), and onnxruntime's kernels are bit-identical across
+    widths only within the widths the export measured (``q = min_q .. k_max + 1``): a wide
+    call such as 129 rows splits into 128 + 1 inside the GEMM and rounds its last row like
+    a 1-row call. A tail of at most ``tail_q`` rows makes every recomputed row come from a
+    measured width, so speculative and target-only decoding hold the same KV bits.
 
     Raises:
-        ValueError: ``step < min_q`` (no chunking can satisfy both).
+        ValueError: ``step < min_q``, or ``0 < tail_q < min_q`` (no chunking can satisfy both).
     """
     if step < min_q:
         raise ValueError(f"chunk step {step} < min_q {min_q}")
+    if 0 < tail_q < min_q:
+        raise ValueError(f"tail width {tail_q} < min_q {min_q}")
+    if tail_q and n > tail_q and n >= 2 * min_q:
+        tail = min(tail_q, step, n - min_q)  # the rows before the tail must fill a chunk >= min_q
+        return chunk_bounds(n - tail, step, min_q) + [(n - tail, n)]
     out, i = [], 0
     while i < n:
         w = min(step, n - i)
@@ -170,11 +190,12 @@ def chunk_bounds(n: int, step: int, min_q: int = 1) -> list[tuple[int, int]]:
     return out
 
 
-def feed(model: Model, tokens: Sequence[int], start: int, min_q: int = 1) -> np.ndarray:
+def feed(model: Model, tokens: Sequence[int], start: int, min_q: int = 1, tail_q: int = 0) -> np.ndarray:
     """Run ``tokens`` from KV length ``start`` in chunks of at most ``model.max_q``
-    (:func:`chunk_bounds`: the last chunk at least ``min_q`` wide when possible); returns the
-    logits rows of the last chunk (float32 ``[q_last, vocab]``, a view valid until the next call)."""
-    for lo, hi in chunk_bounds(len(tokens), model.max_q, min_q):
+    (:func:`chunk_bounds`: every chunk at least ``min_q`` wide when possible, the last at most
+    ``tail_q``); returns the logits rows of the last chunk (float32 ``[q_last, vocab]``, a
+    view valid until the next call)."""
+    for lo, hi in chunk_bounds(len(tokens), model.max_q, min_q, tail_q):
         rows = model.run(tokens[lo:hi], start + lo)
     return rows
 
@@ -329,14 +350,14 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     seq = list(prompt)
     n_prompt = len(seq)
     t0 = time.perf_counter()
-    chunks = chunk_bounds(n_prompt, target.max_q, plan.min_q)
-    first = acc.bonus(0, feed(target, seq, 0, plan.min_q)[-1])
+    chunks = chunk_bounds(n_prompt, target.max_q, plan.min_q, plan.tail_q)
+    first = acc.bonus(0, feed(target, seq, 0, plan.min_q, plan.tail_q)[-1])
     seq.append(first)
     lo, hi = chunks[-1]
     # a prompt shorter than min_q was run narrower: the first round recomputes its rows
     kv = KVLengths(target=n_prompt if hi - lo >= plan.min_q else lo)
     calls = [(hi - lo, lo, hi - lo) for lo, hi in chunks]
-    finish = "stop" if first == plan.eos else _length_finish(seq, n_prompt, plan)
+    finish = "stop" if first in plan.eos else _length_finish(seq, n_prompt, plan)
     rec = Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - t0, calls=calls)
     while True:
         if rec.finish is not None and plan.observe and acc.greedy:

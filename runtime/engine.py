@@ -370,7 +370,19 @@ class Engine:
     def plan(self, cfg: GenerationConfig, observe: bool = False) -> Plan:
         """The decode loop's :class:`~specrt.runtime.decode.Plan` for resolved settings ``cfg``."""
         m = self.manifest
-        return Plan(cfg.k_max, cfg.threshold, cfg.max_new_tokens, m.eos_token_id, m.max_ctx, cfg.speculative, cfg.strategy, cfg.chunk_bound, observe, m.min_q())
+        return Plan(
+            cfg.k_max,
+            cfg.threshold,
+            cfg.max_new_tokens,
+            m.stop_ids(),
+            m.max_ctx,
+            cfg.speculative,
+            cfg.strategy,
+            cfg.chunk_bound,
+            observe,
+            m.min_q(),
+            m.k_max + 1,
+        )
 
     def _locked(self):
         """This Engine's lock as a context manager, refusing (instead of deadlocking) a

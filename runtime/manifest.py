@@ -235,6 +235,14 @@ class Manifest:
     chat_template_file: str | None = None  # the target's chat template copied at export (None: it had none)
     chat_template_sha256: str | None = None  # its SHA-256, checked at load like the other files
     precision: str = "fp32"  # specrt export --precision (per model: ModelEntry.precision)
+    # every id generation ends on (the checkpoint's generation_config / GGUF end-of-generation
+    # ids; eos_token_id among them); empty in engines exported before it: eos_token_id alone
+    eos_token_ids: tuple[int, ...] = ()
+
+    def stop_ids(self) -> frozenset:
+        """The ids that end a generation (draft, target and baseline alike):
+        ``eos_token_ids`` and ``eos_token_id``."""
+        return frozenset((self.eos_token_id, *self.eos_token_ids))
 
     def min_q(self) -> int:
         """Narrowest target call the decode loop may make: the target's measured
@@ -433,7 +441,8 @@ def validate_manifest(raw: dict, folder: str | Path) -> Manifest:
       (:meth:`ModelEntry.io_names`); ``graph``, ``precision`` known; ``exact_min_q`` null or
       1..k_max+1;
     * ``vocab_size`` (the tokenizer's) 1..each model's logits width, equal tokenizer
-      vocab hashes; ``eos_token_id``, ``bos_token_id`` in 0..vocab_size-1, ``pad_token_id``
+      vocab hashes; ``eos_token_id``, every ``eos_token_ids`` entry, ``bos_token_id`` in
+      0..vocab_size-1, ``pad_token_id``
       below the target's logits width;
     * ``max_ctx`` >= 2; ``1 <= k_min <= k_max <= min(64, max_ctx - 1)``;
     * ``defaults`` an object (its values are checked, one line naming the key, when a
@@ -531,6 +540,9 @@ def validate_manifest(raw: dict, folder: str | Path) -> Manifest:
         v = getattr(m, name)
         if v is not None and not 0 <= v < m.vocab_size:
             raise bad(name, v, f"a token id in 0..{m.vocab_size - 1}" + (" or null" if name == "bos_token_id" else ""))
+    for i, v in enumerate(m.eos_token_ids):
+        if not 0 <= v < m.vocab_size:
+            raise bad(f"eos_token_ids[{i}]", v, f"a token id in 0..{m.vocab_size - 1}")
     if m.pad_token_id is not None and not 0 <= m.pad_token_id < m.target.vocab_size:
         raise bad("pad_token_id", m.pad_token_id, f"a token id in 0..{m.target.vocab_size - 1} or null")
     if m.max_ctx < 2:

@@ -19,7 +19,7 @@ The greedy acceptor (:class:`GreedyAcceptor`) lives here; the sampled one in
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Container, Iterable, Sequence
 
 import numpy as np
 
@@ -121,7 +121,9 @@ def draft_limit(k_max: int, remaining: int, seq_len: int, max_ctx: int) -> int:
     return max(0, min(k_max, remaining - 1, max_ctx - seq_len - 1))
 
 
-def propose(steps: Iterable[tuple[int, float]], n_max: int, threshold: float, eos: int, propose_below: bool = False) -> tuple[list[int], list[float]]:
+def propose(
+    steps: Iterable[tuple[int, float]], n_max: int, threshold: float, eos: Container[int], propose_below: bool = False
+) -> tuple[list[int], list[float]]:
     """Confidence-threshold drafting: the candidates of one round from the draft's steps.
 
     Pulls ``(token, confidence)`` steps one at a time (the decode loop's iterator runs one
@@ -135,13 +137,13 @@ def propose(steps: Iterable[tuple[int, float]], n_max: int, threshold: float, eo
       follow q restricted to {q >= threshold}, not q, and the ratio p/q would then bias the
       output; stopping after x only shortens the round, a decision from the draft's own
       information, so the output stays exactly p);
-    * at ``n_max`` candidates, or after proposing ``eos``.
+    * at ``n_max`` candidates, or after proposing an end-of-generation id (``eos``).
 
     Args:
         steps: iterable of (token id, confidence in [0, 1]).
         n_max: most candidates (:func:`draft_limit`); 0 proposes nothing and pulls no step.
         threshold: in [0, 1]; 0 = fixed ``n_max``.
-        eos: the EOS id.
+        eos: the end-of-generation ids (a set: every id the checkpoint ends on).
         propose_below: the sampling rule (above).
 
     Returns:
@@ -160,22 +162,26 @@ def propose(steps: Iterable[tuple[int, float]], n_max: int, threshold: float, eo
             break
         cands.append(tok)
         confs.append(conf)
-        if below or len(cands) == n_max or tok == eos:
+        if below or len(cands) == n_max or tok in eos:
             break
     return cands, confs
 
 
-def commit(candidates: Sequence[int], n_accepted: int, token: int, eos: int) -> tuple[list[int], bool]:
+def commit(candidates: Sequence[int], n_accepted: int, token: int, eos: Container[int]) -> tuple[list[int], bool]:
     """Tokens one round commits: the accepted candidates, then the target's token
-    (correction or bonus), cut after the first EOS.
+    (correction or bonus), cut after the first end-of-generation id.
+
+    Args:
+        eos: the end-of-generation ids (a set).
 
     Returns:
-        ``(tokens, ended)``: ``ended`` is True when EOS is among them.
+        ``(tokens, ended)``: ``ended`` is True when an end-of-generation id is among them.
     """
     new = list(candidates[:n_accepted])
     new.append(token)
-    if eos in new:
-        return new[: new.index(eos) + 1], True
+    for i, t in enumerate(new):
+        if t in eos:
+            return new[: i + 1], True
     return new, False
 
 

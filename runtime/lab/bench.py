@@ -167,7 +167,7 @@ def divergences(engine: Engine, ids_all: list[list[int]], base: dict[int, list[i
         margin = None
         if len(prefix) < m.max_ctx:
             with engine._lock:  # the target's KV buffers; no generation runs meanwhile
-                margin = top2_margin(feed(engine.target, prefix, 0, m.min_q())[-1], m.vocab_size)
+                margin = top2_margin(feed(engine.target, prefix, 0, m.min_q(), m.k_max + 1)[-1], m.vocab_size)
         out.append(
             dict(
                 prompt=i,

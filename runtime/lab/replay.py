@@ -32,7 +32,7 @@ class PositionView:
         prompt_tokens: prompt length (tokens).
         max_new_tokens: the budget the output was generated with.
         max_ctx: the engines' context.
-        eos: EOS id.
+        eos: the end-of-generation ids.
         out: int64 ``[N]`` the committed output (the target's greedy output).
         on_tok: int64 ``[N]`` the draft's top-1 at position j given the true prefix
             (prompt + out[:j]); -1 where the trace has no such observation.
@@ -50,7 +50,7 @@ class PositionView:
     prompt_tokens: int
     max_new_tokens: int
     max_ctx: int
-    eos: int
+    eos: frozenset
     out: np.ndarray
     on_tok: np.ndarray
     on_conf: np.ndarray
@@ -65,7 +65,7 @@ class PositionView:
         return float((inner >= 0).mean()) if inner.size else 1.0
 
 
-def position_views(trace: Trace, max_ctx: int | None = None, eos: int | None = None) -> list[PositionView]:
+def position_views(trace: Trace, max_ctx: int | None = None, eos: Iterable[int] | None = None) -> list[PositionView]:
     """Position-indexed views of a trace's greedy speculative generations.
 
     Generations of the same prompt (``prompt_sha1``, ``prompt_tokens``) and budget are merged
@@ -79,7 +79,8 @@ def position_views(trace: Trace, max_ctx: int | None = None, eos: int | None = N
 
     Args:
         trace: from :func:`load_trace`.
-        max_ctx, eos: override the header's.
+        max_ctx, eos: override the header's (eos: the end-of-generation ids; a trace
+            without ``eos_token_ids`` has its ``eos_token_id`` alone).
 
     Returns:
         list of :class:`PositionView` (order of first appearance).
@@ -90,7 +91,7 @@ def position_views(trace: Trace, max_ctx: int | None = None, eos: int | None = N
     """
     man = trace.header["manifest"]
     max_ctx = max_ctx if max_ctx is not None else int(man["max_ctx"])
-    eos = eos if eos is not None else int(man["eos_token_id"])
+    eos = frozenset(eos if eos is not None else man.get("eos_token_ids") or [man["eos_token_id"]])
     groups: dict[tuple, list[TraceGen]] = {}
     for g in trace.gens:
         if g.greedy_speculative and g.rounds:
@@ -293,7 +294,7 @@ def replay(views: Iterable[PositionView], k_max: int, threshold: float, costs: C
         seconds += v.prefill_s
         base_seconds += v.prefill_s + (n_out - 1) * costs.target(1) if costs is not None and n_out > 1 else v.prefill_s
         c = 1
-        done = out[0] == v.eos or v.max_new_tokens <= 1 or n_prompt + 1 >= v.max_ctx or n_out <= 1
+        done = int(out[0]) in v.eos or v.max_new_tokens <= 1 or n_prompt + 1 >= v.max_ctx or n_out <= 1
         while not done:
             n_max = draft_limit(k_max, v.max_new_tokens - c, n_prompt + c, v.max_ctx)
             pulled: list = []
@@ -309,7 +310,7 @@ def replay(views: Iterable[PositionView], k_max: int, threshold: float, costs: C
                 seconds += len(pulled) * costs.draft_s_per_call + costs.target(len(cands) + 1)
             new = out[c : c + m + 1]
             c += m + 1
-            done = bool((new == v.eos).any()) or c >= v.max_new_tokens or n_prompt + c >= v.max_ctx or c >= n_out
+            done = any(int(t) in v.eos for t in new) or c >= v.max_new_tokens or n_prompt + c >= v.max_ctx or c >= n_out
     if costs is not None:
         res.seconds, res.baseline_seconds = seconds, base_seconds
     return res

@@ -147,6 +147,7 @@ def manifest_identity(manifest) -> dict:
         pair_sha256=pair,
         vocab_size=manifest.vocab_size,
         eos_token_id=manifest.eos_token_id,
+        eos_token_ids=sorted(manifest.stop_ids()),
         k_min=manifest.k_min,
         k_max=manifest.k_max,
         max_ctx=manifest.max_ctx,

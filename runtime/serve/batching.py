@@ -464,12 +464,12 @@ class BatchPool:
         self._rows.append(row)
         try:
             plan, target = row.plan, self.batched.slots[slot]
-            chunks = chunk_bounds(row.n_prompt, target.max_q, plan.min_q)
-            first = row.acc.bonus(0, feed(target, row.seq, 0, plan.min_q)[-1])
+            chunks = chunk_bounds(row.n_prompt, target.max_q, plan.min_q, plan.tail_q)
+            first = row.acc.bonus(0, feed(target, row.seq, 0, plan.min_q, plan.tail_q)[-1])
             lo, hi = chunks[-1]
             row.kv.target = row.n_prompt if hi - lo >= plan.min_q else lo
             row.seq.append(first)
-            finish = "stop" if first == plan.eos else self._length(row)
+            finish = "stop" if first in plan.eos else self._length(row)
             calls = [(hi - lo, lo, hi - lo) for lo, hi in chunks]
             self._push(row, Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - row.t0, calls=calls))
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
@@ -515,7 +515,7 @@ class BatchPool:
                 pos = len(r.seq) - r.n_prompt
                 r.seq.append(tok)
                 r.kv.target += 1
-                finish = "stop" if tok == r.plan.eos else self._length(r)
+                finish = "stop" if tok in r.plan.eos else self._length(r)
                 self._push(r, Round(pos, [], 0, 0, [tok], finish, target_s=dt / n, calls=[(1, r.kv.target - 1, 1)]))
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e)

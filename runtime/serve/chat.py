@@ -83,12 +83,18 @@ class ChatTemplate:
         self.source, self.origin = source, origin
         self.special_tokens = dict(special_tokens or {})
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
         """The prompt text of a conversation.
 
         Args:
             messages: ``[{"role": ..., "content": str, ...}, ...]`` (see :func:`normalize_messages`).
             add_generation_prompt: append the template's opening of an assistant turn.
+            continue_final_message: leave the last message open, so the model continues it
+                (an assistant prefill), as transformers' ``apply_chat_template(...,
+                continue_final_message=True)``: the conversation is rendered without a
+                generation prompt and cut right after the last message's content (its
+                end-of-turn tokens dropped; when the template trims the content's trailing
+                whitespace, after the trimmed content).
 
         Returns:
             the rendered text (to be tokenized without adding BOS).
@@ -96,14 +102,47 @@ class ChatTemplate:
         Raises:
             InputError: (param ``messages``) the template refused the conversation
                 (``raise_exception``, a sandbox violation, or any other template error);
-                the message carries the template's own text.
+                the message carries the template's own text. (param
+                ``continue_final_message``) both flags set, or the last message's content
+                is not found in the rendered text.
         """
+        if continue_final_message and add_generation_prompt:
+            raise InputError(
+                "continue_final_message and add_generation_prompt cannot both be true: a continued message is the "
+                "generation's start (send add_generation_prompt: false)",
+                "continue_final_message",
+            )
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self.special_tokens
             )
         except self._errors as e:
             raise InputError(f"messages: the chat template refused the conversation: {e}", "messages") from None
+        if not continue_final_message:
+            return text
+        return _cut_after_final_message(text, messages[-1].get("content", "") if messages else "")
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """``text`` cut right after the last occurrence of the final message's content
+    (transformers' ``continue_final_message`` rule in ``apply_chat_template``).
+
+    Raises:
+        InputError: (param ``continue_final_message``) the content is empty or not in ``text``.
+    """
+    if not final.strip():
+        raise InputError("continue_final_message: the last message has no content to continue", "continue_final_message")
+    stripped = final.strip()
+    if stripped not in text:
+        raise InputError(
+            "continue_final_message: the last message's content does not appear in the rendered conversation "
+            "(the chat template rewrites it); send it without continue_final_message",
+            "continue_final_message",
+        )
+    at = text.rindex(stripped)
+    if text[at : at + len(final.lstrip())] == final.lstrip():
+        return text[: at + len(final.lstrip())]  # the template kept the content's trailing whitespace
+    return text[: at + len(stripped)]
 
 
 def load_chat_template(path: str | Path, special_tokens: dict[str, str] | None = None) -> ChatTemplate:

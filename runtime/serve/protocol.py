@@ -175,6 +175,10 @@ def chat_request_model():
         """Body of ``POST /v1/chat/completions``."""
 
         messages: list[Message] = Field(min_length=1, description="the conversation, rendered with the model's chat template")
+        add_generation_prompt: Optional[StrictBool] = Field(None, description="open an assistant turn after the messages (default true; vLLM/SGLang's field)")
+        continue_final_message: Optional[StrictBool] = Field(
+            None, description="continue the last message instead of opening a new turn (an assistant prefill; needs add_generation_prompt=false)"
+        )
         max_tokens: Optional[StrictInt] = Field(None, ge=1, description="deprecated OpenAI name of max_completion_tokens")
         max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, description="default: the rest of the context")
         logprobs: Optional[StrictBool] = Field(None, description="log-probabilities of the output tokens (target's raw distribution)")

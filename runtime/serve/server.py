@@ -552,7 +552,11 @@ class CompletionService:
         n = req.n or 1
         self._check_total(n, "n")
         try:
-            text = self.chat_template.render(normalize_messages([m.model_dump(exclude_none=True) for m in req.messages]), add_generation_prompt=True)
+            text = self.chat_template.render(
+                normalize_messages([m.model_dump(exclude_none=True) for m in req.messages]),
+                add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
+                continue_final_message=bool(req.continue_final_message),
+            )
         except InputError as e:
             raise _request_error(e) from None
         if len(text) > self.prompt_char_limit:
@@ -651,13 +655,18 @@ class CompletionService:
 
     def chat_logprobs(self, entries: Sequence, top_n: int) -> dict:
         """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes,
-        top_logprobs: [{token, logprob, bytes}, ...]}], "refusal": null}``."""
+        top_logprobs: [{token, logprob, bytes}, ...]}], "refusal": null}``, one entry per
+        token of the message's content: the end-of-generation token that ended it (e.g.
+        ``<|im_end|>``) is not listed, as OpenAI lists none (``usage.completion_tokens``
+        still counts it: it was generated, as vLLM counts it)."""
         codec = self.engine.codec
+        stop = self.engine.manifest.stop_ids()
 
         def one(t, lp):
             return {"token": codec.token_text(t), "logprob": _lp(lp), "bytes": list(codec.token_bytes(t))}
 
-        return {"content": [dict(one(e.token, e.logprob), top_logprobs=[one(t, v) for t, v in e.top[:top_n]]) for e in entries], "refusal": None}
+        content = [dict(one(e.token, e.logprob), top_logprobs=[one(t, v) for t, v in e.top[:top_n]]) for e in entries if e.token not in stop]
+        return {"content": content, "refusal": None}
 
     def response_body(self, work: Work, cid: str, created: int, results: list, jobs: list[Job]) -> dict:
         """The non-streaming ``text_completion`` / ``chat.completion`` object (runs off the
