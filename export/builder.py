@@ -75,12 +75,18 @@ class QuantOptions:
             4 int8 activations (the fast CPU path).
         head_bits: the LM head's bits, 4 or 8 (None: 8 for an int4 model with tied
             embeddings, else the body's).
+        gguf_exact: for a checkpoint converted from GGUF, take every linear layer whose
+            GGUF type maps onto MatMulNBits exactly from the file's own blocks (no second
+            quantization; :mod:`specrt.export.gguf_blocks`), the others quantized as
+            usual. A layer then keeps the GGUF's bits (``Q6_K``/``Q5_0``/``Q8_0`` are
+            8-bit), whatever ``precision`` says.
     """
 
     precision: str
     block_size: int = 32
     accuracy_level: int = 4
     head_bits: int | None = None
+    gguf_exact: bool = False
 
     def __post_init__(self):
         if self.precision not in BUILDER_PRECISIONS:
@@ -156,8 +162,9 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     cfg = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     if not builder_supports(cfg.model_type):
         raise UnsupportedModelError(f"{model_dir}: model_type {cfg.model_type!r} is not covered by onnxruntime-genai's model builder")
+    from .gguf_import import STAMP, GgufBlocks
     from .onnx_export import trim_heap
-    from .prequantize import prequantize, quantize_embedding
+    from .prequantize import MINS_FILE, add_min_corrections, prequantize, quantize_embedding
 
     def phase(name):
         if meter is not None:
@@ -171,12 +178,13 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
     phase(f"prequantize ({opts.precision})")
-    source = prequantize(model_dir, cache / f"{role}.prequantized", opts.bits, opts.block_size, head_bits, log=log)
+    exact = GgufBlocks(model_dir) if opts.gguf_exact and (Path(model_dir) / STAMP).is_file() else None
+    source = prequantize(model_dir, cache / f"{role}.prequantized", opts.bits, opts.block_size, head_bits, exact=exact, log=log)
+    del exact
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(tmp), "-p", opts.precision, "-e", "cpu", "-c", str(cache)]
     cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra.items())]
     phase("onnxruntime-genai model builder (child process)")
     p = subprocess.run(cmd, capture_output=True, text=True)
-    shutil.rmtree(source, ignore_errors=True)
     if p.returncode != 0 or not (tmp / "model.onnx").is_file():
         tail = " | ".join([ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip() and "Saving " not in ln][-5:])
         raise ExportError(f"onnxruntime-genai model builder failed for {model_dir} ({opts.precision}, exit {p.returncode}): {tail[-800:]}")
@@ -188,6 +196,11 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     shutil.move(str(tmp / "model.onnx"), graph)
     shutil.move(str(tmp / "model.onnx.data"), data)
     _rename_external_data(graph, data.name)
+    corrected = 0
+    if (source / MINS_FILE).is_file():
+        phase("offset corrections")
+        corrected = add_min_corrections(graph, source / MINS_FILE, log)
+    shutil.rmtree(source, ignore_errors=True)
     phase("embedding table")
     embedding = "int4" if opts.precision == "int4" and quantize_embedding(graph, opts.block_size, log) else "float32"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -224,6 +237,8 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
             extra_options=extra,
             head_bits=head_bits,
             embedding=embedding,
+            gguf_exact=bool(opts.gguf_exact),
+            offset_corrected_layers=corrected,
             prequantized="onnxruntime MLAS quantize_matmul_nbits, symmetric, per tensor (specrt.export.prequantize)",
             context_length=int(gcfg.get("context_length", 0)),
         ),

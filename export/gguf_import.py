@@ -20,10 +20,12 @@ maintained libraries, never by a parser of our own:
   text marks an end of turn), written to ``generation_config.json`` as ``eos_token_id``
   (a list, as Qwen's own generation_config has it) so the export records them all.
 
-The folder's weights are float16 by default (half the bytes of float32; every GGUF block
-type used for LLM weights dequantizes to values whose float16 rounding is below 2^-11
-relative, far under the int4 re-quantization that follows); ``dtype="float32"`` keeps the
-dequantized values exactly. A folder is reused while the GGUF file's size, mtime and the
+The folder's weights are float32 by default: the dequantized values exactly, and a folder
+PyTorch memory-maps without a copy when the export loads it in float32 for its parity check
+and quality reference (a float16 folder loaded as float32 peaked at 10.5 GB RSS for
+Qwen2.5-1.5B, the float32 one at the size of the file pages it touches; docs/REAL_PAIR.md).
+``dtype="float16"`` halves the disk (float16 rounds the values by < 2^-11 relative).
+A folder is reused while the GGUF file's size, mtime and the
 conversion settings are unchanged (``specrt_gguf.json`` records them and the file's SHA-256).
 """
 
@@ -201,7 +203,7 @@ def default_cache(gguf_path: str | Path) -> Path:
     return p.with_name(p.name + ".hf")
 
 
-def checkpoint_folder(path: str | Path, role: str, cache: str | Path | None = None, dtype: str = "float16", log=print) -> tuple[Path, dict | None]:
+def checkpoint_folder(path: str | Path, role: str, cache: str | Path | None = None, dtype: str = "float32", log=print) -> tuple[Path, dict | None]:
     """The Hugging Face folder an export reads for ``--draft``/``--target``.
 
     A folder is returned as it is (no record); a GGUF file is converted (cached,
@@ -259,14 +261,14 @@ def _cached(out: Path, want: dict) -> bool:
     return {k: have.get(k) for k in want} == want
 
 
-def import_gguf(path: str | Path, out: str | Path | None = None, dtype: str = "float16", log=print) -> Path:
+def import_gguf(path: str | Path, out: str | Path | None = None, dtype: str = "float32", log=print) -> Path:
     """Convert a GGUF checkpoint into a Hugging Face folder (see the module docstring).
 
     Args:
         path: the ``.gguf`` file (one file; split GGUFs are not supported).
         out: the folder to write (default :func:`default_cache`); reused when its
             ``specrt_gguf.json`` matches the file (size, mtime) and these settings.
-        dtype: ``float16`` (default), ``bfloat16`` or ``float32`` for the weights.
+        dtype: ``float32`` (default), ``float16`` or ``bfloat16`` for the weights.
         log: progress sink.
 
     Returns:
@@ -377,3 +379,68 @@ def _write_weights(src: Path, config, out: Path, dtype: str, log) -> int:
     if missing:
         raise ExportError(f"{src}: no tensor for {len(missing)} parameter(s) of the {config.model_type} model (e.g. {', '.join(missing[:3])})")
     return writer.close()
+
+
+class GgufBlocks:
+    """The exact MatMulNBits terms of a converted folder's linear layers, read from its GGUF
+    file (:func:`specrt.export.gguf_blocks.unpack`), by Hugging Face weight name.
+
+    Rows are reordered as transformers' conversion reorders them (Llama's q/k projections
+    are stored permuted for llama.cpp's rotary layout; the architecture's
+    ``TensorProcessor`` undoes it, and the same permutation is applied to the blocks' rows).
+
+    Args:
+        folder: a folder written by :func:`import_gguf` (its ``specrt_gguf.json`` names the
+            source file, which must still be unchanged: same size and SHA-256).
+
+    Calling it with a weight name (``model.layers.0.self_attn.q_proj.weight``,
+    ``lm_head.weight``; the embedding table for a tied head) returns the
+    :class:`~specrt.export.gguf_blocks.Blocks`, or None when the tensor's type has no exact
+    form (it is then quantized as usual).
+
+    Raises:
+        ExportError: the source file is missing or changed since the conversion.
+    """
+
+    def __init__(self, folder: str | Path):
+        import numpy as np
+        import torch
+        from gguf import GGUFReader
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+        rec = json.loads((Path(folder) / STAMP).read_text())
+        src = Path(rec["source"])
+        if not src.is_file() or src.stat().st_size != rec["bytes"] or _sha256(src) != rec["sha256"]:
+            raise ExportError(f"{src}: the GGUF file {folder} was converted from is missing or changed; convert it again")
+        self.reader = GGUFReader(str(src))
+        arch = str(self.reader.fields["general.architecture"].contents())
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        self._processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+        to_hf = get_gguf_hf_weights_map(skeleton, self._processor)
+        self._by_hf = {hf: name for name, hf in to_hf.items()}
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        self._np = np
+
+    def _row_order(self, gguf_name: str, rows: int):
+        """The row permutation transformers' processor applies to this tensor (None: none)."""
+        probe = self._np.arange(rows, dtype=self._np.float32)[:, None]
+        res = self._processor.process(weights=probe, name=gguf_name, tensor_key_mapping={}, parsed_parameters={"config": {}, "tensors": {}})
+        order = self._np.asarray(res.weights)[:, 0].astype(self._np.int64)
+        return None if (order == self._np.arange(rows)).all() else order
+
+    def __call__(self, hf_name: str):
+        from .gguf_blocks import EXACT_TYPES, Blocks, unpack
+
+        t = self._tensors.get(self._by_hf.get(hf_name, ""))
+        if t is None and hf_name == "lm_head.weight":  # a tied head reads the embedding table
+            t = self._tensors.get(self._by_hf.get("model.embed_tokens.weight", ""))
+        if t is None or t.tensor_type.name not in EXACT_TYPES:
+            return None
+        b = unpack(t)
+        order = self._row_order(t.name, b.q.shape[0])
+        if order is not None:
+            b = Blocks(b.q[order], b.scales[order], b.zeros[order], None if b.mins is None else b.mins[order], b.bits, b.group)
+        return b

@@ -277,6 +277,7 @@ def export_pair(
     external_data: bool | None = None,
     gguf_cache: str | Path | None = None,
     draft_precision: str | None = None,
+    gguf_weights: str = "exact",
 ) -> Manifest:
     """Check the pair, export both models, check parity, measure the target's width
     exactness, and write the manifest.
@@ -328,6 +329,12 @@ def export_pair(
             (protobuf cannot hold a graph over 2 GB); False: inline where torch allows.
             (Builder graphs always keep their weights in ``<role>.onnx.data``.)
         gguf_cache: where GGUF inputs are converted (None: beside each file).
+        gguf_weights: ``exact`` (default): an integer target converted from GGUF takes every
+            linear layer whose block type maps onto MatMulNBits from the file's own blocks
+            (:mod:`specrt.export.gguf_blocks`; top-1 agreement with llama.cpp on the same
+            file 97.6% against 91.8% requantized, for an 18% slower step, docs/REAL_PAIR.md);
+            ``requantize``: every layer quantized again from the dequantized weights. The
+            draft is always requantized (its speed matters, its exactness does not).
         draft_precision: the draft's flavor when it differs from the target's (None: the
             same), e.g. an int4 draft for an fp32 target: with ``--draft`` and ``--target``
             the same checkpoint, the model's own int4 graph drafts for its exact one (a
@@ -380,6 +387,8 @@ def export_pair(
             quants[role] = q or QuantOptions(p)
     if quant is not None and not quants:
         raise ValueError(f"block size / accuracy level apply to int8/int4 exports, not {precision}")
+    if gguf_weights not in ("exact", "requantize"):
+        raise ValueError(f"gguf_weights={gguf_weights!r}; choose exact or requantize")
     meter = PhaseMeter(log)
     gguf: dict = {}
     paths = {}
@@ -390,6 +399,8 @@ def export_pair(
             meter.phase(f"{role}: GGUF -> Hugging Face folder")
             d, gguf[role] = checkpoint_folder(d, role, gguf_cache, log=log)
         paths[role] = d
+    if "target" in gguf and "target" in quants and gguf_weights == "exact":
+        quants["target"] = replace(quants["target"], gguf_exact=True)
     if gguf:
         from .onnx_export import trim_heap
 
@@ -443,12 +454,6 @@ def export_pair(
     for name, rec in files.items():
         if rec.external:
             log(f"  {name}: weights in {', '.join(rec.external)} ({sum(files[x].bytes for x in rec.external) / 2**30:.2f} GiB)")
-    usage = meter.summary()
-    anon = f", anonymous memory {usage['peak_anon_mib']:,.0f} MiB" if usage["peak_anon_mib"] is not None else ""
-    log(
-        f"export peak RSS {usage['peak_rss_mib']:,.0f} MiB{anon} ({'max over phases' if usage['per_phase_peaks'] else 'process peak'}; "
-        f"with the model builder's process {usage['total_peak_mib']:,.0f} MiB), {usage['seconds']:.0f} s"
-    )
     tools = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -458,7 +463,7 @@ def export_pair(
     }
     if any(e.graph == "builder" for e in entries.values()):
         tools["onnxruntime_genai"] = next(e.quant["version"] for e in entries.values() if e.graph == "builder")
-    extra: dict = {**({LAZY_HEAD_KEY: lazy} if lazy is not None else {}), "export": {"external_data": any(r.external for r in files.values()), **usage}}
+    extra: dict = {**({LAZY_HEAD_KEY: lazy} if lazy is not None else {})}
     if gguf:
         extra["gguf"] = gguf
     manifest = Manifest(
@@ -488,8 +493,16 @@ def export_pair(
     if quality is not None:
         from .quality import export_quality
 
+        meter.phase("target: quality record")
         rec = export_quality(manifest, out, target_dir, quality, log)
         manifest = replace(manifest, extra={**manifest.extra, "quality": rec})
+    usage = meter.summary()
+    anon = f", anonymous memory {usage['peak_anon_mib']:,.0f} MiB" if usage["peak_anon_mib"] is not None else ""
+    log(
+        f"export peak RSS {usage['peak_rss_mib']:,.0f} MiB{anon} ({'max over phases' if usage['per_phase_peaks'] else 'process peak'}; "
+        f"with the model builder's process {usage['total_peak_mib']:,.0f} MiB), {usage['seconds']:.0f} s"
+    )
+    manifest = replace(manifest, extra={**manifest.extra, "export": {"external_data": any(r.external for r in files.values()), **usage}})
     if tensorrt:
         from .trt_build import tensorrt_hook
 

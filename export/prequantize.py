@@ -36,7 +36,7 @@ import numpy as np
 
 from specrt.runtime.errors import ExportError
 
-__all__ = ["LINEAR_SUFFIXES", "prequantize", "quantize_block", "quantize_embedding"]
+__all__ = ["LINEAR_SUFFIXES", "MINS_FILE", "prequantize", "quantize_block", "quantize_embedding", "add_min_corrections"]
 
 # the decoder's linear layers (Llama/Mistral/Qwen2 names; fused Phi-3 names too)
 LINEAR_SUFFIXES = (
@@ -94,7 +94,50 @@ def _is_linear(name: str) -> bool:
     return name.endswith(LINEAR_SUFFIXES) and name.startswith("model.layers.")
 
 
-def prequantize(folder: str | Path, out: str | Path, bits: int, block_size: int, head_bits: int | None = None, *, symmetric: bool = True, log=print) -> Path:
+def _olive_tensors(b) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(qweight, scales, qzeros) of :class:`~specrt.export.gguf_blocks.Blocks` in the olive
+    layout the builder repacks (MatMulNBits' own: uint8 packed along the input dimension,
+    the lower index in the low nibble; zero points packed alike)."""
+    if b.bits == 4:
+        q = (b.q[:, 0::2] | (b.q[:, 1::2] << np.uint8(4))).astype(np.uint8)
+        z = b.zeros if b.zeros.shape[1] % 2 == 0 else np.pad(b.zeros, ((0, 0), (0, 1)))
+        z = (z[:, 0::2] | (z[:, 1::2] << np.uint8(4))).astype(np.uint8)
+    else:
+        q, z = b.q, b.zeros
+    return np.ascontiguousarray(q), np.ascontiguousarray(b.scales, dtype=np.float32), np.ascontiguousarray(z)
+
+
+def _fused_groups(names: list[str]) -> list[list[str]]:
+    """Linear weights grouped as the builder fuses them into one MatMulNBits node: a
+    layer's q/k/v projections (``attn/qkv_proj``), every other layer alone."""
+    groups, done, have = [], set(), set(names)
+    for n in names:
+        if n.endswith("self_attn.q_proj.weight"):
+            stem = n[: -len("q_proj.weight")]
+            trio = [stem + p + "_proj.weight" for p in "qkv"]
+            if have.issuperset(trio):
+                groups.append(trio)
+                done.update(trio)
+    return groups + [[n] for n in names if n not in done]
+
+
+# per linear layer, the 32-block offsets (exact GGUF terms); not .safetensors: the builder
+# reads every safetensors file of its input folder as weights
+MINS_FILE = "specrt_mins.npz"
+
+
+def prequantize(
+    folder: str | Path,
+    out: str | Path,
+    bits: int,
+    block_size: int,
+    head_bits: int | None = None,
+    *,
+    symmetric: bool = True,
+    layer_bits: dict[str, int] | None = None,
+    exact=None,
+    log=print,
+) -> Path:
     """Write the prequantized checkpoint of ``folder`` into ``out`` (see the module docstring).
 
     Args:
@@ -104,10 +147,19 @@ def prequantize(folder: str | Path, out: str | Path, bits: int, block_size: int,
         head_bits: the LM head's bits (None: ``bits``).
         symmetric: symmetric blocks (the builder's default; False: unsigned values with a
             zero point per block).
+        layer_bits: per linear layer (its weight's name without ``.weight``, e.g.
+            ``model.layers.3.mlp.down_proj``) bits other than ``bits``.
+        exact: None, or a callable ``weight name -> Blocks | None`` giving a layer's exact
+            MatMulNBits terms (:mod:`specrt.export.gguf_blocks`: a GGUF file's own blocks,
+            no second quantization); layers it answers None for are quantized as above.
+            A layer's 32-block offsets, when it has any, are written to :data:`MINS_FILE`
+            for :func:`add_min_corrections`. Fused layers (q/k/v) share the widest bits and
+            the narrowest group of their parts.
 
     Returns:
         ``out``: config.json with ``quantization_config`` (``quant_method`` ``olive``, bits,
-        group size, the head's override), safetensors shards, the tokenizer files.
+        group size, per-layer overrides), safetensors shards, the tokenizer files, and
+        :data:`MINS_FILE` when a layer has offsets.
 
     Raises:
         ExportError: no safetensors weights, a layer width the block size does not divide.
@@ -115,6 +167,7 @@ def prequantize(folder: str | Path, out: str | Path, bits: int, block_size: int,
     import torch
     from safetensors import safe_open
 
+    from .gguf_blocks import regroup
     from .shards import ShardWriter
 
     src, out = Path(folder), Path(out)
@@ -127,48 +180,169 @@ def prequantize(folder: str | Path, out: str | Path, bits: int, block_size: int,
     head_bits = head_bits or bits
     t0 = time.perf_counter()
     writer = ShardWriter(out)
-    quantized = 0
-    embed = None
+    layer_bits = dict(layer_bits or {})
+    overrides: dict[str, dict] = {"lm_head": {"bits": head_bits, "group_size": block_size}}
+    overrides.update({k: {"bits": b, "group_size": block_size} for k, b in layer_bits.items()})
+    mins: dict[str, np.ndarray] = {}
+    where: dict[str, Path] = {}  # linear weight name -> its file
+    counts = {"exact": 0, "quantized": 0}
 
-    def add_linear(name: str, w) -> None:
-        q, s, z = quantize_block(w.float().numpy(), head_bits if name == "lm_head.weight" else bits, block_size, symmetric)
-        base = name[: -len(".weight")]
+    def write(base: str, q, s, z) -> None:
         writer.add(base + ".qweight", torch.from_numpy(q))
         writer.add(base + ".scales", torch.from_numpy(s))
         writer.add(base + ".qzeros", torch.from_numpy(z))
 
+    def add_linear(name: str, w) -> None:
+        base = name[: -len(".weight")]
+        write(base, *quantize_block(w.float().numpy(), head_bits if name == "lm_head.weight" else layer_bits.get(base, bits), block_size, symmetric))
+        counts["quantized"] += 1
+
+    def tensor(name: str):
+        with safe_open(str(where[name]), framework="pt") as sf:
+            return sf.get_tensor(name)
+
+    embed = None
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
-                t = sf.get_tensor(name)
                 if _is_linear(name) or name == "lm_head.weight":
-                    add_linear(name, t)
-                    quantized += 1
-                else:
-                    writer.add(name, t.contiguous())
-                    if name == "model.embed_tokens.weight":
-                        embed = name
-                del t
-    if "lm_head.qweight" not in writer.names:  # tied: the head is the embedding table
-        if embed is None:
-            raise ExportError(f"{src}: neither lm_head.weight nor model.embed_tokens.weight found")
-        with safe_open(str(next(f for f in files if embed in safe_open(str(f), framework="pt").keys())), framework="pt") as sf:
-            add_linear("lm_head.weight", sf.get_tensor(embed))
+                    where[name] = f
+                    if exact is None:
+                        add_linear(name, sf.get_tensor(name))
+                    continue
+                writer.add(name, sf.get_tensor(name).contiguous())
+                if name == "model.embed_tokens.weight":
+                    embed, where[name] = name, f
+    tied = "lm_head.weight" not in where
+    if tied and embed is None:
+        raise ExportError(f"{src}: neither lm_head.weight nor model.embed_tokens.weight found")
+    if exact is not None:
+        names = sorted(where)
+        if tied:
+            names.append("lm_head.weight")
+        for group in _fused_groups([n for n in names if n != "model.embed_tokens.weight"]):
+            parts = [exact(n) for n in group]
+            if any(p is None for p in parts):
+                for n in group:
+                    add_linear(n, tensor(embed if n == "lm_head.weight" and tied else n))
+                continue
+            b_bits, b_group = max(p.bits for p in parts), min(p.group for p in parts)
+            any_min = any(p.mins is not None for p in parts)
+            for n, p in zip(group, parts):
+                base = n[: -len(".weight")]
+                p = regroup(p, b_bits, b_group)
+                write(base, *_olive_tensors(p))
+                overrides[base] = {"bits": b_bits, "group_size": b_group}
+                if any_min:
+                    mins[base] = p.mins if p.mins is not None else np.zeros((p.q.shape[0], p.q.shape[1] // 32), np.float32)
+                counts["exact"] += 1
+    elif tied:
+        add_linear("lm_head.weight", tensor(embed))
+    if tied:
         cfg["tie_word_embeddings"] = False  # the builder reads a separate (quantized) head
     shards = writer.close()
-    cfg["quantization_config"] = {
-        "quant_method": "olive",
-        "bits": bits,
-        "group_size": block_size,
-        "overrides": {"lm_head": {"bits": head_bits, "group_size": block_size}},
-    }
+    if mins:
+        np.savez(out / MINS_FILE, **mins)
+    cfg["quantization_config"] = {"quant_method": "olive", "bits": bits, "group_size": block_size, "overrides": overrides}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     for name in _COPIED:
         if (src / name).is_file():
             shutil.copyfile(src / name, out / name)
+    how = f"{counts['exact']} from the source's own blocks, " if counts["exact"] else ""
     log(
-        f"  prequantized {quantized} linear layers ({bits}-bit, head {head_bits}-bit, blocks of {block_size}) into {shards} shard(s): {time.perf_counter() - t0:.1f} s"
+        f"  prequantized {counts['exact'] + counts['quantized']} linear layers ({how}{counts['quantized']} quantized: {bits}-bit, head {head_bits}-bit, "
+        f"blocks of {block_size}) into {shards} shard(s): {time.perf_counter() - t0:.1f} s"
     )
+    return out
+
+
+def add_min_corrections(graph: str | Path, mins_file: str | Path, log=print) -> int:
+    """Subtract each layer's 32-block offsets from its MatMulNBits output, in place:
+    ``y = MatMulNBits(x) - ReduceSum(Reshape(x, [..., K/32, 32]), -1) @ M^T`` (the exact
+    form of asymmetric GGUF blocks, :mod:`specrt.export.gguf_blocks`).
+
+    The node of a layer is found by its weight initializer (the builder names them
+    ``model.layers.{i}.attn.qkv_proj.MatMulNBits.qweight`` for the fused q/k/v, whose rows
+    are q, k, v in that order, ``...mlp.down_proj.MatMulNBits.qweight``, ``lm_head...``).
+
+    Returns:
+        the number of nodes corrected.
+
+    Raises:
+        ExportError: a layer with offsets whose node is not found or has another width.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = Path(graph)
+    with np.load(mins_file) as z:
+        mins = {k: z[k] for k in z.files}
+    model = onnx.load(str(graph))
+    g = model.graph
+    by_weight = {n.input[1]: n for n in g.node if n.op_type == "MatMulNBits"}
+    done = 0
+    new_nodes, inits = [], []
+    for weight, node in by_weight.items():
+        base = weight[: -len(".MatMulNBits.qweight")] if weight.endswith(".MatMulNBits.qweight") else None
+        if base is None:
+            continue
+        hf = base.replace(".attn.", ".self_attn.")
+        parts = [hf[: -len("qkv_proj")] + p + "_proj" for p in "qkv"] if hf.endswith("qkv_proj") else [hf]
+        if not any(p in mins for p in parts):
+            continue
+        if not all(p in mins for p in parts):
+            raise ExportError(f"{graph.name}: offsets for only some rows of {node.name}")
+        m = np.concatenate([mins.pop(p) for p in parts])
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if m.shape != (attrs["N"], attrs["K"] // 32):
+            raise ExportError(f"{graph.name}: offsets {m.shape} do not fit {node.name} (N={attrs['N']}, K={attrs['K']})")
+        x, y = node.input[0], node.output[0]
+        stem = node.name.rsplit("/", 1)[0] + "/min"
+        raw = y + "/before_min"
+        node.output[0] = raw
+        shape, axes, mt = stem + "/shape", stem + "/axes", stem + "/MT"
+        inits += [
+            numpy_helper.from_array(np.array([0, 0, attrs["K"] // 32, 32], np.int64), shape),
+            numpy_helper.from_array(np.array([-1], np.int64), axes),
+            numpy_helper.from_array(np.ascontiguousarray(m.T), mt),
+        ]
+        new_nodes += [
+            helper.make_node("Reshape", [x, shape], [stem + "/blocks"], name=stem + "/Reshape"),
+            helper.make_node("ReduceSum", [stem + "/blocks", axes], [stem + "/sums"], name=stem + "/ReduceSum", keepdims=0),
+            helper.make_node("MatMul", [stem + "/sums", mt], [stem + "/offset"], name=stem + "/MatMul"),
+            helper.make_node("Sub", [raw, stem + "/offset"], [y], name=stem + "/Sub"),
+        ]
+        done += 1
+    if mins:
+        raise ExportError(f"{graph.name}: no MatMulNBits node for {', '.join(sorted(mins)[:3])}")
+    g.initializer.extend(inits)
+    g.node.extend(new_nodes)
+    nodes = _topological(list(g.node))
+    del g.node[:]
+    g.node.extend(nodes)
+    data = graph.with_name(graph.name + ".data")
+    data.unlink(missing_ok=True)
+    onnx.save(model, str(graph), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
+    log(f"  {done} layers with asymmetric source blocks: their 32-block offsets subtracted exactly (x block sums @ M)")
+    return done
+
+
+def _topological(nodes: list) -> list:
+    """Nodes ordered so every input is produced before it is used (ONNX requires it)."""
+    produced = {o for n in nodes for o in n.output}
+    ready = set()
+    out, pending = [], list(nodes)
+    while pending:
+        rest = []
+        for n in pending:
+            if all(i == "" or i not in produced or i in ready for i in n.input):
+                out.append(n)
+                ready.update(n.output)
+            else:
+                rest.append(n)
+        if len(rest) == len(pending):
+            raise ExportError("the graph has a cycle after inserting the offset corrections")
+        pending = rest
     return out
 
 

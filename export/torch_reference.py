@@ -45,6 +45,7 @@ class TorchModel:
         self.model = load_hf(folder)
         self.max_ctx, self.max_q = max_ctx, max_q
         self.vocab = int(self.model.config.vocab_size)
+        self._new_cache = DynamicCache
         self._cache = DynamicCache()
         # transformers renamed forward's past_key_values to cache within 5.x
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -61,8 +62,10 @@ class TorchModel:
         have = self._cache.get_seq_length()
         if not 1 <= q <= self.max_q or start + q > self.max_ctx or start > have:
             raise InputError(f"torch reference call of {q} tokens at {start} (cache {have}, max_q {self.max_q}, max_ctx {self.max_ctx})")
-        if start < have:
-            self._cache.crop(start)
+        if start == 0:
+            self._cache = self._new_cache()
+        elif start < have:
+            self._cache.crop(start - have)  # a negative count removes that many rows (every transformers 5 release)
         ids = torch.as_tensor(np.asarray(tokens, np.int64))[None]
         pos = torch.arange(start, start + q)[None]
         with torch.no_grad():

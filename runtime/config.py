@@ -93,6 +93,13 @@ class GenerationConfig:
             <specrt.runtime.engine.GenerationResult>`). Under sampling these are the
             model's distribution, not the warped one the token was drawn from. Costs one
             log-softmax over the vocabulary per committed token; the tokens never change.
+        exact_widths: True (default) calls the target only at the widths the export measured
+            bit-identical (``exact_min_q`` .. ``k_max + 1``: a target-only step runs 2 rows),
+            so speculative output equals target-only output by construction
+            (:mod:`specrt.runtime.decode`). False lets target-only decoding run its fastest
+            width, 1 row per step (and the prefill any chunking): the baseline a user of the
+            target alone would run, whose output may then differ from the speculative one at
+            near-ties. Benchmarks report both (``specrt bench --fastest-baseline``).
     """
 
     max_new_tokens: int = 128
@@ -108,6 +115,7 @@ class GenerationConfig:
     strategy: str | None = None
     chunk_bound: float | None = None
     logprobs: int | None = None
+    exact_widths: bool = True
 
 
 # ---- one check per field ------------------------------------------------------------------

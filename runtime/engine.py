@@ -380,8 +380,8 @@ class Engine:
             cfg.strategy,
             cfg.chunk_bound,
             observe,
-            m.min_q(),
-            m.k_max + 1,
+            m.min_q() if cfg.exact_widths else 1,
+            m.k_max + 1 if cfg.exact_widths else 0,
         )
 
     def _locked(self):

@@ -113,6 +113,17 @@ def cli():
     """specrt: speculative decoding on exported ONNX engines, without PyTorch."""
 
 
+def _chat_prompt(engine, text: str) -> list[int]:
+    """``text`` as one user message rendered with the engine's chat template (as the
+    server's chat completions), tokenized without adding BOS."""
+    from .runtime.serve.chat import ChatTemplate, special_token_strings
+
+    if engine.chat_template is None:
+        raise click.ClickException(f"--chat: the engine folder {engine.folder} has no chat template (its target checkpoint had none)")
+    tpl = ChatTemplate(engine.chat_template, str(engine.folder / engine.manifest.chat_template_file), special_token_strings(engine))
+    return engine.codec.encode(tpl.render([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
 @cli.command()
 @click.argument("name", required=False)
 @click.option("--cache", type=click.Path(file_okay=False), default=None, help="folder for NAME.gguf (default: $SPECRT_GGUF_CACHE or ~/.cache/specrt/gguf)")
@@ -190,13 +201,35 @@ def fetch(name, cache, list_):
     "draft_confidence_temperature), e.g. the chosen_defaults of a specrt tune run",
 )
 @click.option(
+    "--gguf-weights",
+    type=click.Choice(["exact", "requantize"]),
+    default="exact",
+    show_default=True,
+    help="GGUF target, int4/int8: take each layer's weights from the file's own blocks where they map onto MatMulNBits "
+    "(no second quantization; Q6_K/Q5_0/Q8_0 layers stay 8-bit), or requantize every layer (smaller, faster, less faithful)",
+)
+@click.option(
     "--gguf-cache",
     type=click.Path(file_okay=False),
     default=None,
     help="folder for the Hugging Face folders converted from .gguf inputs (default: beside each file, <name>.gguf.hf; reused while the file is unchanged)",
 )
 def export(
-    draft, target, out, k_max, max_ctx, precision, draft_precision, block_size, accuracy_level, lazy_head, quality, external_data, defaults_file, gguf_cache
+    draft,
+    target,
+    out,
+    k_max,
+    max_ctx,
+    precision,
+    draft_precision,
+    block_size,
+    accuracy_level,
+    lazy_head,
+    quality,
+    external_data,
+    defaults_file,
+    gguf_weights,
+    gguf_cache,
 ):
     """Export a draft/target pair to ONNX engines (one --precision flavor) with parity and
     width-exactness checks and a manifest."""
@@ -252,6 +285,7 @@ def export(
             external_data=True if external_data else None,
             gguf_cache=gguf_cache,
             draft_precision=draft_precision,
+            gguf_weights=gguf_weights,
         )
     except SpecRTError as e:
         raise click.ClickException(str(e)) from None
@@ -264,6 +298,11 @@ def export(
 @cli.command()
 @click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(), help="engine folder")
 @click.option("--prompt", required=True, help="prompt text")
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="send PROMPT as one user message through the engine's chat template (as `specrt serve`'s chat completions render it)",
+)
 @click.option("--k-max", type=int, default=None, help="most draft candidates per verification (default: manifest)")
 @click.option("--threshold", type=float, default=None, help="draft confidence threshold in [0, 1] (default: manifest)")
 @click.option("--max-new-tokens", type=int, default=field_default("max_new_tokens"), show_default=True)
@@ -292,6 +331,7 @@ def export(
 def generate(
     engines,
     prompt,
+    chat,
     k_max,
     threshold,
     max_new_tokens,
@@ -331,6 +371,8 @@ def generate(
         confidence_temperature=confidence_temperature,
     )
     t_loaded = time.perf_counter()
+    if chat:
+        prompt = _chat_prompt(engine, prompt)
     tw = None
     if trace_file:
         from .runtime.lab.trace import TraceWriter

@@ -213,3 +213,50 @@ def test_encoding_releases_the_gil(tiny_pair):
     if took[0] < 0.05:
         pytest.skip(f"encoding took only {took[0] * 1000:.0f} ms here: too fast to tell")
     assert ticks >= 10, f"the main thread ran {ticks} times in {took[0] * 1000:.0f} ms of encoding"
+
+
+@pytest.mark.parametrize("template", [TINY_CHAT_TEMPLATE, CHATML, LLAMA2_LIKE])
+@pytest.mark.parametrize("final", ["def fib(n):", "def fib(n):\n    ", "  x = 1  "])
+def test_continue_final_message_equals_transformers(template, final):
+    """An assistant prefill is left open, as transformers' ``continue_final_message`` does."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    conv = [{"role": "user", "content": "Write fib."}, {"role": "assistant", "content": final}]
+    tpl = ChatTemplate(template, "test", SPECIAL)
+    got = tpl.render(conv, add_generation_prompt=False, continue_final_message=True)
+    want, _ = render_jinja_template(conversations=[conv], chat_template=template, continue_final_message=True, **SPECIAL)
+    assert got == want[0]
+    assert got.rstrip().endswith(final.strip()) and not got.endswith("</s>")
+    with pytest.raises(InputError, match="cannot both be true"):
+        tpl.render(conv, add_generation_prompt=True, continue_final_message=True)
+
+
+def test_continue_final_message_refuses_what_it_cannot_find():
+    tpl = ChatTemplate("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}", "test")
+    with pytest.raises(InputError, match="does not appear in the rendered conversation") as e:
+        tpl.render([{"role": "assistant", "content": "abc"}], add_generation_prompt=False, continue_final_message=True)
+    assert e.value.param == "continue_final_message"
+    with pytest.raises(InputError, match="no content to continue"):
+        tpl.render([{"role": "assistant", "content": "  "}], add_generation_prompt=False, continue_final_message=True)
+
+
+def test_server_continues_an_assistant_prefill(tiny_pair, tiny_server):
+    """``continue_final_message`` / ``add_generation_prompt`` (vLLM's fields) reach the
+    template: the reply continues the prefill, equal to a completion of the rendered text."""
+    from serving import post
+
+    from specrt import Engine, GenerationConfig
+
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def f"}]
+    body = dict(model="tiny", messages=conv, max_tokens=6, temperature=0, add_generation_prompt=False, continue_final_message=True)
+    st, r, _ = post(tiny_server.port, body, path="/v1/chat/completions")
+    assert st == 200, r
+    e = Engine(tiny_pair[2])
+    text = ChatTemplate(e.chat_template, "engine", {"bos_token": e.codec.tokenizer.id_to_token(e.manifest.bos_token_id)}).render(
+        conv, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text.endswith("<|assistant|>def f")
+    want = e.generate(e.codec.encode(text, add_special_tokens=False), GenerationConfig(max_new_tokens=6)).text
+    assert r["choices"][0]["message"]["content"] == want
+    st, r, _ = post(tiny_server.port, dict(body, add_generation_prompt=True), path="/v1/chat/completions")
+    assert st == 400 and r["error"]["param"] == "continue_final_message"

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from ..errors import InputError, SpecRTError
 
-__all__ = ["ChatTemplate", "TemplateSourceError", "load_chat_template", "normalize_messages"]
+__all__ = ["ChatTemplate", "TemplateSourceError", "load_chat_template", "normalize_messages", "special_token_strings"]
 
 
 class TemplateSourceError(SpecRTError):
@@ -91,10 +91,10 @@ class ChatTemplate:
             add_generation_prompt: append the template's opening of an assistant turn.
             continue_final_message: leave the last message open, so the model continues it
                 (an assistant prefill), as transformers' ``apply_chat_template(...,
-                continue_final_message=True)``: the conversation is rendered without a
-                generation prompt and cut right after the last message's content (its
-                end-of-turn tokens dropped; when the template trims the content's trailing
-                whitespace, after the trimmed content).
+                continue_final_message=True)``: the last message's content gets
+                transformers' marker appended, and the rendered text is cut where the
+                marker appears (its end-of-turn tokens dropped; when the template trims
+                the content, trailing whitespace is removed too: :func:`_cut_at_tag`).
 
         Returns:
             the rendered text (to be tokenized without adding BOS).
@@ -112,37 +112,52 @@ class ChatTemplate:
                 "generation's start (send add_generation_prompt: false)",
                 "continue_final_message",
             )
+        messages = list(messages)
+        final = None
+        if continue_final_message:
+            final = messages[-1].get("content", "") if messages else ""
+            if not isinstance(final, str) or not final.strip():
+                raise InputError("continue_final_message: the last message has no content to continue", "continue_final_message")
+            messages[-1] = dict(messages[-1], content=final + _CONTINUE_TAG)
         try:
-            text = self._template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self.special_tokens
-            )
+            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self.special_tokens)
         except self._errors as e:
             raise InputError(f"messages: the chat template refused the conversation: {e}", "messages") from None
-        if not continue_final_message:
-            return text
-        return _cut_after_final_message(text, messages[-1].get("content", "") if messages else "")
+        return text if final is None else _cut_at_tag(text, final)
 
 
-def _cut_after_final_message(text: str, final: str) -> str:
-    """``text`` cut right after the last occurrence of the final message's content
-    (transformers' ``continue_final_message`` rule in ``apply_chat_template``).
+# transformers' marker for continue_final_message (render_jinja_template): appended to the
+# last message's content, then the rendered text is cut where it appears
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    """``text`` cut where the continued message ends (transformers' rule in
+    ``render_jinja_template``: at the tag when the template kept the tag's trailing space,
+    else at the tag with trailing whitespace removed: the template trimmed the content).
 
     Raises:
-        InputError: (param ``continue_final_message``) the content is empty or not in ``text``.
+        InputError: (param ``continue_final_message``) the content or the tag is not in ``text``.
     """
-    if not final.strip():
-        raise InputError("continue_final_message: the last message has no content to continue", "continue_final_message")
-    stripped = final.strip()
-    if stripped not in text:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
         raise InputError(
             "continue_final_message: the last message's content does not appear in the rendered conversation "
             "(the chat template rewrites it); send it without continue_final_message",
             "continue_final_message",
         )
-    at = text.rindex(stripped)
-    if text[at : at + len(final.lstrip())] == final.lstrip():
-        return text[: at + len(final.lstrip())]  # the template kept the content's trailing whitespace
-    return text[: at + len(stripped)]
+    at = text.rindex(tag)
+    return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+
+
+def special_token_strings(engine) -> dict[str, str]:
+    """The special tokens a template sees, as strings (``bos_token``, ``eos_token``,
+    ``pad_token``: transformers' ``special_tokens_map``), from an Engine's manifest ids."""
+    m, out = engine.manifest, {}
+    for key, tid in (("bos_token", m.bos_token_id), ("eos_token", m.eos_token_id), ("pad_token", m.pad_token_id)):
+        if tid is not None and (tok := engine.codec.tokenizer.id_to_token(tid)) is not None:
+            out[key] = tok
+    return out
 
 
 def load_chat_template(path: str | Path, special_tokens: dict[str, str] | None = None) -> ChatTemplate:

@@ -1247,7 +1247,7 @@ def build_service(
         EngineError, BackendError: the engine folder cannot be loaded.
         ServeError: the chat template cannot be read or compiled.
     """
-    from .chat import ChatTemplate, TemplateSourceError, load_chat_template
+    from .chat import ChatTemplate, TemplateSourceError, load_chat_template, special_token_strings
 
     if max_batch > 0:
         from .batching import BatchPool
@@ -1266,10 +1266,7 @@ def build_service(
         pool = WorkerPool.load(engines, workers=workers, max_queue=max_queue, threads=threads, backend=backend, round_delay=round_delay)
     engine = pool.engines[0]
     m = engine.manifest
-    special = {}
-    for key, tid in (("bos_token", m.bos_token_id), ("eos_token", m.eos_token_id), ("pad_token", m.pad_token_id)):
-        if tid is not None and (tok := engine.codec.tokenizer.id_to_token(tid)) is not None:
-            special[key] = tok
+    special = special_token_strings(engine)
     try:
         if chat_template is not None:
             template = load_chat_template(chat_template, special)

@@ -38,7 +38,13 @@ def _config(init: dict, max_new_tokens: int):
     from specrt import GenerationConfig
 
     v = init["variant"]
-    return GenerationConfig(max_new_tokens=max_new_tokens, k_max=v.get("k_max"), threshold=v.get("threshold"), speculative=bool(v["speculative"]))
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        k_max=v.get("k_max"),
+        threshold=v.get("threshold"),
+        speculative=bool(v["speculative"]),
+        exact_widths=bool(v.get("exact_widths", True)),  # False: target-only at its fastest (1-row) width
+    )
 
 
 def setup(init: dict):

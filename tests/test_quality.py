@@ -1,0 +1,82 @@
+"""The quality scorer (:mod:`specrt.runtime.lab.quality`) against hand-computed values and
+independent oracles, so that a wrong scorer fails: an agreement computed against itself, a
+loss scored on the wrong token or over padding columns. And the PyTorch reference model the
+export scores large targets against (:class:`specrt.export.torch_reference.TorchModel`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from specrt.runtime.lab.quality import Scores, compare, score_model, score_rows
+
+
+def test_score_rows_hand_computed():
+    # vocab 2 (a third, padding column must be ignored even though it is the largest)
+    logits = np.array([[0.0, math.log(3.0), 50.0], [math.log(2.0), 0.0, 50.0]], np.float32)
+    s = score_rows(logits, np.array([1, 1]), vocab=2)
+    assert s.argmax.tolist() == [1, 0]
+    assert s.logprob == pytest.approx([math.log(3 / 4), math.log(1 / 3)], abs=1e-6)
+
+
+def test_compare_hand_computed():
+    ref = Scores(np.array([1, 0, 2, 2]), np.log(np.array([0.5, 0.25, 0.5, 1.0])))
+    got = Scores(np.array([1, 1, 2, 0]), np.log(np.array([0.25, 0.25, 0.5, 0.5])))
+    c = compare(ref, got)
+    assert c["positions"] == 4 and c["top1_agreement"] == 0.5
+    assert c["loss_reference"] == pytest.approx(-(math.log(0.5) * 2 + math.log(0.25)) / 4)
+    assert c["loss"] == pytest.approx(-(math.log(0.25) * 2 + math.log(0.5) * 2) / 4)
+    assert c["loss_delta"] == pytest.approx(c["loss"] - c["loss_reference"])
+
+
+def _full_forward_scores(model, seq: list[int], first: int, vocab: int) -> Scores:
+    """The oracle: one call over the whole sequence, log-softmax by hand at the true next
+    tokens (the scorer calls the model in chunks and reads the rows itself)."""
+    rows = model.run(seq[:-1], 0)[:, :vocab].astype(np.float64)[first:]
+    nxt = np.asarray(seq[first + 1 :])
+    lse = np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1)) + rows.max(-1)
+    return Scores(rows.argmax(-1), rows[np.arange(len(rows)), nxt] - lse)
+
+
+def test_score_model_matches_a_full_forward_and_itself(tiny_pair):
+    from specrt import Engine
+
+    e = Engine(tiny_pair[2])
+    vocab = e.manifest.vocab_size
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, vocab, size=n).tolist() for n in (40, 23, 65)]
+    firsts = [0, 5, 30]
+    got = score_model(e.target, seqs, firsts, vocab)
+    want = [_full_forward_scores(e.target, s, f, vocab) for s, f in zip(seqs, firsts)]
+    assert got.argmax.tolist() == np.concatenate([w.argmax for w in want]).tolist()
+    assert got.logprob == pytest.approx(np.concatenate([w.logprob for w in want]), abs=1e-5)
+    assert len(got.argmax) == sum(len(s) - 1 - f for s, f in zip(seqs, firsts))
+    self_cmp = compare(got, score_model(e.target, seqs, firsts, vocab))
+    assert self_cmp["top1_agreement"] == 1.0 and self_cmp["loss_delta"] == 0.0
+    # a different model is scored as different (the scorer does not compare a model with itself)
+    other = compare(got, score_model(e.draft, seqs, firsts, vocab))
+    assert other["top1_agreement"] < 1.0 and other["loss_delta"] != 0.0
+
+
+def test_torch_reference_rolls_back_like_a_runtime_model(tiny_pair):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from specrt.export.torch_reference import TorchModel
+
+    target = tiny_pair[1]
+    tm = TorchModel(target, max_ctx=128, max_q=64)
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    ids = np.random.default_rng(0).integers(0, tm.vocab, size=40).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(tm.run(ids[:30], 0), ref[:30], atol=1e-4)
+    np.testing.assert_allclose(tm.run(ids[30:], 30), ref[30:], atol=1e-4)
+    np.testing.assert_allclose(tm.run(ids[20:25], 20), ref[20:25], atol=1e-4)  # rolled back to 20
+    np.testing.assert_allclose(tm.run(ids[:10], 0), ref[:10], atol=1e-4)  # a new sequence
+    from specrt.runtime.errors import InputError
+
+    with pytest.raises(InputError):
+        tm.run(ids[:5], 20)  # beyond the cache
