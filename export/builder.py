@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -165,6 +164,7 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     from .gguf_import import STAMP, GgufBlocks
     from .onnx_export import trim_heap
     from .prequantize import MINS_FILE, add_min_corrections, prequantize, quantize_embedding
+    from .resources import run_measured
 
     def phase(name):
         if meter is not None:
@@ -184,10 +184,12 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(tmp), "-p", opts.precision, "-e", "cpu", "-c", str(cache)]
     cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra.items())]
     phase("onnxruntime-genai model builder (child process)")
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0 or not (tmp / "model.onnx").is_file():
-        tail = " | ".join([ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip() and "Saving " not in ln][-5:])
-        raise ExportError(f"onnxruntime-genai model builder failed for {model_dir} ({opts.precision}, exit {p.returncode}): {tail[-800:]}")
+    code, output, child_peak = run_measured(cmd)
+    if meter is not None:
+        meter.child(child_peak)
+    if code != 0 or not (tmp / "model.onnx").is_file():
+        tail = " | ".join([ln for ln in output.splitlines() if ln.strip() and "Saving " not in ln][-5:])
+        raise ExportError(f"onnxruntime-genai model builder failed for {model_dir} ({opts.precision}, exit {code}): {tail[-800:]}")
     gcfg = json.loads((tmp / "genai_config.json").read_text())["model"]
     dec = gcfg["decoder"]
     if gcfg.get("context_length", max_ctx) < max_ctx:
@@ -211,7 +213,7 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     if set(ins) != set(want_in) or set(outs) != set(want_out):
         raise ExportError(f"{graph}: builder graph I/O {ins} -> {outs} is not the interface the runtime binds ({want_in} -> {want_out})")
     log(
-        f"  model builder {opts.precision} ({', '.join(f'{k}={v}' for k, v in extra.items())}, LM head {head_bits}-bit, embedding {embedding}): {time.perf_counter() - t0:.1f} s"
+        f"  model builder {opts.precision} ({', '.join(f'{k}={v}' for k, v in extra.items())}, {'weights from the GGUF blocks' if opts.gguf_exact else f'LM head {head_bits}-bit'}, embedding {embedding}): {time.perf_counter() - t0:.1f} s"
     )
     return ModelEntry(
         file=graph.name,

@@ -17,6 +17,7 @@ about what it costs a 0.5B model (:meth:`QualityConfig.scaled`).
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import asdict, dataclass, replace
@@ -99,7 +100,7 @@ def export_quality(manifest, out: Path, target_dir: Path, cfg: QualityConfig, lo
     from specrt.runtime.backends.base import ThreadConfig
     from specrt.runtime.tokenizer import TextCodec
 
-    from .onnx_export import EXTERNAL_DATA_ABOVE, export_model
+    from .onnx_export import EXTERNAL_DATA_ABOVE, export_model, trim_heap
 
     t0 = time.perf_counter()
     m = manifest
@@ -142,6 +143,8 @@ def export_quality(manifest, out: Path, target_dir: Path, cfg: QualityConfig, lo
     refs = {name: score_model(ref, seqs, firsts, vocab) for name, (seqs, firsts, _) in sets.items()}
     ref.close()
     del ref
+    gc.collect()  # the PyTorch reference's memory-mapped weights are unmapped before the flavor loads
+    trim_heap()
     shutil.rmtree(scratch, ignore_errors=True)
     model = cpu_model(out, m.target, m.max_ctx, max_q, ThreadConfig())
     for name, (seqs, firsts, info) in sets.items():

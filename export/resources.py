@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["rss_mib", "peak_rss_mib", "children_peak_rss_mib", "reset_peak", "PhaseMeter"]
+__all__ = ["rss_mib", "peak_rss_mib", "reset_peak", "run_measured", "PhaseMeter"]
 
 _STATUS = Path("/proc/self/status")
 _CLEAR = Path("/proc/self/clear_refs")
@@ -47,11 +47,25 @@ def peak_rss_mib() -> float:
     return ru / (1024 * 1024) if sys.platform == "darwin" else ru / 1024
 
 
-def children_peak_rss_mib() -> float:
-    """Largest peak RSS of any finished child process so far (``getrusage(RUSAGE_CHILDREN)``:
-    the model builder runs as one), in MiB."""
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return ru / (1024 * 1024) if sys.platform == "darwin" else ru / 1024
+def run_measured(cmd: list[str]) -> tuple[int, str, float | None]:
+    """Run ``cmd`` to its end; ``(exit code, stdout + stderr, its peak RSS in MiB)``.
+
+    The peak is the child's own (``os.wait4``'s resource usage of that one process), not
+    ``getrusage(RUSAGE_CHILDREN)``, which would also count any other child: a short helper
+    forked from a large process reports the parent's RSS as its own. None where ``wait4`` is
+    missing.
+    """
+    import os
+    import subprocess
+
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = p.stdout.read()
+    p.stdout.close()
+    if not hasattr(os, "wait4"):
+        return p.wait(), out, None
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, out, ru.ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
 def reset_peak() -> bool:
@@ -103,10 +117,10 @@ class PhaseMeter:
     peak (``RssAnon``, sampled every 50 ms, so a shorter spike can be missed) is the
     memory the export itself needs.
 
-    A phase that runs a child process (the model builder) also records the child's peak
-    (``child_peak_rss_mib``, when it exceeds every earlier child's) and ``total_peak_mib`` =
-    the phase's own peak + the child's: an upper bound of what the machine held at once.
-    :meth:`summary` gives the largest ``total_peak_mib`` over the phases.
+    A phase that runs a child process (the model builder, :func:`run_measured`) records the
+    child's own peak (:meth:`child`) and ``total_peak_mib`` = the phase's own peak + the
+    child's: an upper bound of what the machine held at once. :meth:`summary` gives the
+    largest ``total_peak_mib`` over the phases.
 
     Args:
         log: called with one line per finished phase (e.g. the export log), or None.
@@ -120,7 +134,7 @@ class PhaseMeter:
         self.peak_anon_mib = 0.0
         self._anon = _AnonSampler()
         self.total_peak_mib = self.peak_mib
-        self._children = children_peak_rss_mib()
+        self._child: float | None = None
         self._name: str | None = None
         self._t0 = time.perf_counter()
         self._start = self._t0
@@ -136,12 +150,12 @@ class PhaseMeter:
             if anon is not None:
                 self.peak_anon_mib = max(self.peak_anon_mib, anon)
                 rec["peak_anon_mib"] = round(anon, 1)
-            children = children_peak_rss_mib()
             total = peak
-            if children > self._children:
+            children = self._child
+            if children is not None:
                 rec["child_peak_rss_mib"] = round(children, 1)
                 total = peak + children
-                self._children = children
+                self._child = None
             rec["total_peak_mib"] = round(total, 1)
             self.total_peak_mib = max(self.total_peak_mib, total)
             self.phases[self._name] = rec
@@ -153,6 +167,11 @@ class PhaseMeter:
             if self.resettable:
                 reset_peak()
         self._name, self._t0 = name, now
+
+    def child(self, peak_mib: float | None) -> None:
+        """Record the peak RSS (MiB) of a child process the current phase ran."""
+        if peak_mib is not None:
+            self._child = max(self._child or 0.0, peak_mib)
 
     def summary(self) -> dict:
         """``{"peak_rss_mib", "total_peak_mib", "peak_anon_mib", "seconds", "phases",

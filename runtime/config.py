@@ -35,6 +35,7 @@ __all__ = [
     "check_sampling_params",
     "check_stops",
     "check_logprobs",
+    "check_drafter",
     "MAX_LOGPROBS",
 ]
 
@@ -49,6 +50,7 @@ DEFAULT_KEYS = {
     "strategy": "strategy",
     "chunk_bound": "chunk_bound",
     "draft_confidence_temperature": "confidence_temperature",
+    "drafter": "drafter",
 }
 
 
@@ -99,7 +101,12 @@ class GenerationConfig:
             (:mod:`specrt.runtime.decode`). False lets target-only decoding run its fastest
             width, 1 row per step (and the prefill any chunking): the baseline a user of the
             target alone would run, whose output may then differ from the speculative one at
-            near-ties. Benchmarks report both (``specrt bench --fastest-baseline``).
+            near-ties. Benchmarks report both (``scripts/bench_real.py``).
+        drafter: where candidates come from (None = the manifest's default, else
+            ``model``): ``model`` (the draft model), ``ngram`` (prompt lookup: the sequence's
+            own earlier continuation of its longest matching suffix, no model call) or
+            ``hybrid`` (the n-gram when there is one, else the draft model);
+            :mod:`specrt.runtime.drafters`. The output is the same with all three.
     """
 
     max_new_tokens: int = 128
@@ -116,6 +123,7 @@ class GenerationConfig:
     chunk_bound: float | None = None
     logprobs: int | None = None
     exact_widths: bool = True
+    drafter: str | None = None
 
 
 # ---- one check per field ------------------------------------------------------------------
@@ -220,6 +228,19 @@ def check_sampling_params(temperature, top_k, top_p, seed=None) -> None:
         raise InputError(f"seed={seed!r}; seed must be None or an integer >= 0", "seed")
 
 
+def check_drafter(name) -> str:
+    """``name`` if it is one of :data:`specrt.runtime.drafters.DRAFTERS`.
+
+    Raises:
+        InputError: (param ``drafter``) otherwise.
+    """
+    from .drafters import DRAFTERS
+
+    if not isinstance(name, str) or name not in DRAFTERS:
+        raise InputError(f"drafter={name!r}; drafter must be one of {', '.join(DRAFTERS)}", "drafter")
+    return name
+
+
 def check_logprobs(n) -> int | None:
     """``n`` as int if it is None or an integer in 0..:data:`MAX_LOGPROBS`.
 
@@ -301,6 +322,8 @@ def resolve_config(config: GenerationConfig, defaults: Mapping[str, Any], k_rang
         chunk_bound=check_chunk_bound(pick("chunk_bound", "chunk_bound", DEFAULT_CHUNK_BOUND)),
         speculative=bool(config.speculative),
         logprobs=check_logprobs(config.logprobs),
+        exact_widths=bool(config.exact_widths),
+        drafter=check_drafter(pick("drafter", "drafter", "model")),
     )
 
 
@@ -329,6 +352,7 @@ def check_defaults(defaults: object, k_max: int, where: str = "defaults") -> dic
         "strategy": check_strategy,
         "chunk_bound": check_chunk_bound,
         "draft_confidence_temperature": lambda v: check_confidence_temperature(v, "draft_confidence_temperature"),
+        "drafter": check_drafter,
     }
     out = {}
     for key, value in defaults.items():

@@ -5,7 +5,8 @@ Face assisted generation's ``assistant_confidence_threshold``)::
 
     propose   the draft feeds the tokens it has not seen, then proposes c_1, c_2, ... one
               call per step, until the threshold rule, k_max, EOS or the budget stops it
-              (speculative.propose, speculative.draft_limit)
+              (speculative.propose, speculative.draft_limit); or an n-gram of the sequence
+              proposes them (drafters: model, ngram, hybrid)
     verify    target logits for [pending, c_1..c_n] arrive in blocks; ONE acceptance loop
               (verify) reads them left to right and stops at the first rejection, so no
               block after it is computed
@@ -48,6 +49,7 @@ from typing import Iterator, Protocol, Sequence
 import numpy as np
 
 from .backends.base import Model
+from .drafters import Drafter, ModelDrafter, make_drafter
 from .speculative import chunk_passes, chunk_sizes, commit, draft_limit, head_blocks, propose, rollback_lengths
 
 __all__ = ["Acceptor", "Plan", "Round", "KVLengths", "decode", "one_round", "verify", "target_blocks", "feed", "chunk_bounds", "call_start"]
@@ -99,6 +101,8 @@ class Plan:
         min_q: the narrowest target call (exactness by construction, module docstring).
         tail_q: the widest last prefill chunk (0: no limit): the widest call width the
             export measured bit-identical, ``k_max + 1`` of the engine (:func:`chunk_bounds`).
+        drafter: where candidates come from: ``model``, ``ngram`` or ``hybrid``
+            (:mod:`specrt.runtime.drafters`).
     """
 
     k_max: int
@@ -112,6 +116,7 @@ class Plan:
     observe: bool = False
     min_q: int = 1
     tail_q: int = 0
+    drafter: str = "model"
 
 
 @dataclass
@@ -133,7 +138,8 @@ class Round:
         n: candidates proposed. m: candidates accepted.
         commit: tokens committed (accepted + correction/bonus, cut after EOS).
         finish: None, ``"stop"`` (EOS) or ``"length"`` (budget or context).
-        draft_calls: draft model calls (= ``len(steps)``; the feed is one).
+        draft_calls: draft model calls (= ``len(steps)`` for the draft model, the feed being
+            one; 0 for n-gram steps).
         draft_s, target_s: seconds spent drafting and verifying (prefill: in target_s).
         calls: one ``(positions, past, head_rows)`` per target call (a lazy-head body call
             has head_rows 0, its head calls positions 0).
@@ -290,34 +296,19 @@ def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, c
         yield lo, split.head(h, e - h)[off + lo - h :]
 
 
-def _draft_steps(draft: Model, seq: list[int], kv: KVLengths, acc: Acceptor, steps: list, pre: list) -> Iterator[tuple[int, float]]:
-    """The draft's (token, confidence) steps of one round, one model call each, only as
-    pulled: first the feed of the tokens it has not seen (pending included), then each
-    proposed token. Appends every step to ``steps``; ``pre`` (when a list) gets the
-    pending token's (top-1, confidence) if the feed had two or more rows."""
-    rows = feed(draft, seq[kv.draft :], kv.draft)
-    if pre is not None and len(rows) > 1:
-        pre.append(acc.draft(rows[-2], 0))
-    kv.draft = len(seq)
-    i = 0
-    while True:
-        step = acc.draft(rows[-1], i)
-        steps.append(step)
-        yield step
-        rows = draft.run((step[0],), kv.draft)
-        kv.draft += 1
-        i += 1
-
-
-def one_round(target: Model, draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor) -> Round:
-    """One round on ``seq`` (prompt + committed tokens; extended in place); see the module docstring."""
+def one_round(target: Model, draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter | None = None) -> Round:
+    """One round on ``seq`` (prompt + committed tokens; extended in place); see the module
+    docstring. ``drafter``: where the candidates come from (:mod:`specrt.runtime.drafters`;
+    None: the draft model)."""
     clock = time.perf_counter
     seq_len = len(seq)
     n_max = draft_limit(plan.k_max, plan.budget - (seq_len - n_prompt), seq_len, plan.max_ctx) if plan.speculative else 0
     steps: list = []
     pre: list | None = [] if plan.observe and acc.greedy else None
     t0 = clock()
-    cands, confs = propose(_draft_steps(draft, seq, kv, acc, steps, pre), n_max, plan.threshold, plan.eos, acc.propose_below)
+    drafter = drafter if drafter is not None else ModelDrafter(draft)
+    drafter.model_calls = 0
+    cands, confs = propose(drafter.steps(seq, kv, acc, steps, pre), n_max, plan.threshold, plan.eos, acc.propose_below)
     t1 = clock()
     calls: list = []
     m, token = verify(cands, target_blocks(target, seq, cands, kv.target, confs, plan, calls), acc)
@@ -326,7 +317,7 @@ def one_round(target: Model, draft: Model, seq: list[int], n_prompt: int, kv: KV
     seq.extend(new)
     kv.target, kv.draft = rollback_lengths(seq_len, kv.draft, m)
     finish = "stop" if ended else _length_finish(seq, n_prompt, plan)
-    return Round(seq_len - n_prompt, steps, len(cands), m, new, finish, len(steps), t1 - t0 if steps else 0.0, t2 - t1, calls, pre[0] if pre else None)
+    return Round(seq_len - n_prompt, steps, len(cands), m, new, finish, drafter.model_calls, t1 - t0 if steps else 0.0, t2 - t1, calls, pre[0] if pre else None)
 
 
 def _length_finish(seq: list[int], n_prompt: int, plan: Plan) -> str | None:
@@ -359,13 +350,14 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     calls = [(hi - lo, lo, hi - lo) for lo, hi in chunks]
     finish = "stop" if first in plan.eos else _length_finish(seq, n_prompt, plan)
     rec = Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - t0, calls=calls)
+    drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max)
     while True:
         if rec.finish is not None and plan.observe and acc.greedy:
             rec.tail = _draft_tail(draft, seq, n_prompt, kv, acc)
         yield rec
         if rec.finish is not None:
             return
-        rec = one_round(target, draft, seq, n_prompt, kv, plan, acc)
+        rec = one_round(target, draft, seq, n_prompt, kv, plan, acc, drafter)
 
 
 def _draft_tail(draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, acc: Acceptor) -> tuple | None:

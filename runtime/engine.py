@@ -382,6 +382,7 @@ class Engine:
             observe,
             m.min_q() if cfg.exact_widths else 1,
             m.k_max + 1 if cfg.exact_widths else 0,
+            cfg.drafter,
         )
 
     def _locked(self):

@@ -20,6 +20,7 @@ import click
 from .runtime.backends import BACKENDS, DEFAULT_BACKEND
 from .runtime.backends.base import ThreadConfig
 from .runtime.config import STRATEGIES, check_threshold, field_default
+from .runtime.drafters import DRAFTERS
 from .runtime.errors import InputError, SpecRTError
 from .runtime.manifest import PRECISIONS
 
@@ -307,6 +308,12 @@ def export(
 @click.option("--threshold", type=float, default=None, help="draft confidence threshold in [0, 1] (default: manifest)")
 @click.option("--max-new-tokens", type=int, default=field_default("max_new_tokens"), show_default=True)
 @click.option("--no-speculation", is_flag=True, help="run the target alone (baseline)")
+@click.option(
+    "--drafter",
+    type=click.Choice(DRAFTERS),
+    default=None,
+    help="where candidates come from: the draft model, n-gram prompt lookup (no model), or hybrid (default: manifest, else model)",
+)
 @click.option("--stream", is_flag=True, help="print text as it is committed (UTF-8-safe pieces)")
 @click.option("--stop", "stops", multiple=True, help="stop string (repeatable, at most 16): the output ends before the first match")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="print statistics (JSON) to stderr")
@@ -336,6 +343,7 @@ def generate(
     threshold,
     max_new_tokens,
     no_speculation,
+    drafter,
     stream,
     stops,
     stats,
@@ -369,6 +377,7 @@ def generate(
         strategy=strategy,
         chunk_bound=chunk_bound,
         confidence_temperature=confidence_temperature,
+        drafter=drafter,
     )
     t_loaded = time.perf_counter()
     if chat:
@@ -415,6 +424,15 @@ def generate(
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts (interleaved)")
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="write the results as JSON here")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None, help="record every measured generation's rounds as a JSONL trace here")
+@click.option(
+    "--drafter", "drafters", type=click.Choice(DRAFTERS), multiple=True, help="drafters to compare (repeatable: one row each; default: manifest, else model)"
+)
+@click.option(
+    "--fastest-baseline/--no-fastest-baseline",
+    default=True,
+    show_default=True,
+    help="also run target-only at its fastest width (1-row steps; the exact loop runs 2-row steps), reported beside the exact baseline",
+)
 @functools.partial(_strategy_options, multiple=True)
 @_sampling_options
 @_threads_option
@@ -430,6 +448,8 @@ def bench(
     repeats,
     out_json,
     trace_file,
+    drafters,
+    fastest_baseline,
     strategies,
     chunk_bound,
     temperature,
@@ -454,11 +474,16 @@ def bench(
     ths = thresholds or (m.defaults.get("threshold", 0.0),)
     samp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     configs = [BenchConfig("target-only", GenerationConfig(max_new_tokens=max_new_tokens, speculative=False, **samp))]
+    if fastest_baseline:
+        configs.append(BenchConfig("target-only 1-row", GenerationConfig(max_new_tokens=max_new_tokens, speculative=False, exact_widths=False, **samp)))
     for k in ks:
         for th in ths:
             for st in strategies or (None,):
-                cfg = engine.resolve(GenerationConfig(max_new_tokens=max_new_tokens, k_max=k, threshold=th, strategy=st, chunk_bound=chunk_bound, **samp))
-                configs.append(BenchConfig(f"spec k={k} th={th:g}" + (f" {st}" if st else ""), cfg))
+                for dr in drafters or (None,):
+                    cfg = engine.resolve(
+                        GenerationConfig(max_new_tokens=max_new_tokens, k_max=k, threshold=th, strategy=st, chunk_bound=chunk_bound, drafter=dr, **samp)
+                    )
+                    configs.append(BenchConfig(f"spec k={k} th={th:g}" + (f" {st}" if st else "") + (f" {dr}" if dr else ""), cfg))
     bars = _PhaseBars()
     tw = None
     if trace_file:

@@ -190,7 +190,7 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
 
         heads = SharedHeadSessions(folder, m, threads, verify_hashes)
         return cpu_model(folder, m.target, m.max_ctx, target_q, threads, heads, role="target"), cpu_model(
-            folder, m.draft, m.max_ctx, draft_q, threads.for_draft(), role="draft"
+            folder, m.draft, m.max_ctx, draft_q, threads.for_draft(m.draft.params), role="draft"
         )
     refuse_builder_graphs(backend, m, folder)
     if backend == "ort-cuda":
@@ -198,7 +198,7 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
 
         return (
             OrtCudaModel(folder / m.target.file, m.target, m.max_ctx, target_q, threads),
-            OrtCudaModel(folder / m.draft.file, m.draft, m.max_ctx, draft_q, threads.for_draft()),
+            OrtCudaModel(folder / m.draft.file, m.draft, m.max_ctx, draft_q, threads.for_draft(m.draft.params)),
         )
     if backend == "tensorrt":
         from .cuda_mem import CudaRuntime

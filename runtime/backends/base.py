@@ -18,7 +18,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Model", "HeadSplit", "SplitsHead", "ThreadConfig"]
+__all__ = ["Model", "HeadSplit", "SplitsHead", "ThreadConfig", "DRAFT_ONE_THREAD_BELOW"]
 
 
 @runtime_checkable
@@ -91,6 +91,12 @@ class SplitsHead(Protocol):
         ...
 
 
+# Below this many parameters a draft runs on one thread: its step is too short for a second
+# thread's hand-over to pay (measured on the 1.6M-parameter embedded draft); above it the
+# step is compute (a 0.5B draft's matrices), which a second core shortens.
+DRAFT_ONE_THREAD_BELOW = 50_000_000
+
+
 @dataclass(frozen=True)
 class ThreadConfig:
     """CPU thread settings of the model sessions.
@@ -100,16 +106,20 @@ class ThreadConfig:
             other, never at once.
         spinning: let idle pool threads spin. Off by default: with two sessions on few
             cores, spinning threads of the idle session steal the busy one's cores.
-        draft_intra_op: intra-op threads of the draft session (None = ``intra_op``). The
-            default draft is 1.6M parameters: one thread was faster than two in every
-            interleaved measurement here (scripts/measure_costs.py: 1.10 vs 1.47 ms per
-            decode step with spinning off, 2 cores).
+        draft_intra_op: intra-op threads of the draft session; None (default) sizes them by
+            the draft (:meth:`for_draft`): one thread below :data:`DRAFT_ONE_THREAD_BELOW`
+            parameters (the embedded 1.6M-parameter draft: 1.10 vs 1.47 ms per step with
+            two, scripts/measure_costs.py), ``intra_op`` above (Qwen2.5-Coder-0.5B int4: 19.3 ms per
+            step on two threads, 26.0 on one, docs/REAL_PAIR.md).
     """
 
     intra_op: int = 2
     spinning: bool = False
-    draft_intra_op: int | None = 1
+    draft_intra_op: int | None = None
 
-    def for_draft(self) -> "ThreadConfig":
-        """The settings for the draft session (``intra_op`` = ``draft_intra_op`` when set)."""
-        return ThreadConfig(self.draft_intra_op or self.intra_op, self.spinning, self.draft_intra_op)
+    def for_draft(self, params: int = 0) -> "ThreadConfig":
+        """The settings for the draft session: ``draft_intra_op`` when set, else one thread
+        for a draft of fewer than :data:`DRAFT_ONE_THREAD_BELOW` parameters (``params``;
+        0 = unknown counts as small), else ``intra_op``."""
+        n = self.draft_intra_op or (1 if params < DRAFT_ONE_THREAD_BELOW else self.intra_op)
+        return ThreadConfig(n, self.spinning, n)

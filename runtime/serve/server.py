@@ -1343,7 +1343,7 @@ def serve(
         service.engine.backend,
         f"continuous batching of up to {max_batch} requests (policy {batch_policy}), 1 scheduler" if max_batch > 0 else f"{workers} worker(s)",
         tc.intra_op,
-        tc.for_draft().intra_op,
+        tc.for_draft(service.engine.manifest.draft.params).intra_op,
         tpl,
         host,
         port,

@@ -1,0 +1,183 @@
+"""Where a round's candidates come from: the draft model, the sequence itself (n-gram /
+prompt lookup), or both.
+
+Every drafter yields the round's draft *steps*, ``(token, confidence)`` one at a time and
+only as pulled (:func:`specrt.runtime.speculative.propose` stops pulling at the threshold,
+``n_max`` or EOS), and records each in ``steps``. The target verifies whatever is proposed
+with the same acceptance loop, so the drafter changes only speed, never the output: greedy
+output stays the target's own, sampled output its distribution.
+
+* ``model`` (:class:`ModelDrafter`): the draft model, one call per step after feeding it the
+  tokens it has not seen (Leviathan et al. 2023, Algorithm 1).
+* ``ngram`` (:class:`NgramDrafter`): prompt lookup decoding (Saxena 2023; llama.cpp's
+  ``ngram-simple``; Hugging Face's ``prompt_lookup_num_tokens``): the longest suffix of the
+  sequence (``max_n`` down to ``min_n`` tokens) that occurred earlier, in the prompt or the
+  output, proposes the tokens that followed its latest earlier occurrence. No model call.
+* ``hybrid`` (:class:`HybridDrafter`): the n-gram proposal when the sequence has one, the
+  draft model otherwise.
+
+An n-gram proposal is a deterministic draft: its distribution is one-hot at the proposed
+token, given to the acceptor as a logits row with every other id at -1e9 (``acc.draft``), so
+exact speculative sampling (accept with probability p(x) / 1, else sample the residual p
+without x) holds unchanged, and a greedy confidence is 1.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+
+from .backends.base import Model
+
+__all__ = ["DRAFTERS", "Drafter", "ModelDrafter", "NgramIndex", "NgramDrafter", "HybridDrafter", "make_drafter"]
+
+DRAFTERS = ("model", "ngram", "hybrid")
+NGRAM_MIN, NGRAM_MAX = 2, 4  # suffix lengths tried, longest first (HF's default lookup is 2..)
+
+
+class Drafter(Protocol):
+    """A source of candidates for one generation (see the module docstring).
+
+    Attributes:
+        model_calls: draft model calls made for the steps pulled since the caller last
+            set it to 0 (one per model step, the feed of unseen tokens included in the
+            first; n-gram steps cost none).
+    """
+
+    model_calls: int
+
+    def steps(self, seq: list[int], kv, acc, steps: list, pre: list | None) -> Iterator[tuple[int, float]]:
+        """The round's draft steps over ``seq`` (prompt + committed, pending last).
+
+        Args:
+            kv: the generation's :class:`~specrt.runtime.decode.KVLengths` (a drafter that
+                runs the draft model advances ``kv.draft``).
+            acc: the :class:`~specrt.runtime.decode.Acceptor` (turns a row into a step).
+            steps: every step pulled is appended here.
+            pre: (observe) a list for the draft's top-1 of the pending token, or None.
+        """
+        ...
+
+
+class ModelDrafter:
+    """The draft model proposes (one call per step, as pulled)."""
+
+    def __init__(self, draft: Model):
+        self.draft = draft
+        self.model_calls = 0
+
+    def steps(self, seq, kv, acc, steps, pre) -> Iterator[tuple[int, float]]:
+        from .decode import feed
+
+        draft = self.draft
+        rows = feed(draft, seq[kv.draft :], kv.draft)
+        if pre is not None and len(rows) > 1:
+            pre.append(acc.draft(rows[-2], 0))
+        kv.draft = len(seq)
+        i = 0
+        while True:
+            step = acc.draft(rows[-1], i)
+            steps.append(step)
+            self.model_calls += 1
+            yield step
+            rows = draft.run((step[0],), kv.draft)
+            kv.draft += 1
+            i += 1
+
+
+class NgramIndex:
+    """The latest earlier occurrence of every n-gram of a growing sequence.
+
+    ``table[ngram] = end`` where ``seq[end - n : end] == ngram`` and ``end < len(seq)`` (the
+    n-gram has a continuation, ``seq[end]``); a later occurrence replaces an earlier one.
+    :meth:`update` adds the n-grams that gained a continuation since the last call, so each
+    position is indexed once per generation.
+    """
+
+    def __init__(self, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram lengths {min_n}..{max_n}; need 1 <= min_n <= max_n")
+        self.min_n, self.max_n = min_n, max_n
+        self.table: dict[tuple, int] = {}
+        self.upto = 0
+
+    def update(self, seq: Sequence[int]) -> None:
+        """Index the n-grams ending at positions ``[upto, len(seq))`` (each followed by a token)."""
+        for end in range(max(self.upto, self.min_n), len(seq)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.table[tuple(seq[end - n : end])] = end
+        self.upto = len(seq)
+
+    def continuation(self, seq: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+        suffix of ``seq`` (``max_n`` down to ``min_n`` tokens) found; [] when none is.
+        Call :meth:`update` with ``seq`` first."""
+        for n in range(min(self.max_n, len(seq)), self.min_n - 1, -1):
+            end = self.table.get(tuple(seq[len(seq) - n :]))
+            if end is not None:
+                return list(seq[end : end + k])
+        return []
+
+
+class NgramDrafter:
+    """Prompt lookup decoding (module docstring): no model call; a round with no match
+    proposes nothing (a plain target step)."""
+
+    def __init__(self, vocab: int, k_max: int, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX):
+        self.index = NgramIndex(min_n, max_n)
+        self.k_max = k_max
+        self.model_calls = 0
+        self.row = np.full(vocab, -1e9, np.float32)  # the one-hot draft distribution, reused
+
+    def proposal(self, seq: list[int]) -> list[int]:
+        """This round's n-gram continuation of ``seq`` (indexed first)."""
+        self.index.update(seq)
+        return self.index.continuation(seq, self.k_max)
+
+    def steps(self, seq, kv, acc, steps, pre) -> Iterator[tuple[int, float]]:
+        return self._one_hot(self.proposal(seq), acc, steps)
+
+    def _one_hot(self, tokens: list[int], acc, steps: list) -> Iterator[tuple[int, float]]:
+        row = self.row
+        for i, t in enumerate(tokens):
+            row[t] = 0.0
+            step = acc.draft(row, i)
+            row[t] = -1e9
+            steps.append(step)
+            yield step
+
+
+class HybridDrafter(NgramDrafter):
+    """The n-gram proposal when the sequence has one, else the draft model."""
+
+    def __init__(self, draft: Model, vocab: int, k_max: int, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX):
+        self.model = ModelDrafter(draft)  # first: NgramDrafter.__init__ sets model_calls
+        super().__init__(vocab, k_max, min_n, max_n)
+
+    @property
+    def model_calls(self) -> int:
+        return self.model.model_calls
+
+    @model_calls.setter
+    def model_calls(self, n: int) -> None:
+        self.model.model_calls = n
+
+    def steps(self, seq, kv, acc, steps, pre) -> Iterator[tuple[int, float]]:
+        toks = self.proposal(seq)
+        return self._one_hot(toks, acc, steps) if toks else self.model.steps(seq, kv, acc, steps, pre)
+
+
+def make_drafter(name: str, draft: Model, vocab: int, k_max: int) -> Drafter:
+    """The drafter ``name`` (one of :data:`DRAFTERS`) of one generation.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "model":
+        return ModelDrafter(draft)
+    if name == "ngram":
+        return NgramDrafter(vocab, k_max)
+    if name == "hybrid":
+        return HybridDrafter(draft, vocab, k_max)
+    raise ValueError(f"drafter={name!r}; choose one of {', '.join(DRAFTERS)}")
