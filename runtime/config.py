@@ -36,6 +36,7 @@ __all__ = [
     "check_stops",
     "check_logprobs",
     "check_drafter",
+    "check_adaptive",
     "MAX_LOGPROBS",
 ]
 
@@ -51,6 +52,7 @@ DEFAULT_KEYS = {
     "chunk_bound": "chunk_bound",
     "draft_confidence_temperature": "confidence_temperature",
     "drafter": "drafter",
+    "adaptive": "adaptive",
 }
 
 
@@ -107,6 +109,12 @@ class GenerationConfig:
             own earlier continuation of its longest matching suffix, no model call) or
             ``hybrid`` (the n-gram when there is one, else the draft model);
             :mod:`specrt.runtime.drafters`. The output is the same with all three.
+        adaptive: choose each round's number of candidates (0 = a plain target step) from
+            this machine's per-call costs and the request's running acceptance
+            (:mod:`specrt.runtime.adaptive`), so speculation does not lose to plain
+            decoding on text the drafter predicts badly; ``k_max`` stays the cap. None =
+            the manifest's default, else False. Costs come from ``specrt tune``'s record in
+            the manifest, else are measured once per Engine. The output never changes.
     """
 
     max_new_tokens: int = 128
@@ -124,6 +132,7 @@ class GenerationConfig:
     logprobs: int | None = None
     exact_widths: bool = True
     drafter: str | None = None
+    adaptive: bool | None = None
 
 
 # ---- one check per field ------------------------------------------------------------------
@@ -241,6 +250,17 @@ def check_drafter(name) -> str:
     return name
 
 
+def check_adaptive(v) -> bool:
+    """``v`` if it is a bool.
+
+    Raises:
+        InputError: (param ``adaptive``) otherwise.
+    """
+    if not isinstance(v, (bool, np.bool_)):
+        raise InputError(f"adaptive={v!r}; adaptive must be true or false", "adaptive")
+    return bool(v)
+
+
 def check_logprobs(n) -> int | None:
     """``n`` as int if it is None or an integer in 0..:data:`MAX_LOGPROBS`.
 
@@ -324,6 +344,7 @@ def resolve_config(config: GenerationConfig, defaults: Mapping[str, Any], k_rang
         logprobs=check_logprobs(config.logprobs),
         exact_widths=bool(config.exact_widths),
         drafter=check_drafter(pick("drafter", "drafter", "model")),
+        adaptive=check_adaptive(pick("adaptive", "adaptive", False)),
     )
 
 
@@ -353,6 +374,7 @@ def check_defaults(defaults: object, k_max: int, where: str = "defaults") -> dic
         "chunk_bound": check_chunk_bound,
         "draft_confidence_temperature": lambda v: check_confidence_temperature(v, "draft_confidence_temperature"),
         "drafter": check_drafter,
+        "adaptive": check_adaptive,
     }
     out = {}
     for key, value in defaults.items():

@@ -48,6 +48,7 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
+from .adaptive import AdaptiveK
 from .backends.base import Model
 from .drafters import Drafter, ModelDrafter, make_drafter
 from .speculative import chunk_passes, chunk_sizes, commit, draft_limit, head_blocks, propose, rollback_lengths
@@ -103,6 +104,11 @@ class Plan:
             export measured bit-identical, ``k_max + 1`` of the engine (:func:`chunk_bounds`).
         drafter: where candidates come from: ``model``, ``ngram`` or ``hybrid``
             (:mod:`specrt.runtime.drafters`).
+        adaptive: None (draft up to ``k_max`` every round), or ``(target_s, draft_s,
+            prior)``: each round's candidates are chosen by
+            :class:`~specrt.runtime.adaptive.AdaptiveK` from these per-call costs (seconds of
+            a target call of width q = 1..k_max+1, of a draft step) and the request's running
+            acceptance (``prior`` before any round).
     """
 
     k_max: int
@@ -117,6 +123,7 @@ class Plan:
     min_q: int = 1
     tail_q: int = 0
     drafter: str = "model"
+    adaptive: tuple | None = None
 
 
 @dataclass
@@ -296,13 +303,18 @@ def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, c
         yield lo, split.head(h, e - h)[off + lo - h :]
 
 
-def one_round(target: Model, draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter | None = None) -> Round:
+def one_round(
+    target: Model, draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter | None = None, policy=None
+) -> Round:
     """One round on ``seq`` (prompt + committed tokens; extended in place); see the module
     docstring. ``drafter``: where the candidates come from (:mod:`specrt.runtime.drafters`;
-    None: the draft model)."""
+    None: the draft model); ``policy``: an :class:`~specrt.runtime.adaptive.AdaptiveK`
+    choosing how many candidates this round may propose (None: up to ``k_max``)."""
     clock = time.perf_counter
     seq_len = len(seq)
     n_max = draft_limit(plan.k_max, plan.budget - (seq_len - n_prompt), seq_len, plan.max_ctx) if plan.speculative else 0
+    if policy is not None:
+        n_max = policy.choose(n_max)
     steps: list = []
     pre: list | None = [] if plan.observe and acc.greedy else None
     t0 = clock()
@@ -313,6 +325,8 @@ def one_round(target: Model, draft: Model, seq: list[int], n_prompt: int, kv: KV
     calls: list = []
     m, token = verify(cands, target_blocks(target, seq, cands, kv.target, confs, plan, calls), acc)
     t2 = clock()
+    if policy is not None:
+        policy.update(len(cands), m)
     new, ended = commit(cands, m, token, plan.eos)
     seq.extend(new)
     kv.target, kv.draft = rollback_lengths(seq_len, kv.draft, m)
@@ -351,13 +365,17 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     finish = "stop" if first in plan.eos else _length_finish(seq, n_prompt, plan)
     rec = Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - t0, calls=calls)
     drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max)
+    policy = None
+    if plan.adaptive is not None and plan.speculative:
+        target_s, draft_s, prior = plan.adaptive
+        policy = AdaptiveK(target_s, 0.0 if plan.drafter == "ngram" else draft_s, prior)
     while True:
         if rec.finish is not None and plan.observe and acc.greedy:
             rec.tail = _draft_tail(draft, seq, n_prompt, kv, acc)
         yield rec
         if rec.finish is not None:
             return
-        rec = one_round(target, draft, seq, n_prompt, kv, plan, acc, drafter)
+        rec = one_round(target, draft, seq, n_prompt, kv, plan, acc, drafter, policy)
 
 
 def _draft_tail(draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, acc: Acceptor) -> tuple | None:

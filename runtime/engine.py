@@ -208,6 +208,7 @@ class Engine:
             self.backend, self.folder, m, threads or ThreadConfig(), max(PREFILL_CHUNK, m.k_max + 1), PREFILL_CHUNK, verify_hashes
         )
         self._flops = flop_coefficients(m.target)
+        self._adaptive: tuple | None = None  # per-call costs for adaptive k (adaptive_costs)
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread holding _lock (deadlock check)
         # the folder's chat template (specrt export copies the target's; its SHA-256 was checked with the manifest)
@@ -383,7 +384,30 @@ class Engine:
             m.min_q() if cfg.exact_widths else 1,
             m.k_max + 1 if cfg.exact_widths else 0,
             cfg.drafter,
+            self.adaptive_costs() if cfg.adaptive and cfg.speculative else None,
         )
+
+    def adaptive_costs(self) -> tuple:
+        """``(target_s, draft_s, prior)`` for :class:`~specrt.runtime.adaptive.AdaptiveK`:
+        seconds of a target call of width q = 1..k_max+1 (q = 1 as the loop makes it) and
+        of a draft step, and the acceptance to start from. From ``specrt tune``'s record in
+        the manifest (``extra.tune.costs``, ``extra.calibration.acceptance``) when there is
+        one, else measured once on this Engine (5 interleaved repetitions, 256 rows of
+        past) and kept."""
+        if self._adaptive is None:
+            from .lab.trace import Costs
+
+            m = self.manifest
+            rec = (m.extra.get("tune") or {}).get("costs")
+            if rec:
+                costs = Costs.from_json(rec, "manifest extra.tune.costs")
+            else:
+                from .lab.tune import measure_costs
+
+                costs = measure_costs(self, range(1, m.k_max + 2), min(256, m.max_ctx - m.k_max - 2), reps=5)
+            prior = float((m.extra.get("calibration") or {}).get("acceptance", 0.7))
+            self._adaptive = (tuple(costs.target(q) for q in range(1, m.k_max + 2)), costs.draft_s_per_call, prior)
+        return self._adaptive
 
     def _locked(self):
         """This Engine's lock as a context manager, refusing (instead of deadlocking) a

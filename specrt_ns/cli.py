@@ -314,6 +314,11 @@ def export(
     default=None,
     help="where candidates come from: the draft model, n-gram prompt lookup (no model), or hybrid (default: manifest, else model)",
 )
+@click.option(
+    "--adaptive/--no-adaptive",
+    default=None,
+    help="choose each round's candidates (0 = a plain target step) from the per-call costs and the running acceptance (default: manifest, else off)",
+)
 @click.option("--stream", is_flag=True, help="print text as it is committed (UTF-8-safe pieces)")
 @click.option("--stop", "stops", multiple=True, help="stop string (repeatable, at most 16): the output ends before the first match")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="print statistics (JSON) to stderr")
@@ -344,6 +349,7 @@ def generate(
     max_new_tokens,
     no_speculation,
     drafter,
+    adaptive,
     stream,
     stops,
     stats,
@@ -378,6 +384,7 @@ def generate(
         chunk_bound=chunk_bound,
         confidence_temperature=confidence_temperature,
         drafter=drafter,
+        adaptive=adaptive,
     )
     t_loaded = time.perf_counter()
     if chat:
@@ -428,6 +435,13 @@ def generate(
     "--drafter", "drafters", type=click.Choice(DRAFTERS), multiple=True, help="drafters to compare (repeatable: one row each; default: manifest, else model)"
 )
 @click.option(
+    "--adaptive",
+    "adaptives",
+    type=click.Choice(["on", "off"]),
+    multiple=True,
+    help="adaptive k (repeatable: one row each; default: manifest, else off)",
+)
+@click.option(
     "--fastest-baseline/--no-fastest-baseline",
     default=True,
     show_default=True,
@@ -449,6 +463,7 @@ def bench(
     out_json,
     trace_file,
     drafters,
+    adaptives,
     fastest_baseline,
     strategies,
     chunk_bound,
@@ -480,10 +495,21 @@ def bench(
         for th in ths:
             for st in strategies or (None,):
                 for dr in drafters or (None,):
-                    cfg = engine.resolve(
-                        GenerationConfig(max_new_tokens=max_new_tokens, k_max=k, threshold=th, strategy=st, chunk_bound=chunk_bound, drafter=dr, **samp)
-                    )
-                    configs.append(BenchConfig(f"spec k={k} th={th:g}" + (f" {st}" if st else "") + (f" {dr}" if dr else ""), cfg))
+                    for ad in adaptives or (None,):
+                        cfg = engine.resolve(
+                            GenerationConfig(
+                                max_new_tokens=max_new_tokens,
+                                k_max=k,
+                                threshold=th,
+                                strategy=st,
+                                chunk_bound=chunk_bound,
+                                drafter=dr,
+                                adaptive=None if ad is None else ad == "on",
+                                **samp,
+                            )
+                        )
+                        label = f"spec k={k} th={th:g}" + (f" {st}" if st else "") + (f" {dr}" if dr else "") + (" adaptive" if cfg.adaptive else "")
+                        configs.append(BenchConfig(label, cfg))
     bars = _PhaseBars()
     tw = None
     if trace_file:
@@ -786,6 +812,8 @@ def _write_tune_defaults(result: dict, defaults: dict, target: str, from_trace: 
     )
     if result.get("batch_step_costs"):
         extra["tune"]["batch_step_costs"] = result["batch_step_costs"]
+    if result.get("costs"):
+        extra["tune"]["costs"] = result["costs"]  # the per-call costs adaptive k decides with (Engine.adaptive_costs)
     if result.get("calibration"):
         cal = result["calibration"]
         extra["calibration"] = {
