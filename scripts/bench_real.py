@@ -150,6 +150,11 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-server", default=".venv-llamacpp/bin/llama-server")
     ap.add_argument("--ortgenai-python", default=".venv-ortgenai/bin/python")
     ap.add_argument("--skip", default="", help="comma-separated: llamaserver, ortgenai, hf")
+    ap.add_argument(
+        "--specrt-extra",
+        default="model:adaptive,ngram:fixed,hybrid:adaptive",
+        help="more specrt speculative rows, DRAFTER:adaptive|fixed comma-separated (drafters: model, ngram, hybrid)",
+    )
     ap.add_argument("--call-timeout", type=float, default=900)
     ap.add_argument("--out", default="bench_out/real_pair")
     a = ap.parse_args(argv)
@@ -238,6 +243,11 @@ def main(argv=None) -> int:
             own_base=BASE,
         ),
     ]
+    for extra in (x for x in a.specrt_extra.split(",") if x.strip()):
+        dr, _, ad = extra.partition(":")
+        v = dict(speculative=True, drafter=dr, adaptive=ad == "adaptive")
+        lab = f"specrt speculative {dr}{' adaptive' if ad == 'adaptive' else ''}"
+        rows.append(row(lab, "specrt", py, "specrt_worker.py", dict(common, engines=str(eng), variant=v), own_base=BASE))
     if "llamaserver" not in skip:
         miss = None if (py_ll and server) else f"no llama-server at {a.llama_server}: run `make bench-envs`"
         lb = "llama-server target-only"

@@ -44,6 +44,8 @@ def _config(init: dict, max_new_tokens: int):
         threshold=v.get("threshold"),
         speculative=bool(v["speculative"]),
         exact_widths=bool(v.get("exact_widths", True)),  # False: target-only at its fastest (1-row) width
+        drafter=v.get("drafter"),
+        adaptive=v.get("adaptive"),
     )
 
 
