@@ -85,6 +85,13 @@ demo-real: real-pair
 	$(BIN)/specrt generate --engines $(REAL_ENGINES) --max-new-tokens 96 --chat --prompt "Write a Python function that checks whether a string is a palindrome."
 	$(BIN)/specrt bench --engines $(REAL_ENGINES) --prompts $(PROMPTS) --limit 4 --max-new-tokens 64 --out bench_out/demo_real.json
 
+# the comparison table of docs/REAL_PAIR.md in one interleaved, repeated run (about an hour):
+# llama-server (best settings searched first), onnxruntime-genai, transformers, specrt rows
+REAL_BENCH_OUT ?= bench_out/real_pair
+REAL_REPEATS ?= 2
+bench-real: real-pair $(LL_VENV)/bin/llama-server $(OG_VENV)/.installed
+	$(BIN)/python scripts/bench_real.py --engines $(REAL_ENGINES) --repeats $(REAL_REPEATS) --threads $(THREADS) --out $(REAL_BENCH_OUT)
+
 # speculative == target-only on the real pair (not CI: it needs `make real-pair`)
 test-real: real-pair
 	SPECRT_REAL_ENGINES=$(REAL_ENGINES) $(BIN)/python -m pytest -q -m real tests/test_real_pair.py

@@ -53,7 +53,20 @@ from .backends.base import Model
 from .drafters import Drafter, ModelDrafter, make_drafter
 from .speculative import chunk_passes, chunk_sizes, commit, draft_limit, head_blocks, propose, rollback_lengths
 
-__all__ = ["Acceptor", "Plan", "Round", "KVLengths", "decode", "one_round", "verify", "target_blocks", "feed", "chunk_bounds", "call_start"]
+__all__ = [
+    "Acceptor",
+    "Plan",
+    "Round",
+    "KVLengths",
+    "decode",
+    "one_round",
+    "verify",
+    "target_blocks",
+    "feed",
+    "chunk_bounds",
+    "call_start",
+    "adaptive_policy",
+]
 
 Call = tuple  # (positions through the body, past length, rows projected to logits) of one target call
 
@@ -334,6 +347,15 @@ def one_round(
     return Round(seq_len - n_prompt, steps, len(cands), m, new, finish, drafter.model_calls, t1 - t0 if steps else 0.0, t2 - t1, calls, pre[0] if pre else None)
 
 
+def adaptive_policy(plan: Plan) -> AdaptiveK | None:
+    """The adaptive-k policy of one generation (:class:`~specrt.runtime.adaptive.AdaptiveK`,
+    a free draft for the n-gram drafter), or None when ``plan.adaptive`` is off."""
+    if plan.adaptive is None or not plan.speculative:
+        return None
+    target_s, draft_s, prior = plan.adaptive
+    return AdaptiveK(target_s, 0.0 if plan.drafter == "ngram" else draft_s, prior)
+
+
 def _length_finish(seq: list[int], n_prompt: int, plan: Plan) -> str | None:
     """ "length" when the budget or the context is used up, else None."""
     return "length" if len(seq) - n_prompt >= plan.budget or len(seq) >= plan.max_ctx else None
@@ -365,10 +387,7 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     finish = "stop" if first in plan.eos else _length_finish(seq, n_prompt, plan)
     rec = Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - t0, calls=calls)
     drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max)
-    policy = None
-    if plan.adaptive is not None and plan.speculative:
-        target_s, draft_s, prior = plan.adaptive
-        policy = AdaptiveK(target_s, 0.0 if plan.drafter == "ngram" else draft_s, prior)
+    policy = adaptive_policy(plan)
     while True:
         if rec.finish is not None and plan.observe and acc.greedy:
             rec.tail = _draft_tail(draft, seq, n_prompt, kv, acc)

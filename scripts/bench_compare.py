@@ -126,6 +126,19 @@ class Worker:
             self.proc.wait()
 
 
+def run_record(prompt: int, repeat: int, ans: dict) -> dict:
+    """One measured call as the summaries read it, from a worker's ``run`` answer."""
+    return dict(
+        prompt=prompt,
+        repeat=repeat,
+        tokens=ans["tokens"],
+        new_tokens=len(ans["tokens"]),
+        seconds=ans["seconds"],
+        ttft=ans.get("ttft"),
+        extra=ans.get("extra") or {},
+    )
+
+
 def venv_python(path: str) -> str | None:
     p = Path(path)
     if not p.is_absolute():
@@ -889,17 +902,7 @@ def main(argv=None) -> int:
                 if not ans.get("ok"):
                     r["status"], r["error"] = "failed", f"prompt {i}: {ans.get('error')}"
                     continue
-                runs[r["label"]].append(
-                    dict(
-                        prompt=i,
-                        repeat=rep,
-                        tokens=ans["tokens"],
-                        new_tokens=len(ans["tokens"]),
-                        seconds=ans["seconds"],
-                        ttft=ans.get("ttft"),
-                        extra=ans.get("extra") or {},
-                    )
-                )
+                runs[r["label"]].append(run_record(i, rep, ans))
                 done += 1
             if (i + 1) % 5 == 0 or i + 1 == len(ids):
                 el = time.time() - t_start

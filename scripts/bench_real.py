@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_compare  # noqa: E402
-from bench_compare import WORKERS, Worker, summarize, venv_python  # noqa: E402
+from bench_compare import WORKERS, Worker, run_record, summarize, venv_python  # noqa: E402
 
 BASE = "specrt target-only (exact width)"
 bench_compare.BASE = BASE  # summarize() compares every row with this one
@@ -97,17 +97,7 @@ def run_rows(rows: list[dict], ids: list, labels: list, repeats: int, max_new: i
                 if not ans.get("ok"):
                     r["status"], r["error"] = "failed", f"{labels[i]}: {ans.get('error')}"
                     continue
-                runs[r["label"]].append(
-                    dict(
-                        prompt=i,
-                        repeat=rep,
-                        tokens=ans["tokens"],
-                        new_tokens=len(ans["tokens"]),
-                        seconds=ans["seconds"],
-                        ttft=ans.get("ttft"),
-                        extra=ans.get("extra") or {},
-                    )
-                )
+                runs[r["label"]].append(run_record(i, rep, ans))
             log(f"repeat {rep + 1}/{repeats}, prompt {i + 1}/{len(ids)} ({labels[i]}): {time.time() - t0:.0f} s")
     for r in rows:
         w = workers.get(r["label"])

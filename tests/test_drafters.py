@@ -106,3 +106,22 @@ def test_sampled_ngram_follows_the_target_distribution(tmp_path_factory):
     # chi-square against the exact distribution, as test_sampling's 3-token cases (a TV over
     # this many rare 3-token outcomes has a noise floor near 0.02: target-only itself gave 0.027)
     assert p > 1e-3, (tv, p)
+
+
+def test_bench_reports_the_fastest_baseline_and_drafters(tiny_pair, tmp_path):
+    """``specrt bench`` runs target-only at its fastest width (1-row steps) beside the exact
+    one by default, and one row per --drafter / --adaptive."""
+    import json
+
+    from click.testing import CliRunner
+
+    from specrt.cli import cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f(x):"}\n')
+    out = tmp_path / "b.json"
+    args = ["bench", "--engines", str(tiny_pair[2]), "--prompts", str(prompts), "--max-new-tokens", "8", "--k-max", "2", "--threshold", "0"]
+    r = CliRunner().invoke(cli, args + ["--drafter", "model", "--drafter", "ngram", "--adaptive", "on", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    labels = [row["label"] for row in json.loads(out.read_text())["rows"]]
+    assert labels == ["target-only", "target-only 1-row", "spec k=2 th=0 model adaptive", "spec k=2 th=0 ngram adaptive"]

@@ -299,7 +299,7 @@ def test_draft_equal_to_target_accepts_every_proposal(small_pair, tmp_path):
 def test_eos_sampled_mid_run_ends_the_output(small_pair, tmp_path):
     """Make a frequent token the EOS: runs stop right after it, wherever it is sampled
     (candidate accepted mid-round, correction, bonus, first token)."""
-    engine = _engine_copy(small_pair, tmp_path / "eos_engine", eos_token_id=5)
+    engine = _engine_copy(small_pair, tmp_path / "eos_engine", eos_token_id=5, eos_token_ids=[5])
     stops = Counter()
     for s in range(200):
         for spec in (True, False):
@@ -349,7 +349,22 @@ def test_cli_generate_and_bench_sampling(small_pair, tmp_path):
     out = tmp_path / "bench.json"
     r = CliRunner().invoke(
         cli,
-        ["bench", "--engines", str(small_pair), "--prompts", str(prompts), "--max-new-tokens", "16", "--k-max", "2", "--out", str(out), "--backend", "ort-cpu"]
+        [
+            "bench",
+            "--engines",
+            str(small_pair),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "16",
+            "--k-max",
+            "2",
+            "--out",
+            str(out),
+            "--backend",
+            "ort-cpu",
+            "--no-fastest-baseline",
+        ]
         + samp,
     )
     assert r.exit_code == 0, r.output

@@ -597,6 +597,7 @@ def test_cli_generate_and_bench_strategies(noisy, tmp_path):
             "lazy-head",
             "--out",
             str(out),
+            "--no-fastest-baseline",
         ],
     )
     assert res.exit_code == 0, res.output

@@ -274,6 +274,7 @@ def test_cli_generate_and_bench_trace(noisy_pair, tmp_path):
             "0",
             "--trace",
             str(tmp_path / "b.jsonl"),
+            "--no-fastest-baseline",
         ],
     )
     assert r.exit_code == 0, r.output

@@ -53,7 +53,8 @@ import numpy as np
 
 from ..backends.ort_gqa import OrtGqaModel
 from ..backends.ort_gqa_batch import BatchedGqaModel
-from ..decode import KVLengths, Round, chunk_bounds, feed, one_round
+from ..decode import KVLengths, Round, adaptive_policy, chunk_bounds, feed, one_round
+from ..drafters import make_drafter
 from ..engine import GenerationResult, commit_output
 from ..errors import SpecRTError
 from ..logprobs import LogprobRecorder
@@ -172,6 +173,8 @@ class _Row:
     round_tok: float = 0.0  # running means of this row's speculative rounds
     round_s: float = 0.0
     rounds: int = 0
+    drafter: object = None  # the row's candidate source (runtime.drafters), made when it takes a slot
+    policy: object = None  # adaptive k of the row (runtime.adaptive), or None
 
 
 class BatchPool:
@@ -457,6 +460,7 @@ class BatchPool:
         if cfg.logprobs is not None:
             acc = LogprobRecorder(acc, eng.manifest.vocab_size, cfg.logprobs)
         row = _Row(job, cfg, eng.plan(cfg), acc, self._free_drafts.pop(), slot, list(job.ids), len(job.ids))
+        row.drafter, row.policy = make_drafter(row.plan.drafter, row.draft, row.draft.vocab, row.plan.k_max), adaptive_policy(row.plan)
         row.stats = Stats(prompt_tokens=row.n_prompt, accepted_hist=[0] * (cfg.k_max + 1), proposed_hist=[0] * (cfg.k_max + 1))
         row.text_out = CompletionText(eng.codec, job.ids, cfg.stop)
         row.lps = [] if cfg.logprobs is not None else None
@@ -484,7 +488,7 @@ class BatchPool:
         calls, tokens committed)."""
         try:
             t0 = time.perf_counter()
-            rec = one_round(self.batched.slots[row.slot], row.draft, row.seq, row.n_prompt, row.kv, row.plan, row.acc)
+            rec = one_round(self.batched.slots[row.slot], row.draft, row.seq, row.n_prompt, row.kv, row.plan, row.acc, row.drafter, row.policy)
             dt = time.perf_counter() - t0
             if row.rounds:
                 row.round_tok += EMA * (len(rec.commit) - row.round_tok)
