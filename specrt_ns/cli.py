@@ -117,12 +117,11 @@ def cli():
 def _chat_prompt(engine, text: str) -> list[int]:
     """``text`` as one user message rendered with the engine's chat template (as the
     server's chat completions), tokenized without adding BOS."""
-    from .runtime.serve.chat import ChatTemplate, special_token_strings
+    from .runtime.serve.chat import engine_chat_ids
 
     if engine.chat_template is None:
         raise click.ClickException(f"--chat: the engine folder {engine.folder} has no chat template (its target checkpoint had none)")
-    tpl = ChatTemplate(engine.chat_template, str(engine.folder / engine.manifest.chat_template_file), special_token_strings(engine))
-    return engine.codec.encode(tpl.render([{"role": "user", "content": text}]), add_special_tokens=False)
+    return engine_chat_ids(engine, [{"role": "user", "content": text}])
 
 
 @cli.command()
@@ -423,7 +422,7 @@ def generate(
 
 @cli.command()
 @click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(), help="engine folder")
-@click.option("--prompts", "prompts_file", required=True, type=click.Path(), help='JSONL file, one {"prompt": ...} per line')
+@click.option("--prompts", "prompts_file", required=True, type=click.Path(), help='JSONL file, one {"prompt": TEXT} or {"messages": [...]} (a chat, rendered with the engine\'s template) per line')
 @click.option("--limit", type=click.IntRange(1), default=None, help="use the first N prompts")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True)
 @click.option("--k-max", "k_values", type=int, multiple=True, help="k_max values to try (repeatable; default: manifest)")
@@ -573,7 +572,7 @@ DEFAULT_TUNE_KS = (1, 2, 3, 4, 6, 8)
 @click.option(
     "--engines", default=None, type=click.Path(), help=f"engine folder (default {DEFAULT_ENGINES}; with --from-trace: only where to write the defaults)"
 )
-@click.option("--prompts", "prompts_file", type=click.Path(), default=None, help='validation JSONL, one {"prompt": ...} per line (not with --from-trace)')
+@click.option("--prompts", "prompts_file", type=click.Path(), default=None, help='validation JSONL, one {"prompt": TEXT} or {"messages": [...]} per line (not with --from-trace)')
 @click.option("--limit", type=click.IntRange(1), default=None, help="use the first N prompts")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True)
 @click.option("--k-max", "k_values", type=int, multiple=True, help="k_max values to sweep (repeatable; default: 1 2 3 4 6 8 within the engine's range)")
@@ -686,7 +685,7 @@ def tune(
     else:
         if not prompts_file:
             raise InputError("--prompts VALIDATION.jsonl is required (or --from-trace FILE)")
-        from .runtime.lab.bench import load_prompts
+        from .runtime.lab.bench import load_prompts, prompt_tokens
 
         prompts = load_prompts(prompts_file, limit)
         engine = _engine(engines or DEFAULT_ENGINES, threads, spinning, backend)
@@ -698,7 +697,7 @@ def tune(
                 prompts,
                 ks,
                 thresholds,
-                strategies or _runnable_strategies(engine, prompts[0]["prompt"]),
+                strategies or _runnable_strategies(engine, prompt_tokens(engine, prompts[0])),
                 max_new_tokens=max_new_tokens,
                 repeats=repeats,
                 confirm_repeats=confirm_repeats,
@@ -761,7 +760,7 @@ def _costs_file(costs_file: str | None):
     return Costs.from_json(raw.get("costs", raw) if isinstance(raw, dict) else raw, str(costs_file))
 
 
-def _runnable_strategies(engine, prompt: str) -> list[str]:
+def _runnable_strategies(engine, prompt: list[int]) -> list[str]:
     """Every verification strategy this engine folder and backend can run (one 2-token generation each)."""
     from .runtime.config import GenerationConfig
 

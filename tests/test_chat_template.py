@@ -260,3 +260,26 @@ def test_server_continues_an_assistant_prefill(tiny_pair, tiny_server):
     assert r["choices"][0]["message"]["content"] == want
     st, r, _ = post(tiny_server.port, dict(body, add_generation_prompt=True), path="/v1/chat/completions")
     assert st == 400 and r["error"]["param"] == "continue_final_message"
+
+
+def test_bench_prompt_files_take_chats(tiny_pair, noisy_pair, tmp_path):
+    """A ``messages`` line of a bench/tune prompt file is the engine template's rendering,
+    tokenized without BOS (transformers' apply_chat_template(tokenize=True) rule); a plain
+    ``prompt`` line is the text as given; an engine without a template refuses chats."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from specrt.runtime.lab.bench import load_prompts, prompt_tokens
+    from specrt.runtime.serve.chat import special_token_strings
+
+    engine = Engine(tiny_pair[2])
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"messages": CONVERSATION[1:]}) + "\n" + json.dumps({"prompt": "def f():"}) + "\n")
+    chat, plain = load_prompts(p)
+    (text,), _ = render_jinja_template(conversations=[CONVERSATION[1:]], chat_template=TINY_CHAT_TEMPLATE, add_generation_prompt=True, **special_token_strings(engine))
+    assert prompt_tokens(engine, chat) == engine.codec.tokenizer.encode(text, add_special_tokens=False).ids
+    assert prompt_tokens(engine, plain) == engine.prompt_ids("def f():")
+    with pytest.raises(InputError, match="has no chat template"):
+        prompt_tokens(Engine(noisy_pair[1]), chat)
+    p.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(InputError, match=r'p.jsonl:1: each line must be a JSON object with a non-empty "prompt" string or a "messages" list'):
+        load_prompts(p)

@@ -41,7 +41,7 @@ from ..config import GenerationConfig
 from ..engine import Engine
 from ..errors import InputError
 
-__all__ = ["BenchConfig", "load_prompts", "run_bench", "format_table", "distinct_4gram_share", "peak_rss_mb", "divergences", "top2_margin"]
+__all__ = ["BenchConfig", "load_prompts", "prompt_tokens", "run_bench", "format_table", "distinct_4gram_share", "peak_rss_mb", "divergences", "top2_margin"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,10 @@ class BenchConfig:
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Read a JSONL prompt file: one object per line with a string ``prompt`` field.
+    """Read a JSONL prompt file: one object per line with a string ``prompt`` field (the
+    text as given), or a ``messages`` field (a chat: a non-empty list of ``{"role": str,
+    "content": str}`` objects, rendered with the engine's chat template by
+    :func:`prompt_tokens`).
 
     Returns:
         list of dicts (``task_id`` kept when present), at most ``limit``.
@@ -67,15 +70,24 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     except OSError as e:
         raise InputError(f"cannot read prompts file {path}: {e.strerror}") from None
     out = []
+    want = 'each line must be a JSON object with a non-empty "prompt" string or a "messages" list of {"role", "content"} strings'
     for no, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise InputError(f'{path}:{no}: not valid JSON ({e.msg}); each line must be an object with a "prompt" string') from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise InputError(f'{path}:{no}: each line must be a JSON object with a non-empty "prompt" string')
+            raise InputError(f"{path}:{no}: not valid JSON ({e.msg}); {want}") from None
+        ok = isinstance(obj, dict) and (
+            (isinstance(obj.get("prompt"), str) and obj["prompt"])
+            or (
+                isinstance(obj.get("messages"), list)
+                and obj["messages"]
+                and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in obj["messages"])
+            )
+        )
+        if not ok:
+            raise InputError(f"{path}:{no}: {want}")
         out.append(obj)
         if limit and len(out) >= limit:
             break
@@ -126,7 +138,7 @@ def run_bench(
         base_time.setdefault((x["prompt"], x["repeat"]), x["seconds"])
     base_rate = sum(x["new_tokens"] for x in base) / sum(x["seconds"] for x in base)
     rows = [_row(c, runs[c.label], base_tokens, base_time, base_rate) for c in configs]
-    ids_all = [engine.prompt_ids(p["prompt"]) for p in prompts]
+    ids_all = [prompt_tokens(engine, p) for p in prompts]
     for c, row in zip(configs, rows):
         if c.config.temperature == 0 and row is not rows[0]:
             got = {x["prompt"]: x["tokens"] for x in runs[c.label] if x["repeat"] == 0}
@@ -180,13 +192,28 @@ def divergences(engine: Engine, ids_all: list[list[int]], base: dict[int, list[i
     return out
 
 
+def prompt_tokens(engine: Engine, prompt: dict) -> list[int]:
+    """Token ids of one :func:`load_prompts` entry: ``prompt`` text as
+    :meth:`Engine.prompt_ids` encodes it, ``messages`` rendered with the engine's chat template
+    (:func:`specrt.runtime.serve.chat.engine_chat_ids`).
+
+    Raises:
+        InputError: a ``messages`` entry and an engine folder without a chat template.
+    """
+    if "messages" in prompt and "prompt" not in prompt:
+        from ..serve.chat import engine_chat_ids
+
+        return engine_chat_ids(engine, prompt["messages"])
+    return engine.prompt_ids(prompt["prompt"])
+
+
 def _measure(engine: Engine, prompts, configs, repeats: int, progress, trace) -> dict[str, list[dict]]:
     """Every (repeat, prompt, config) generation, the config order rotated per prompt; per
     config label, one dict of figures per generation."""
     n = len(configs)
     runs: dict[str, list[dict]] = {c.label: [] for c in configs}
     total, done = len(prompts) * repeats * n, 0
-    ids_all = [engine.prompt_ids(p["prompt"]) for p in prompts]
+    ids_all = [prompt_tokens(engine, p) for p in prompts]
     for c in configs:  # warm-up (first-call allocations in onnxruntime), not measured
         engine.generate(ids_all[0], replace(c.config, max_new_tokens=4))
     for r in range(repeats):

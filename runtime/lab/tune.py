@@ -218,7 +218,7 @@ def tune(
     Raises:
         InputError: a bad grid, no prompts, or what generation raises.
     """
-    from .bench import BenchConfig
+    from .bench import BenchConfig, prompt_tokens
 
     m = engine.manifest
     if not prompts:
@@ -227,7 +227,7 @@ def tune(
     thresholds = sorted(set(float(t) for t in thresholds))
     strategies = list(dict.fromkeys(strategies))
     check_grid(ks, thresholds, strategies, (m.k_min, m.k_max))
-    ids = [engine.prompt_ids(p["prompt"]) for p in prompts]
+    ids = [prompt_tokens(engine, p) for p in prompts]
     greedy = GenerationConfig(max_new_tokens=max_new_tokens)
     result: dict = dict(
         engines=str(engine.folder),

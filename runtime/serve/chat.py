@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from ..errors import InputError, SpecRTError
 
-__all__ = ["ChatTemplate", "TemplateSourceError", "load_chat_template", "normalize_messages", "special_token_strings"]
+__all__ = ["ChatTemplate", "TemplateSourceError", "engine_chat_ids", "load_chat_template", "normalize_messages", "special_token_strings"]
 
 
 class TemplateSourceError(SpecRTError):
@@ -158,6 +158,23 @@ def special_token_strings(engine) -> dict[str, str]:
         if tid is not None and (tok := engine.codec.tokenizer.id_to_token(tid)) is not None:
             out[key] = tok
     return out
+
+
+def engine_chat_ids(engine, messages: Sequence[dict[str, Any]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the engine folder's own chat template and a
+    generation prompt, tokenized without adding BOS: what the server's chat completions feed
+    the model (``specrt generate --chat``, ``specrt bench``/``tune`` prompt files with
+    ``messages`` lines).
+
+    Raises:
+        InputError: the engine folder has no chat template (its target checkpoint had none),
+            or a message part that is not text.
+        TemplateSourceError: the template does not compile.
+    """
+    if engine.chat_template is None:
+        raise InputError(f"the engine folder {engine.folder} has no chat template (its target checkpoint had none); give plain prompts", "messages")
+    tpl = ChatTemplate(engine.chat_template, str(engine.folder / engine.manifest.chat_template_file), special_token_strings(engine))
+    return engine.codec.encode(tpl.render(normalize_messages(messages)), add_special_tokens=False)
 
 
 def load_chat_template(path: str | Path, special_tokens: dict[str, str] | None = None) -> ChatTemplate:
