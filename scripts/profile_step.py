@@ -59,7 +59,8 @@ def weight_bytes(path: Path) -> dict[str, int]:
         n = 1
         for d in t.dims:
             n *= d
-        size[t.name] = n * {1: 4, 2: 1, 3: 1, 10: 2, 16: 2, 6: 4, 7: 8}.get(t.data_type, 4)
+        # bytes per element by ONNX type: float, uint8, int8, float16, bfloat16, int32, int64, uint4, int4
+        size[t.name] = int(n * {1: 4, 2: 1, 3: 1, 10: 2, 16: 2, 6: 4, 7: 8, 21: 0.5, 22: 0.5}.get(t.data_type, 4))
     out = {}
     for node in m.graph.node:
         if node.op_type in ("MatMulNBits", "GatherBlockQuantized", "MatMul", "Gather"):
