@@ -161,7 +161,11 @@ def main() -> None:
         engines=a.engines,
         counted_on=f"stdlib files not held out + HumanEval prompts 0..{a.first - 1}: {counted} distinct ids",
         heldout=f"HumanEval prompts {a.first}..{a.first + a.n - 1}, completion and chat form, {a.max_new_tokens} new tokens, target-only greedy",
-        acceptance={f: {k: (v / d["positions"] if k not in ("positions", "target_in_kept") else v) for k, v in d.items()} | {"target_in_kept": {k: v / d["positions"] for k, v in d["target_in_kept"].items()}} for f, d in per_form.items()},
+        acceptance={
+            f: {k: (v / d["positions"] if k not in ("positions", "target_in_kept") else v) for k, v in d.items()}
+            | {"target_in_kept": {k: v / d["positions"] for k, v in d["target_in_kept"].items()}}
+            for f, d in per_form.items()
+        },
         draft_call_ms=cost,
         past=a.past,
         threads=dataclasses.asdict(threads),

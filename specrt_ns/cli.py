@@ -422,7 +422,13 @@ def generate(
 
 @cli.command()
 @click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(), help="engine folder")
-@click.option("--prompts", "prompts_file", required=True, type=click.Path(), help='JSONL file, one {"prompt": TEXT} or {"messages": [...]} (a chat, rendered with the engine\'s template) per line')
+@click.option(
+    "--prompts",
+    "prompts_file",
+    required=True,
+    type=click.Path(),
+    help='JSONL file, one {"prompt": TEXT} or {"messages": [...]} (a chat, rendered with the engine\'s template) per line',
+)
 @click.option("--limit", type=click.IntRange(1), default=None, help="use the first N prompts")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True)
 @click.option("--k-max", "k_values", type=int, multiple=True, help="k_max values to try (repeatable; default: manifest)")
@@ -572,7 +578,13 @@ DEFAULT_TUNE_KS = (1, 2, 3, 4, 6, 8)
 @click.option(
     "--engines", default=None, type=click.Path(), help=f"engine folder (default {DEFAULT_ENGINES}; with --from-trace: only where to write the defaults)"
 )
-@click.option("--prompts", "prompts_file", type=click.Path(), default=None, help='validation JSONL, one {"prompt": TEXT} or {"messages": [...]} per line (not with --from-trace)')
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(),
+    default=None,
+    help='validation JSONL, one {"prompt": TEXT} or {"messages": [...]} per line (not with --from-trace)',
+)
 @click.option("--limit", type=click.IntRange(1), default=None, help="use the first N prompts")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True)
 @click.option("--k-max", "k_values", type=int, multiple=True, help="k_max values to sweep (repeatable; default: 1 2 3 4 6 8 within the engine's range)")

@@ -275,7 +275,9 @@ def test_bench_prompt_files_take_chats(tiny_pair, noisy_pair, tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"messages": CONVERSATION[1:]}) + "\n" + json.dumps({"prompt": "def f():"}) + "\n")
     chat, plain = load_prompts(p)
-    (text,), _ = render_jinja_template(conversations=[CONVERSATION[1:]], chat_template=TINY_CHAT_TEMPLATE, add_generation_prompt=True, **special_token_strings(engine))
+    (text,), _ = render_jinja_template(
+        conversations=[CONVERSATION[1:]], chat_template=TINY_CHAT_TEMPLATE, add_generation_prompt=True, **special_token_strings(engine)
+    )
     assert prompt_tokens(engine, chat) == engine.codec.tokenizer.encode(text, add_special_tokens=False).ids
     assert prompt_tokens(engine, plain) == engine.prompt_ids("def f():")
     with pytest.raises(InputError, match="has no chat template"):
