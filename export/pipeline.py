@@ -402,10 +402,7 @@ def export_pair(
     if "target" in gguf and "target" in quants and gguf_weights == "exact":
         quants["target"] = replace(quants["target"], gguf_exact=True)
     if gguf:
-        from .onnx_export import trim_heap
-
-        trim_heap()  # the conversion's freed tensors back to the OS before the next phase
-        meter.phase(None)
+        meter.phase(None)  # ends the conversion phase (the meter collects and trims the heap)
     draft_dir, target_dir, out = paths["draft"], paths["target"], Path(out)
     for role, d in (("draft", draft_dir), ("target", target_dir)):
         if not (d / "config.json").is_file():

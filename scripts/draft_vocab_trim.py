@@ -64,8 +64,9 @@ def trimmed_draft(src: Path, keep: np.ndarray, dst: Path) -> None:
     onnx.save(m, str(dst), save_as_external_data=True, location=dst.name + ".data")
 
 
-def ranked_ids(tok, first: int, prompts: list[str], vocab: int, eos: set[int]) -> np.ndarray:
-    """Ids by descending count on the counting text (end ids first: they must stay proposable)."""
+def ranked_ids(tok, first: int, prompts: list[str], vocab: int, eos: set[int]) -> tuple[np.ndarray, int]:
+    """(every id by descending count on the counting text, end ids first since they must stay
+    proposable; the number of distinct ids counted)."""
     from specrt.runtime.lab.quality import HELDOUT_EVERY, stdlib_files
 
     counts: Counter = Counter()

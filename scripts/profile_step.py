@@ -96,6 +96,7 @@ def main() -> None:
     import onnxruntime as ort
 
     from specrt.runtime.backends.base import ThreadConfig
+    from specrt.runtime.backends.ort import session_options
     from specrt.runtime.backends.ort_gqa import OrtGqaModel
     from specrt.runtime.manifest import load_manifest
 
@@ -104,12 +105,7 @@ def main() -> None:
     entry = getattr(man, a.role)
     threads = ThreadConfig() if a.role == "target" else ThreadConfig().for_draft(entry.params)
     prof_dir = Path(tempfile.mkdtemp(prefix="ortprof"))
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads.intra_op
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if threads.spinning else "0")
+    so = session_options(threads)  # the runtime's own settings, plus the profiler
     so.enable_profiling = True
     so.profile_file_prefix = str(prof_dir / "p")
     model = object.__new__(OrtGqaModel)

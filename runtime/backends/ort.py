@@ -28,7 +28,17 @@ from ..manifest import LAZY_HEAD_HINT, Manifest, ModelEntry, lazy_head_files
 from .base import ThreadConfig
 from .kv_layout import check_call
 
-__all__ = ["OrtModel", "OrtHeadSplit", "SharedHeadSessions", "cpu_session", "check_graph", "graph_shapes", "head_shapes", "available_providers"]
+__all__ = [
+    "OrtModel",
+    "OrtHeadSplit",
+    "SharedHeadSessions",
+    "cpu_session",
+    "session_options",
+    "check_graph",
+    "graph_shapes",
+    "head_shapes",
+    "available_providers",
+]
 
 
 def available_providers() -> list[str]:
@@ -142,6 +152,22 @@ def _dims(dims) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
 
 
+def session_options(threads: ThreadConfig):
+    """The project's onnxruntime CPU session settings: ``threads.intra_op`` intra-op threads,
+    one inter-op thread, sequential execution, every graph optimization, spinning as
+    ``threads.spinning``, warnings off. Returns ``onnxruntime.SessionOptions``."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads.intra_op
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if threads.spinning else "0")
+    so.log_severity_level = 3
+    return so
+
+
 def cpu_session(path: Path, threads: ThreadConfig, inputs: Sequence[str], outputs: Sequence[str], shapes: dict | None = None, role: str = "model"):
     """An onnxruntime CPU session with the project's settings, its I/O names checked.
 
@@ -161,13 +187,7 @@ def cpu_session(path: Path, threads: ThreadConfig, inputs: Sequence[str], output
     """
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads.intra_op
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if threads.spinning else "0")
-    so.log_severity_level = 3
+    so = session_options(threads)
     try:
         session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types
