@@ -19,6 +19,15 @@ def test_score_rows_hand_computed():
     s = score_rows(logits, np.array([1, 1]), vocab=2)
     assert s.argmax.tolist() == [1, 0]
     assert s.logprob == pytest.approx([math.log(3 / 4), math.log(1 / 3)], abs=1e-6)
+    # scored a block of rows at a time (bounded memory): every block size gives the same scores
+    rng = np.random.default_rng(1)
+    big, tgt = rng.normal(size=(70, 9)).astype(np.float32), rng.integers(0, 8, size=70)
+    whole = score_rows(big, tgt, vocab=8, block=70)
+    for block in (1, 3, 32):
+        part = score_rows(big, tgt, vocab=8, block=block)
+        assert part.argmax.tolist() == whole.argmax.tolist() and part.logprob.tolist() == whole.logprob.tolist()
+    x = big[:, :8].astype(np.float64)
+    assert whole.logprob == pytest.approx(x[np.arange(70), tgt] - np.log(np.exp(x).sum(-1)), abs=1e-9)
 
 
 def test_compare_hand_computed():
@@ -40,6 +49,17 @@ def _full_forward_scores(model, seq: list[int], first: int, vocab: int) -> Score
     return Scores(rows.argmax(-1), rows[np.arange(len(rows)), nxt] - lse)
 
 
+class _Narrow:
+    """A model seen through a narrower ``max_q`` (so the scorer must chunk its calls)."""
+
+    def __init__(self, model, max_q: int):
+        self.model, self.max_q, self.max_ctx, self.widths = model, max_q, model.max_ctx, []
+
+    def run(self, tokens, start):
+        self.widths.append(len(tokens))
+        return self.model.run(tokens, start)
+
+
 def test_score_model_matches_a_full_forward_and_itself(tiny_pair):
     from specrt import Engine
 
@@ -53,6 +73,12 @@ def test_score_model_matches_a_full_forward_and_itself(tiny_pair):
     assert got.argmax.tolist() == np.concatenate([w.argmax for w in want]).tolist()
     assert got.logprob == pytest.approx(np.concatenate([w.logprob for w in want]), abs=1e-5)
     assert len(got.argmax) == sum(len(s) - 1 - f for s, f in zip(seqs, firsts))
+    # called 7 rows at a time, calls wholly before ``first`` still fill the KV rows the rest read
+    narrow = _Narrow(e.target, 7)
+    got7 = score_model(narrow, seqs, firsts, vocab)
+    assert narrow.widths and max(narrow.widths) == 7
+    assert got7.argmax.tolist() == got.argmax.tolist()
+    assert got7.logprob == pytest.approx(got.logprob, abs=1e-5)
     self_cmp = compare(got, score_model(e.target, seqs, firsts, vocab))
     assert self_cmp["top1_agreement"] == 1.0 and self_cmp["loss_delta"] == 0.0
     # a different model is scored as different (the scorer does not compare a model with itself)

@@ -102,13 +102,19 @@ class Scores:
     logprob: np.ndarray
 
 
-def score_rows(logits: np.ndarray, targets: np.ndarray, vocab: int) -> Scores:
+def score_rows(logits: np.ndarray, targets: np.ndarray, vocab: int, block: int = 32) -> Scores:
     """:class:`Scores` of logits rows ``[n, >= vocab]`` for the true next tokens ``[n]``
-    (padding columns beyond ``vocab`` ignored)."""
-    x = logits[:, :vocab].astype(np.float64)
-    m = x.max(-1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(x - m).sum(-1))
-    return Scores(x.argmax(-1), x[np.arange(len(x)), targets] - lse)
+    (padding columns beyond ``vocab`` ignored), computed ``block`` rows at a time: the float64
+    temporaries of a 256-row window over a 152k vocabulary would be ~1 GB at once, the largest
+    transient of a real model's export (its quality record)."""
+    arg, lp = np.empty(len(logits), np.int64), np.empty(len(logits), np.float64)
+    for lo in range(0, len(logits), block):
+        x = logits[lo : lo + block, :vocab].astype(np.float64)
+        m = x.max(-1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(x - m).sum(-1))
+        arg[lo : lo + len(x)] = x.argmax(-1)
+        lp[lo : lo + len(x)] = x[np.arange(len(x)), targets[lo : lo + len(x)]] - lse
+    return Scores(arg, lp)
 
 
 def score_model(model, seqs: Sequence[Sequence[int]], first: Sequence[int], vocab: int, min_q: int = 1) -> Scores:
@@ -131,12 +137,14 @@ def score_model(model, seqs: Sequence[Sequence[int]], first: Sequence[int], voca
     for seq, f in zip(seqs, first):
         seq = list(seq)
         n = len(seq) - 1
-        rows = np.empty((n, vocab), np.float32)
         for lo, hi in chunk_bounds(n, model.max_q, min_q):
-            rows[lo:hi] = model.run(seq[lo:hi], lo)[:, :vocab]
-        s = score_rows(rows[f:], np.asarray(seq[f + 1 :]), vocab)
-        arg.append(s.argmax)
-        lp.append(s.logprob)
+            if hi <= f:
+                model.run(seq[lo:hi], lo)  # fills the KV rows only
+                continue
+            a = max(lo, f)  # each call's rows are scored as they come: no [n, vocab] buffer per sequence
+            s = score_rows(model.run(seq[lo:hi], lo)[a - lo :], np.asarray(seq[a + 1 : hi + 1]), vocab)
+            arg.append(s.argmax)
+            lp.append(s.logprob)
     return Scores(np.concatenate(arg), np.concatenate(lp))
 
 
