@@ -162,9 +162,8 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     if not builder_supports(cfg.model_type):
         raise UnsupportedModelError(f"{model_dir}: model_type {cfg.model_type!r} is not covered by onnxruntime-genai's model builder")
     from .gguf_import import STAMP, GgufBlocks
-    from .onnx_export import trim_heap
     from .prequantize import MINS_FILE, add_min_corrections, prequantize, quantize_embedding
-    from .resources import run_measured
+    from .resources import trim_heap
 
     def phase(name):
         if meter is not None:
@@ -181,19 +180,8 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     exact = GgufBlocks(model_dir) if opts.gguf_exact and (Path(model_dir) / STAMP).is_file() else None
     source = prequantize(model_dir, cache / f"{role}.prequantized", opts.bits, opts.block_size, head_bits, exact=exact, log=log)
     del exact
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(tmp), "-p", opts.precision, "-e", "cpu", "-c", str(cache)]
-    cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra.items())]
     phase("onnxruntime-genai model builder (child process)")
-    code, output, child_peak = run_measured(cmd)
-    if meter is not None:
-        meter.child(child_peak)
-    if code != 0 or not (tmp / "model.onnx").is_file():
-        tail = " | ".join([ln for ln in output.splitlines() if ln.strip() and "Saving " not in ln][-5:])
-        raise ExportError(f"onnxruntime-genai model builder failed for {model_dir} ({opts.precision}, exit {code}): {tail[-800:]}")
-    gcfg = json.loads((tmp / "genai_config.json").read_text())["model"]
-    dec = gcfg["decoder"]
-    if gcfg.get("context_length", max_ctx) < max_ctx:
-        raise UnsupportedModelError(f"{model_dir}: the builder graph's rotary cache has {gcfg['context_length']} positions < --max-ctx {max_ctx}")
+    gcfg = _run_builder(source, tmp, cache, opts, extra, max_ctx, model_dir, meter)
     graph, data = out / f"{role}.onnx", out / f"{role}.onnx.data"
     shutil.move(str(tmp / "model.onnx"), graph)
     shutil.move(str(tmp / "model.onnx.data"), data)
@@ -207,7 +195,7 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     embedding = "int4" if opts.precision == "int4" and quantize_embedding(graph, opts.block_size, log) else "float32"
     shutil.rmtree(tmp, ignore_errors=True)
     phase(None)
-    n_layers = int(dec["num_hidden_layers"])
+    n_layers = int(gcfg["decoder"]["num_hidden_layers"])
     ins, outs = _graph_io(graph)
     want_in, want_out = ModelEntry.io_names(n_layers, GRAPH_BUILDER)
     if set(ins) != set(want_in) or set(outs) != set(want_out):
@@ -215,11 +203,48 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     log(
         f"  model builder {opts.precision} ({', '.join(f'{k}={v}' for k, v in extra.items())}, {'weights from the GGUF blocks' if opts.gguf_exact else f'LM head {head_bits}-bit'}, embedding {embedding}): {time.perf_counter() - t0:.1f} s"
     )
+    quant = dict(tool="onnxruntime-genai model builder", version=_builder_version(), block_size=opts.block_size, accuracy_level=opts.accuracy_level)
+    quant.update(extra_options=extra, head_bits=head_bits, embedding=embedding, gguf_exact=bool(opts.gguf_exact), offset_corrected_layers=corrected)
+    quant.update(
+        prequantized="onnxruntime MLAS quantize_matmul_nbits, symmetric, per tensor (specrt.export.prequantize)",
+        context_length=int(gcfg.get("context_length", 0)),
+    )
+    return _entry(graph, data, cfg.model_type, gcfg, ins, outs, model_dir, opts.precision, quant)
+
+
+def _run_builder(source: Path, tmp: Path, cache: Path, opts: QuantOptions, extra: dict, max_ctx: int, model_dir: Path, meter) -> dict:
+    """Run the model builder in a child process on the prequantized ``source`` into ``tmp``
+    (its peak RSS recorded by ``meter``); returns the graph's ``genai_config.json`` model
+    record.
+
+    Raises:
+        ExportError: the builder failed (its last log lines).
+        UnsupportedModelError: ``max_ctx`` beyond the graph's rotary cache.
+    """
+    from .resources import run_measured
+
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(tmp), "-p", opts.precision, "-e", "cpu", "-c", str(cache)]
+    cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra.items())]
+    code, output, child_peak = run_measured(cmd)
+    if meter is not None:
+        meter.child(child_peak)
+    if code != 0 or not (tmp / "model.onnx").is_file():
+        tail = " | ".join([ln for ln in output.splitlines() if ln.strip() and "Saving " not in ln][-5:])
+        raise ExportError(f"onnxruntime-genai model builder failed for {model_dir} ({opts.precision}, exit {code}): {tail[-800:]}")
+    gcfg = json.loads((tmp / "genai_config.json").read_text())["model"]
+    if gcfg.get("context_length", max_ctx) < max_ctx:
+        raise UnsupportedModelError(f"{model_dir}: the builder graph's rotary cache has {gcfg['context_length']} positions < --max-ctx {max_ctx}")
+    return gcfg
+
+
+def _entry(graph: Path, data: Path, family: str, gcfg: dict, ins, outs, model_dir: Path, precision: str, quant: dict) -> ModelEntry:
+    """The :class:`ModelEntry` of a builder graph from its ``genai_config.json`` record."""
+    dec = gcfg["decoder"]
     return ModelEntry(
         file=graph.name,
         sha256=sha256_file(graph),
-        family=cfg.model_type,
-        n_layers=n_layers,
+        family=family,
+        n_layers=int(dec["num_hidden_layers"]),
         n_heads=int(dec["num_attention_heads"]),
         n_kv_heads=int(dec["num_key_value_heads"]),
         head_dim=int(dec["head_size"]),
@@ -230,20 +255,8 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
         outputs=outs,
         source=str(model_dir),
         graph=GRAPH_BUILDER,
-        precision=opts.precision,
-        quant=dict(
-            tool="onnxruntime-genai model builder",
-            version=_builder_version(),
-            block_size=opts.block_size,
-            accuracy_level=opts.accuracy_level,
-            extra_options=extra,
-            head_bits=head_bits,
-            embedding=embedding,
-            gguf_exact=bool(opts.gguf_exact),
-            offset_corrected_layers=corrected,
-            prequantized="onnxruntime MLAS quantize_matmul_nbits, symmetric, per tensor (specrt.export.prequantize)",
-            context_length=int(gcfg.get("context_length", 0)),
-        ),
+        precision=precision,
+        quant=quant,
         data_file=data.name,
         data_sha256=sha256_file(data),
     )

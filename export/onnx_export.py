@@ -32,7 +32,7 @@ from specrt.runtime.errors import ParityError  # noqa: F401  (in the SpecRTError
 from specrt.runtime.manifest import FileRecord, ModelEntry, sha256_file
 
 from .kv_model import HeadModel, KVBodyModel, KVExportModel
-from .resources import PhaseMeter
+from .resources import PhaseMeter, trim_heap
 
 # fp32 parity: max |difference| allowed per unit of the reference's scale (parity_tolerance)
 PARITY_TOL = 1e-4
@@ -182,25 +182,6 @@ def release_exporter_caches() -> int:
                         setattr(matcher, attr, None)
                         n += 1
     return n
-
-
-def trim_heap() -> bool:
-    """Give freed heap memory back to the operating system (glibc ``malloc_trim(0)``).
-
-    Weight matrices under glibc's dynamic mmap threshold (up to 32 MiB) live in the malloc
-    heap; freeing them leaves the pages mapped, so without a trim a freed model keeps
-    counting in the process's RSS (measured: 1.9 GB after freeing a Qwen2.5-0.5B-shaped
-    float32 model, whose matrices are 17 MB each). Returns False where glibc is absent.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
-        return False
 
 
 def _save(prog, path: Path, external_data: bool) -> None:
@@ -669,24 +650,46 @@ def export_model(
 
     from .arch import spec_for
 
-    if precision not in STANDARD_PRECISIONS:
-        raise PrecisionError(f"precision={precision!r}; standard graphs are {', '.join(STANDARD_PRECISIONS)}")
-    if lazy_head and precision != "fp32":
-        raise PrecisionError(f"--lazy-head is available with --precision fp32 only (asked for {precision})")
-    meter = meter or PhaseMeter()
-    tag = out_path.stem
+    if precision not in STANDARD_PRECISIONS or (lazy_head and precision != "fp32"):
+        raise PrecisionError(
+            f"precision={precision!r}; standard graphs are {', '.join(STANDARD_PRECISIONS)}, and --lazy-head is available with --precision fp32 only"
+        )
+    meter, tag = meter or PhaseMeter(), out_path.stem
     meter.phase(f"{tag}: load checkpoint (float32)")
     hf = load_hf(model_dir)
     spec_for(hf.config, max_ctx)
     n_params = sum(p.numel() for p in hf.parameters())
     external = external_data if external_data is not None else 4 * n_params > EXTERNAL_DATA_ABOVE
-    body_path, head_path = out_path.parent / BODY_FILE, out_path.parent / HEAD_FILE
     Path(str(out_path) + ".data").unlink(missing_ok=True)  # a previous export's weights
     meter.phase(f"{tag}: export ONNX")
+    wrapper = _write_graphs(hf, out_path, max_ctx, external, lazy_head, precision)
+    checked = check and precision in PARITY_TOLS
+    meter.phase(f"{tag}: PyTorch references")
+    refs = references(hf, (1, k_max + 1), (0, 37), seed=0, wrapper=wrapper if lazy_head else None) if checked else []
+    cfg = hf.config
+    dims = dict(family=wrapper.spec.family, n_layers=wrapper.n_layers, n_heads=wrapper.n_heads, n_kv_heads=wrapper.n_kv, head_dim=wrapper.head_dim)
+    dims.update(hidden=cfg.hidden_size, vocab_size=cfg.vocab_size, params=n_params, matmul_params=matmul_params(wrapper))
+    del hf, wrapper, cfg
+    gc.collect()  # free the fp32 PyTorch weights before onnxruntime loads its own copy
+    trim_heap()
+    meter.phase(f"{tag}: parity (onnxruntime)")
+    parity = compare_full(refs, out_path, PARITY_TOLS[precision]) if checked else {}
+    lh_parity = compare_lazy_head(refs, out_path.parent / BODY_FILE, out_path.parent / HEAD_FILE) if (checked and lazy_head) else {}
+    gc.collect()
+    trim_heap()
+    meter.phase(f"{tag}: hash files")
+    exported = _exported(out_path, model_dir, precision, dims, parity, lh_parity if lazy_head else None)
+    meter.phase(None)
+    return exported
+
+
+def _write_graphs(hf, out_path: Path, max_ctx: int, external: bool, lazy_head: bool, precision: str):
+    """Export the graph of ``hf`` to ``out_path`` (with ``lazy_head`` also the body/head
+    split sharing one weight file), converted to ``precision``; returns the export wrapper."""
     if lazy_head:
         wrapper, full = export_onnx(hf, out_path, max_ctx, save=False)
         body, head = export_lazy_head(wrapper, max_ctx)
-        save_sharing_weights(full, out_path, [(body, body_path), (head, head_path)])
+        save_sharing_weights(full, out_path, [(body, out_path.parent / BODY_FILE), (head, out_path.parent / HEAD_FILE)])
         del full, body, head
         release_exporter_caches()
         gc.collect()
@@ -696,38 +699,20 @@ def export_model(
         from .onnx_precision import write_variant
 
         write_variant(out_path, out_path, precision, 0)
-    checked = check and precision in PARITY_TOLS
-    meter.phase(f"{tag}: PyTorch references")
-    refs = references(hf, (1, k_max + 1), (0, 37), seed=0, wrapper=wrapper if lazy_head else None) if checked else []
-    ins, outs = ModelEntry.io_names(wrapper.n_layers)
-    cfg = hf.config
-    dims = dict(
-        family=wrapper.spec.family,
-        n_layers=wrapper.n_layers,
-        n_heads=wrapper.n_heads,
-        n_kv_heads=wrapper.n_kv,
-        head_dim=wrapper.head_dim,
-        hidden=cfg.hidden_size,
-        vocab_size=cfg.vocab_size,
-        params=n_params,
-        matmul_params=matmul_params(wrapper),
-    )
-    del hf, wrapper, cfg
-    gc.collect()  # free the fp32 PyTorch weights before onnxruntime loads its own copy
-    trim_heap()
-    meter.phase(f"{tag}: parity (onnxruntime)")
-    parity = compare_full(refs, out_path, PARITY_TOLS[precision]) if checked else {}
-    lh_parity = compare_lazy_head(refs, body_path, head_path) if (checked and lazy_head) else {}
-    gc.collect()
-    trim_heap()
-    meter.phase(f"{tag}: hash files")
-    graphs = [out_path.name, *((BODY_FILE, HEAD_FILE) if lazy_head else ())]
-    files = file_records(out_path.parent, graphs)
+    return wrapper
+
+
+def _exported(out_path: Path, model_dir, precision: str, dims: dict, parity: dict, lh_parity: dict | None) -> ExportedModel:
+    """The :class:`ExportedModel` of the written graph(s): files hashed, the model entry,
+    and the lazy-head record when ``lh_parity`` is given (the split was written)."""
+    lazy_head = lh_parity is not None
+    ins, outs = ModelEntry.io_names(dims["n_layers"])
+    files = file_records(out_path.parent, [out_path.name, *((BODY_FILE, HEAD_FILE) if lazy_head else ())])
     ext = files[out_path.name].external
     data_file = ext[0] if len(ext) == 1 else ""  # ModelEntry.data_file: the one weights file, if one
     record = None
     if lazy_head:
-        record = lazy_head_record(dims["n_layers"], body_path, head_path, lh_parity, files)
+        record = lazy_head_record(dims["n_layers"], out_path.parent / BODY_FILE, out_path.parent / HEAD_FILE, lh_parity, files)
         record["data_file"] = data_file
     entry = ModelEntry(
         file=out_path.name,
@@ -742,7 +727,6 @@ def export_model(
         note="" if precision in PARITY_TOLS else f"{precision}: parity not checked (onnxruntime's CPU provider has no {precision} kernels)",
         **dims,
     )
-    meter.phase(None)
     return ExportedModel(entry=entry, path=out_path, lazy_head=record, files=files)
 
 

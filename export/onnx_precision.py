@@ -121,45 +121,15 @@ def convert_precision(model, precision: str):
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             raise PrecisionError(f"node {node.name or node.op_type} has a subgraph; control flow is not supported by the precision rewrite")
     _hoist_constants(g)
-    inferred = onnx.shape_inference.infer_shapes(m)
-    types = {}
-    for vi in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
-        types[vi.name] = vi.type.tensor_type.elem_type
+    types = _tensor_types(m)
     inits = {t.name: t for t in g.initializer}
-    for name, t in inits.items():
-        types[name] = t.data_type
     FLOAT = TensorProto.FLOAT
 
     def is_float(name: str) -> bool:
         return bool(name) and types.get(name) == FLOAT
 
     # ---- 1. precision of every node and float tensor ---------------------------------
-    prec: dict[str, str] = {}  # tensor -> "in" (fp32 graph input) | "fp32" | "low" | "const"
-    for i in g.input:
-        if is_float(i.name):
-            prec[i.name] = "in"
-    for name in inits:
-        if is_float(name):
-            prec[name] = "const"
-    node_prec = []
-    for node in g.node:
-        for out in node.output:
-            if out and out not in types:
-                raise PrecisionError(f"shape inference gave no type for {out!r} (node {node.name or node.op_type}); cannot assign a precision")
-        dyn = [x for x in node.input if is_float(x) and prec.get(x) != "const"]
-        cast_to = next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
-        if node.op_type in FP32_OPS:
-            p = "fp32"
-        elif node.op_type == "Cast" and cast_to == FLOAT and not is_float(node.input[0]):
-            p = "fp32"  # integer -> float (RoPE positions)
-        elif dyn and all(prec[x] == "fp32" for x in dyn):
-            p = "fp32"
-        else:
-            p = "low"
-        node_prec.append(p)
-        for out in node.output:
-            if is_float(out):
-                prec[out] = p
+    prec, node_prec = _assign_precisions(g, types, inits)
     # graph outputs computed in low precision: rename the tensor, cast back at the end
     tail = []
     rename = {}
@@ -192,34 +162,9 @@ def convert_precision(model, precision: str):
         return cache[key]
 
     for node, p in zip(g.node, node_prec):
-        node = copy.deepcopy(node)
-        for j, x in enumerate(node.output):
-            if x in rename:
-                node.output[j] = rename[x]
-        if node.op_type not in SHAPE_ONLY:
-            for j, x in enumerate(node.input):
-                x = rename.get(x, x)
-                if is_float(x) or x in prec:
-                    node.input[j] = operand(x, p)
-        else:
-            for j, x in enumerate(node.input):
-                if prec.get(x) == "const":
-                    used.add(x)
-        if p == "low":
-            for a in node.attribute:
-                if node.op_type == "Cast" and a.name == "to" and a.i == FLOAT:
-                    a.i = low
-                elif node.op_type == "ConstantOfShape" and a.name == "value" and a.t.data_type == FLOAT:
-                    a.t.CopyFrom(_convert_tensor(a.t, low, a.t.name))
-        else:
-            for x in node.input:
-                if prec.get(x) == "const":
-                    used.add(x)
-        new_nodes.append(node)
+        new_nodes.append(_rewrite_node(node, p, rename, prec, is_float, operand, used, low))
     new_nodes.extend(tail)
-    for name, t in inits.items():  # non-float initializers are always kept
-        if not is_float(name):
-            used.add(name)
+    used.update(name for name in inits if not is_float(name))  # non-float initializers are always kept
     keep = [t for t in g.initializer if t.name in used]
     del g.initializer[:]
     g.initializer.extend(keep + list(low_inits.values()))
@@ -228,6 +173,85 @@ def convert_precision(model, precision: str):
     del g.value_info[:]
     onnx.checker.check_model(m)
     return m
+
+
+def _rewrite_node(node, p: str, rename: dict, prec: dict, is_float, operand, used: set, low: int):
+    """Step 2 of :func:`convert_precision` for one node computing in ``p``: a copy whose
+    outputs are renamed (``rename``), whose float inputs come through ``operand`` (casts at
+    precision crossings, low-precision constants), and whose float-typed attributes are
+    lowered when it computes in low precision; fp32 constants it reads join ``used``."""
+    from onnx import TensorProto
+
+    FLOAT = TensorProto.FLOAT
+    node = copy.deepcopy(node)
+    for j, x in enumerate(node.output):
+        if x in rename:
+            node.output[j] = rename[x]
+    if node.op_type not in SHAPE_ONLY:
+        for j, x in enumerate(node.input):
+            x = rename.get(x, x)
+            if is_float(x) or x in prec:
+                node.input[j] = operand(x, p)
+    else:
+        used.update(x for x in node.input if prec.get(x) == "const")
+    if p == "low":
+        for a in node.attribute:
+            if node.op_type == "Cast" and a.name == "to" and a.i == FLOAT:
+                a.i = low
+            elif node.op_type == "ConstantOfShape" and a.name == "value" and a.t.data_type == FLOAT:
+                a.t.CopyFrom(_convert_tensor(a.t, low, a.t.name))
+    else:
+        used.update(x for x in node.input if prec.get(x) == "const")
+    return node
+
+
+def _tensor_types(m) -> dict:
+    """Element type of every tensor of ``m`` (shape inference; initializers included)."""
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(m)
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    types.update({t.name: t.data_type for t in m.graph.initializer})
+    return types
+
+
+def _assign_precisions(g, types: dict, inits: dict) -> tuple[dict, list]:
+    """Step 1 of :func:`convert_precision`: ``(prec, node_prec)``, the precision of every
+    float tensor (``"in"`` fp32 graph input, ``"fp32"``, ``"low"``, ``"const"``) and of
+    every node (``"fp32"`` or ``"low"``), in graph order.
+
+    Raises:
+        PrecisionError: a node output whose type shape inference cannot determine.
+    """
+    from onnx import TensorProto
+
+    FLOAT = TensorProto.FLOAT
+
+    def is_float(name: str) -> bool:
+        return bool(name) and types.get(name) == FLOAT
+
+    prec: dict[str, str] = {i.name: "in" for i in g.input if is_float(i.name)}
+    prec.update({name: "const" for name in inits if is_float(name)})
+    node_prec = []
+    for node in g.node:
+        for out in node.output:
+            if out and out not in types:
+                raise PrecisionError(f"shape inference gave no type for {out!r} (node {node.name or node.op_type}); cannot assign a precision")
+        dyn = [x for x in node.input if is_float(x) and prec.get(x) != "const"]
+        cast_to = next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
+        if node.op_type in FP32_OPS:
+            p = "fp32"
+        elif node.op_type == "Cast" and cast_to == FLOAT and not is_float(node.input[0]):
+            p = "fp32"  # integer -> float (RoPE positions)
+        elif dyn and all(prec[x] == "fp32" for x in dyn):
+            p = "fp32"
+        else:
+            p = "low"
+        node_prec.append(p)
+        for out in node.output:
+            if is_float(out):
+                prec[out] = p
+    return prec, node_prec
 
 
 def add_past_pad(model, pad: int = 1):

@@ -18,7 +18,7 @@ import hashlib
 import json
 import platform
 import shutil
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specrt.runtime.errors import PairError  # noqa: F401  (in the SpecRTError tree)
@@ -261,46 +261,11 @@ def measure_exactness(out: Path, entry, max_ctx: int, k_max: int, vocab: int) ->
     return measure(models, vocab, widths, offsets=(0, 1, 2), length=length)
 
 
-def export_pair(
-    draft_dir: str | Path,
-    target_dir: str | Path,
-    out: str | Path,
-    k_max: int = 8,
-    max_ctx: int = 1024,
-    log=print,
-    tensorrt: str | None = None,
-    lazy_head: bool = False,
-    precision: str = "fp32",
-    quant=None,
-    exactness: bool = True,
-    quality=None,
-    external_data: bool | None = None,
-    gguf_cache: str | Path | None = None,
-    draft_precision: str | None = None,
-    gguf_weights: str = "exact",
-) -> Manifest:
-    """Check the pair, export both models, check parity, measure the target's width
-    exactness, and write the manifest.
+@dataclass(frozen=True)
+class ExportOptions:
+    """What ``specrt export`` makes of a pair (every field but the folders; :func:`export_pair`).
 
-    Pair rules, checked before anything is exported: one tokenizer (equal token -> id
-    map hashes), whose ``tokenizer.json`` encodes like the target's ``AutoTokenizer``
-    (:func:`specrt.export.tokenizer_check.check_tokenizer`; a missing NFC normalizer is
-    added to the engine's copy); each model's logit width >= the tokenizer's size (extra rows are
-    padding: the runtime slices them off, so no padded id is ever proposed or chosen);
-    both architectures and config options supported for ``max_ctx``. The target's
-    special tokens (BOS/EOS/pad) are recorded in the manifest and used for draft, target
-    and baseline alike; the tokenizer's vocab hash is recorded per model so the runtime
-    can refuse a mismatched pair at load. The target's chat template
-    (:func:`find_chat_template`), when it has one, is copied as ``chat_template.jinja``
-    and recorded with its SHA-256.
-
-    Args:
-        draft_dir, target_dir: local HF checkpoint folders (config, safetensors, tokenizer),
-            or GGUF files (converted first into cached HF folders by
-            :func:`specrt.export.gguf_import.checkpoint_folder`; architecture, tokenizer,
-            special and end-of-generation ids and chat template from the file's metadata;
-            recorded in ``extra["gguf"]``).
-        out: engine folder to (over)write.
+    Attributes:
         k_max: largest number of draft candidates per verification pass (1..64);
             the target is verified with q up to k_max + 1.
         max_ctx: context size (KV buffer rows), 2..max_position_embeddings.
@@ -341,86 +306,174 @@ def export_pair(
             self-draft, for a user with one model). Integer drafts use ``quant``'s block
             size and accuracy level (or the defaults).
 
-    Every file written (graphs, external-data files found in the graphs' initializers,
-    the tokenizer, the chat template) is recorded in the manifest's ``files`` map with its
-    SHA-256 and size; the export's peak RSS (per phase and overall) is logged and recorded
-    in ``extra["export"]``.
+    Raises (:meth:`quants`):
+        ValueError: bad k_max/max_ctx/precision/draft_precision/quant/gguf_weights.
+        PrecisionError: lazy-head with a builder or non-fp32 flavor.
+    """
+
+    k_max: int = 8
+    max_ctx: int = 1024
+    tensorrt: str | None = None
+    lazy_head: bool = False
+    precision: str = "fp32"
+    quant: object = None
+    exactness: bool = True
+    quality: object = None
+    external_data: bool | None = None
+    gguf_cache: str | Path | None = None
+    draft_precision: str | None = None
+    gguf_weights: str = "exact"
+
+    def precision_of(self, role: str) -> str:
+        """The flavor of ``role`` (``draft`` or ``target``)."""
+        return self.draft_precision or self.precision if role == "draft" else self.precision
+
+    def quants(self) -> dict:
+        """Checked options; the :class:`~specrt.export.builder.QuantOptions` of each role
+        exported by the model builder (int8/int4), by role."""
+        from specrt.runtime.errors import PrecisionError
+        from specrt.runtime.manifest import PRECISIONS
+
+        from .builder import BUILDER_PRECISIONS, QuantOptions
+
+        if not 1 <= self.k_max <= 64:
+            raise ValueError(f"k_max={self.k_max}; k_max must be 1..64")
+        if self.max_ctx < 2:
+            raise ValueError(f"max_ctx={self.max_ctx}; max_ctx must be >= 2")
+        for name, p in (("precision", self.precision), ("draft_precision", self.precision_of("draft"))):
+            if p not in PRECISIONS:
+                raise ValueError(f"{name}={p!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.lazy_head and self.precision != "fp32":
+            raise PrecisionError(
+                f"--lazy-head is offered for --precision fp32 (standard graphs) only; {self.precision} graphs "
+                + ("compute their LM head inside (onnxruntime-genai builder graphs)" if self.precision in BUILDER_PRECISIONS else "have no body/head split")
+            )
+        quant, quants = self.quant, {}
+        for role in ("target", "draft"):
+            p = self.precision_of(role)
+            if p in BUILDER_PRECISIONS:
+                q = quant if quant is not None and quant.precision == p else None
+                if q is None and quant is not None:
+                    q = QuantOptions(p, quant.block_size, quant.accuracy_level, quant.head_bits)
+                quants[role] = q or QuantOptions(p)
+        if quant is not None and not quants:
+            raise ValueError(f"block size / accuracy level apply to int8/int4 exports, not {self.precision}")
+        if self.gguf_weights not in ("exact", "requantize"):
+            raise ValueError(f"gguf_weights={self.gguf_weights!r}; choose exact or requantize")
+        return quants
+
+
+def export_pair(draft_dir: str | Path, target_dir: str | Path, out: str | Path, opts: ExportOptions | None = None, log=print, **kw) -> Manifest:
+    """Check the pair, export both models, check parity, measure the target's width
+    exactness, and write the manifest.
+
+    Pair rules, checked before anything is exported: one tokenizer (equal token -> id
+    map hashes), whose ``tokenizer.json`` encodes like the target's ``AutoTokenizer``
+    (:func:`specrt.export.tokenizer_check.check_tokenizer`; a missing NFC normalizer is
+    added to the engine's copy); each model's logit width >= the tokenizer's size (extra
+    rows are padding: the runtime slices them off, so no padded id is ever proposed or
+    chosen); both architectures and config options supported for ``max_ctx``. The target's
+    special tokens (BOS/EOS/pad) are recorded in the manifest and used for draft, target
+    and baseline alike; the tokenizer's vocab hash is recorded per model so the runtime
+    can refuse a mismatched pair at load. The target's chat template
+    (:func:`find_chat_template`), when it has one, is copied as ``chat_template.jinja``.
+
+    Args:
+        draft_dir, target_dir: local HF checkpoint folders (config, safetensors, tokenizer),
+            or GGUF files (converted first into cached HF folders by
+            :func:`specrt.export.gguf_import.checkpoint_folder`; recorded in ``extra["gguf"]``).
+        out: engine folder to (over)write.
+        opts: :class:`ExportOptions` (None: from ``kw``, its fields by name).
+        log: progress sink.
+
+    Every file written is recorded in the manifest's ``files`` map with its SHA-256 and
+    size; the export's peak RSS (per phase and overall) is logged and recorded in
+    ``extra["export"]``.
 
     Returns:
         The written :class:`~specrt.runtime.manifest.Manifest`.
 
     Raises:
-        PairError, TokenizerError, specrt.export.arch.UnsupportedModelError, specrt.export.onnx_export.ParityError,
-        PrecisionError (lazy-head with a builder or non-fp32 flavor), ExportError (the model
-        builder failed), ValueError: bad k_max/max_ctx/precision/quant.
+        PairError, TokenizerError, specrt.export.arch.UnsupportedModelError,
+        specrt.export.onnx_export.ParityError, ExportError (the model builder failed), and
+        what :meth:`ExportOptions.quants` raises.
     """
-    import onnx
-    import onnxruntime
-    import torch
-    import transformers
-
-    from specrt.runtime.errors import PrecisionError
-    from specrt.runtime.manifest import PRECISIONS
-
-    from .builder import BUILDER_PRECISIONS, QuantOptions
-
-    if not 1 <= k_max <= 64:
-        raise ValueError(f"k_max={k_max}; k_max must be 1..64")
-    if max_ctx < 2:
-        raise ValueError(f"max_ctx={max_ctx}; max_ctx must be >= 2")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if lazy_head and precision != "fp32":
-        raise PrecisionError(
-            f"--lazy-head is offered for --precision fp32 (standard graphs) only; {precision} graphs "
-            + ("compute their LM head inside (onnxruntime-genai builder graphs)" if precision in BUILDER_PRECISIONS else "have no body/head split")
-        )
-    draft_precision = draft_precision or precision
-    if draft_precision not in PRECISIONS:
-        raise ValueError(f"draft_precision={draft_precision!r}; choose one of {', '.join(PRECISIONS)}")
-    quants = {}
-    for role, p in (("target", precision), ("draft", draft_precision)):
-        if p in BUILDER_PRECISIONS:
-            q = quant if quant is not None and quant.precision == p else None
-            if q is None and quant is not None:
-                q = QuantOptions(p, quant.block_size, quant.accuracy_level, quant.head_bits)
-            quants[role] = q or QuantOptions(p)
-    if quant is not None and not quants:
-        raise ValueError(f"block size / accuracy level apply to int8/int4 exports, not {precision}")
-    if gguf_weights not in ("exact", "requantize"):
-        raise ValueError(f"gguf_weights={gguf_weights!r}; choose exact or requantize")
+    o = replace(opts, **kw) if opts is not None else ExportOptions(**kw)
+    quants = o.quants()
     meter = PhaseMeter(log)
-    gguf: dict = {}
-    paths = {}
-    for role, d in (("draft", Path(draft_dir)), ("target", Path(target_dir))):
-        if d.is_file():
-            from .gguf_import import checkpoint_folder
-
-            meter.phase(f"{role}: GGUF -> Hugging Face folder")
-            d, gguf[role] = checkpoint_folder(d, role, gguf_cache, log=log)
-        paths[role] = d
-    if "target" in gguf and "target" in quants and gguf_weights == "exact":
-        quants["target"] = replace(quants["target"], gguf_exact=True)
-    if gguf:
-        meter.phase(None)  # ends the conversion phase (the meter collects and trims the heap)
-    draft_dir, target_dir, out = paths["draft"], paths["target"], Path(out)
+    (draft_dir, target_dir), gguf = _from_gguf(Path(draft_dir), Path(target_dir), o, quants, meter, log)
+    out = Path(out)
     for role, d in (("draft", draft_dir), ("target", target_dir)):
         if not (d / "config.json").is_file():
             raise ValueError(f"{role} folder {d} is not a Hugging Face checkpoint (no config.json)")
     tok_json = check_pair(draft_dir, target_dir)
     fixed_tokenizer = check_tokenizer(target_dir, tok_json, log)  # AutoTokenizer == tokenizer.json, or NFC added
-    eos, bos, add_bos, n_vocab = _special_ids(target_dir)
-    _check_configs(draft_dir, target_dir, max_ctx, n_vocab, log)
-    v_hash = vocab_hash(tok_json)
+    special = _special_ids(target_dir)
+    _check_configs(draft_dir, target_dir, o.max_ctx, special[3], log)
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)  # half-written until the new one lands
     for name in (BODY_FILE, HEAD_FILE, "target.onnx.data", "draft.onnx.data"):  # stale files of another flavor
         (out / name).unlink(missing_ok=True)
+    entries, lazy, files = _export_models({"target": target_dir, "draft": draft_dir}, out, o, quants, special[3], meter, log)
+    template = _write_tokenizer_files(out, tok_json, fixed_tokenizer, target_dir, files, log)
+    for name, rec in files.items():
+        if rec.external:
+            log(f"  {name}: weights in {', '.join(rec.external)} ({sum(files[x].bytes for x in rec.external) / 2**30:.2f} GiB)")
+    extra: dict = {**({LAZY_HEAD_KEY: lazy} if lazy is not None else {}), **({"gguf": gguf} if gguf else {})}
+    manifest = _manifest(out, o, entries, vocab_hash(tok_json), special, target_dir, template, files, extra)
+    if o.quality is not None:
+        from .quality import export_quality
+
+        meter.phase("target: quality record")
+        rec = export_quality(manifest, out, target_dir, o.quality, log)
+        manifest = replace(manifest, extra={**manifest.extra, "quality": rec})
+    usage = meter.summary()
+    anon = f", anonymous memory {usage['peak_anon_mib']:,.0f} MiB" if usage["peak_anon_mib"] is not None else ""
+    log(
+        f"export peak RSS {usage['peak_rss_mib']:,.0f} MiB{anon} ({'max over phases' if usage['per_phase_peaks'] else 'process peak'}; "
+        f"with the model builder's process {usage['total_peak_mib']:,.0f} MiB), {usage['seconds']:.0f} s"
+    )
+    manifest = replace(manifest, extra={**manifest.extra, "export": {"external_data": any(r.external for r in files.values()), **usage}})
+    if o.tensorrt:
+        from .trt_build import tensorrt_hook
+
+        manifest = tensorrt_hook(out, manifest, o.tensorrt, log)
+    manifest.write(out)
+    log(f"wrote {out / 'manifest.json'}")
+    return manifest
+
+
+def _from_gguf(draft_dir: Path, target_dir: Path, o: ExportOptions, quants: dict, meter, log) -> tuple:
+    """``((draft folder, target folder), gguf record)``: GGUF inputs converted into cached
+    Hugging Face folders; with ``gguf_weights="exact"`` an integer target takes the file's
+    own blocks (``quants["target"]`` updated in place)."""
+    gguf: dict = {}
+    paths = {}
+    for role, d in (("draft", draft_dir), ("target", target_dir)):
+        if d.is_file():
+            from .gguf_import import checkpoint_folder
+
+            meter.phase(f"{role}: GGUF -> Hugging Face folder")
+            d, gguf[role] = checkpoint_folder(d, role, o.gguf_cache, log=log)
+        paths[role] = d
+    if "target" in gguf and "target" in quants and o.gguf_weights == "exact":
+        quants["target"] = replace(quants["target"], gguf_exact=True)
+    if gguf:
+        meter.phase(None)  # ends the conversion phase (the meter collects and trims the heap)
+    return (paths["draft"], paths["target"]), gguf
+
+
+def _export_models(dirs: dict, out: Path, o: ExportOptions, quants: dict, n_vocab: int, meter, log) -> tuple:
+    """Export the target, then the draft (:func:`_export_model`), check their logit widths
+    and measure the target's width exactness; returns ``(entries, lazy-head record or
+    None, files)``."""
     entries, lazy, files = {}, None, {}
-    for role, d in (("target", target_dir), ("draft", draft_dir)):
-        p = precision if role == "target" else draft_precision
+    for role in ("target", "draft"):
+        p, d = o.precision_of(role), dirs[role]
         log(f"exporting {role} {d} -> {out / (role + '.onnx')} ({p})")
-        entry, rec, model_files = _export_model(role, d, out, p, quants.get(role), max_ctx, k_max, lazy_head and role == "target", log, external_data, meter)
+        entry, rec, model_files = _export_model(
+            role, d, out, p, quants.get(role), o.max_ctx, o.k_max, o.lazy_head and role == "target", log, o.external_data, meter
+        )
         files.update(model_files)
         if entry.graph == "standard" and entry.parity:
             log(f"  parity (max |diff|): {max(entry.parity.values()):.2e}")
@@ -432,14 +485,20 @@ def export_pair(
     for role, e in entries.items():
         if e.vocab_size < n_vocab:
             raise PairError(f"{role} has {e.vocab_size} logits but the tokenizer has {n_vocab} ids; they must come from one tokenizer")
-    if exactness:
-        rec = measure_exactness(out, entries["target"], max_ctx, k_max, n_vocab)
+    if o.exactness:
+        rec = measure_exactness(out, entries["target"], o.max_ctx, o.k_max, n_vocab)
         entries["target"] = replace(entries["target"], exact_min_q=rec["exact_min_q"], exactness=rec)
         log(f"  width exactness of the target: {rec['note']} (q=1 vs wider: max |diff| {rec['max_abs_diff']['q1']:.3g})")
-    if fixed_tokenizer is None:
+    return entries, lazy, files
+
+
+def _write_tokenizer_files(out: Path, tok_json: Path, fixed: str | None, target_dir: Path, files: dict, log) -> str | None:
+    """Write ``tokenizer.json`` (the target's, or its fixed text) and the chat template
+    (removing a stale one), record both in ``files``; returns the template or None."""
+    if fixed is None:
         shutil.copyfile(tok_json, out / "tokenizer.json")
     else:
-        (out / "tokenizer.json").write_text(fixed_tokenizer, encoding="utf-8")
+        (out / "tokenizer.json").write_text(fixed, encoding="utf-8")
     template = find_chat_template(target_dir)
     if template is not None:
         (out / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
@@ -448,9 +507,16 @@ def export_pair(
         (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
     for name in ("tokenizer.json", *((CHAT_TEMPLATE_FILE,) if template is not None else ())):
         files[name] = FileRecord(sha256=sha256_file(out / name), bytes=(out / name).stat().st_size)
-    for name, rec in files.items():
-        if rec.external:
-            log(f"  {name}: weights in {', '.join(rec.external)} ({sum(files[x].bytes for x in rec.external) / 2**30:.2f} GiB)")
+    return template
+
+
+def _tools(entries: dict) -> dict:
+    """Versions of the tools that made the export."""
+    import onnx
+    import onnxruntime
+    import torch
+    import transformers
+
     tools = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -460,10 +526,13 @@ def export_pair(
     }
     if any(e.graph == "builder" for e in entries.values()):
         tools["onnxruntime_genai"] = next(e.quant["version"] for e in entries.values() if e.graph == "builder")
-    extra: dict = {**({LAZY_HEAD_KEY: lazy} if lazy is not None else {})}
-    if gguf:
-        extra["gguf"] = gguf
-    manifest = Manifest(
+    return tools
+
+
+def _manifest(out: Path, o: ExportOptions, entries: dict, v_hash: str, special: tuple, target_dir: Path, template, files: dict, extra: dict) -> Manifest:
+    """The pair's :class:`~specrt.runtime.manifest.Manifest` (not yet written)."""
+    eos, bos, add_bos, n_vocab = special
+    return Manifest(
         format_version=FORMAT_VERSION,
         name=out.name,
         draft=replace(entries["draft"], vocab_hash=v_hash),
@@ -478,32 +547,12 @@ def export_pair(
         pad_token_id=_pad_id(target_dir),
         chat_template_file=CHAT_TEMPLATE_FILE if template is not None else None,
         chat_template_sha256=files[CHAT_TEMPLATE_FILE].sha256 if template is not None else None,
-        max_ctx=max_ctx,
+        max_ctx=o.max_ctx,
         k_min=1,
-        k_max=k_max,
-        defaults={"k_max": min(k_max, 4), "threshold": 0.0, "strategy": "full", "chunk_bound": 0.5},
-        tools=tools,
+        k_max=o.k_max,
+        defaults={"k_max": min(o.k_max, 4), "threshold": 0.0, "strategy": "full", "chunk_bound": 0.5},
+        tools=_tools(entries),
         extra=extra,
-        precision=precision,
+        precision=o.precision,
         files=files,
     )
-    if quality is not None:
-        from .quality import export_quality
-
-        meter.phase("target: quality record")
-        rec = export_quality(manifest, out, target_dir, quality, log)
-        manifest = replace(manifest, extra={**manifest.extra, "quality": rec})
-    usage = meter.summary()
-    anon = f", anonymous memory {usage['peak_anon_mib']:,.0f} MiB" if usage["peak_anon_mib"] is not None else ""
-    log(
-        f"export peak RSS {usage['peak_rss_mib']:,.0f} MiB{anon} ({'max over phases' if usage['per_phase_peaks'] else 'process peak'}; "
-        f"with the model builder's process {usage['total_peak_mib']:,.0f} MiB), {usage['seconds']:.0f} s"
-    )
-    manifest = replace(manifest, extra={**manifest.extra, "export": {"external_data": any(r.external for r in files.values()), **usage}})
-    if tensorrt:
-        from .trt_build import tensorrt_hook
-
-        manifest = tensorrt_hook(out, manifest, tensorrt, log)
-    manifest.write(out)
-    log(f"wrote {out / 'manifest.json'}")
-    return manifest

@@ -164,11 +164,7 @@ def prequantize(
     Raises:
         ExportError: no safetensors weights, a layer width the block size does not divide.
     """
-    import torch
     from safetensors import safe_open
-
-    from .gguf_blocks import regroup
-    from .shards import ShardWriter
 
     src, out = Path(folder), Path(out)
     files = sorted(src.glob("*.safetensors"))
@@ -177,83 +173,123 @@ def prequantize(
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cfg = json.loads((src / "config.json").read_text())
-    head_bits = head_bits or bits
     t0 = time.perf_counter()
-    writer = ShardWriter(out)
-    layer_bits = dict(layer_bits or {})
-    overrides: dict[str, dict] = {"lm_head": {"bits": head_bits, "group_size": block_size}}
-    overrides.update({k: {"bits": b, "group_size": block_size} for k, b in layer_bits.items()})
-    mins: dict[str, np.ndarray] = {}
-    where: dict[str, Path] = {}  # linear weight name -> its file
-    counts = {"exact": 0, "quantized": 0}
-
-    def write(base: str, q, s, z) -> None:
-        writer.add(base + ".qweight", torch.from_numpy(q))
-        writer.add(base + ".scales", torch.from_numpy(s))
-        writer.add(base + ".qzeros", torch.from_numpy(z))
-
-    def add_linear(name: str, w) -> None:
-        base = name[: -len(".weight")]
-        write(base, *quantize_block(w.float().numpy(), head_bits if name == "lm_head.weight" else layer_bits.get(base, bits), block_size, symmetric))
-        counts["quantized"] += 1
+    w = _Checkpoint(out, bits, head_bits or bits, block_size, symmetric, dict(layer_bits or {}))
+    where, embed = _copy_unquantized(files, w, quantize=exact is None)
 
     def tensor(name: str):
         with safe_open(str(where[name]), framework="pt") as sf:
             return sf.get_tensor(name)
 
-    embed = None
+    tied = "lm_head.weight" not in where
+    if tied and embed is None:
+        raise ExportError(f"{src}: neither lm_head.weight nor model.embed_tokens.weight found")
+    if exact is not None:
+        names = sorted(where) + (["lm_head.weight"] if tied else [])
+        for group in _fused_groups([n for n in names if n != "model.embed_tokens.weight"]):
+            parts = [exact(n) for n in group]
+            if any(p is None for p in parts):
+                for n in group:
+                    w.add_linear(n, tensor(embed if n == "lm_head.weight" and tied else n))
+            else:
+                w.add_exact(group, parts)
+    elif tied:
+        w.add_linear("lm_head.weight", tensor(embed))
+    if tied:
+        cfg["tie_word_embeddings"] = False  # the builder reads a separate (quantized) head
+    shards = w.close(cfg, src)
+    how = f"{w.counts['exact']} from the source's own blocks, " if w.counts["exact"] else ""
+    log(
+        f"  prequantized {w.counts['exact'] + w.counts['quantized']} linear layers ({how}{w.counts['quantized']} quantized: {bits}-bit, head {w.head_bits}-bit, "
+        f"blocks of {block_size}) into {shards} shard(s): {time.perf_counter() - t0:.1f} s"
+    )
+    return out
+
+
+def _copy_unquantized(files: list[Path], w: "_Checkpoint", quantize: bool) -> tuple[dict, str | None]:
+    """Copy every tensor of ``files`` that stays unquantized into ``w`` (with ``quantize``,
+    quantize the linear layers on the way); returns ``(where, embed)``: the file of each
+    linear weight (and of the embedding), and the embedding's name or None."""
+    from safetensors import safe_open
+
+    embed, where = None, {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 if _is_linear(name) or name == "lm_head.weight":
                     where[name] = f
-                    if exact is None:
-                        add_linear(name, sf.get_tensor(name))
+                    if quantize:
+                        w.add_linear(name, sf.get_tensor(name))
                     continue
-                writer.add(name, sf.get_tensor(name).contiguous())
+                w.writer.add(name, sf.get_tensor(name).contiguous())
                 if name == "model.embed_tokens.weight":
                     embed, where[name] = name, f
-    tied = "lm_head.weight" not in where
-    if tied and embed is None:
-        raise ExportError(f"{src}: neither lm_head.weight nor model.embed_tokens.weight found")
-    if exact is not None:
-        names = sorted(where)
-        if tied:
-            names.append("lm_head.weight")
-        for group in _fused_groups([n for n in names if n != "model.embed_tokens.weight"]):
-            parts = [exact(n) for n in group]
-            if any(p is None for p in parts):
-                for n in group:
-                    add_linear(n, tensor(embed if n == "lm_head.weight" and tied else n))
-                continue
-            b_bits, b_group = max(p.bits for p in parts), min(p.group for p in parts)
-            any_min = any(p.mins is not None for p in parts)
-            for n, p in zip(group, parts):
-                base = n[: -len(".weight")]
-                p = regroup(p, b_bits, b_group)
-                write(base, *_olive_tensors(p))
-                overrides[base] = {"bits": b_bits, "group_size": b_group}
-                if any_min:
-                    mins[base] = p.mins if p.mins is not None else np.zeros((p.q.shape[0], p.q.shape[1] // 32), np.float32)
-                counts["exact"] += 1
-    elif tied:
-        add_linear("lm_head.weight", tensor(embed))
-    if tied:
-        cfg["tie_word_embeddings"] = False  # the builder reads a separate (quantized) head
-    shards = writer.close()
-    if mins:
-        np.savez(out / MINS_FILE, **mins)
-    cfg["quantization_config"] = {"quant_method": "olive", "bits": bits, "group_size": block_size, "overrides": overrides}
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for name in _COPIED:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
-    how = f"{counts['exact']} from the source's own blocks, " if counts["exact"] else ""
-    log(
-        f"  prequantized {counts['exact'] + counts['quantized']} linear layers ({how}{counts['quantized']} quantized: {bits}-bit, head {head_bits}-bit, "
-        f"blocks of {block_size}) into {shards} shard(s): {time.perf_counter() - t0:.1f} s"
-    )
-    return out
+    return where, embed
+
+
+class _Checkpoint:
+    """The prequantized checkpoint :func:`prequantize` writes: its shards, the per-layer
+    bits overrides of ``quantization_config``, the 32-block offsets (:data:`MINS_FILE`)
+    and the counts of exact and quantized layers."""
+
+    def __init__(self, out: Path, bits: int, head_bits: int, block_size: int, symmetric: bool, layer_bits: dict[str, int]):
+        from .shards import ShardWriter
+
+        self.out, self.bits, self.head_bits, self.block_size, self.symmetric, self.layer_bits = out, bits, head_bits, block_size, symmetric, layer_bits
+        self.writer = ShardWriter(out)
+        self.overrides: dict[str, dict] = {"lm_head": {"bits": head_bits, "group_size": block_size}}
+        self.overrides.update({k: {"bits": b, "group_size": block_size} for k, b in layer_bits.items()})
+        self.mins: dict[str, np.ndarray] = {}
+        self.counts = {"exact": 0, "quantized": 0}
+
+    def write(self, base: str, q, s, z) -> None:
+        """One MatMulNBits layer's olive tensors (qweight, scales, qzeros)."""
+        import torch
+
+        self.writer.add(base + ".qweight", torch.from_numpy(q))
+        self.writer.add(base + ".scales", torch.from_numpy(s))
+        self.writer.add(base + ".qzeros", torch.from_numpy(z))
+
+    def add_linear(self, name: str, w) -> None:
+        """Quantize the weight ``w`` (torch tensor ``[out, in]``) of layer ``name`` (:func:`quantize_block`)."""
+        base = name[: -len(".weight")]
+        self.write(
+            base,
+            *quantize_block(
+                w.float().numpy(), self.head_bits if name == "lm_head.weight" else self.layer_bits.get(base, self.bits), self.block_size, self.symmetric
+            ),
+        )
+        self.counts["quantized"] += 1
+
+    def add_exact(self, group: list[str], parts: list) -> None:
+        """A fused group's exact blocks (:mod:`specrt.export.gguf_blocks`), regrouped to the
+        widest bits and the narrowest group of its parts."""
+        from .gguf_blocks import regroup
+
+        b_bits, b_group = max(p.bits for p in parts), min(p.group for p in parts)
+        any_min = any(p.mins is not None for p in parts)
+        for n, p in zip(group, parts):
+            base = n[: -len(".weight")]
+            p = regroup(p, b_bits, b_group)
+            self.write(base, *_olive_tensors(p))
+            self.overrides[base] = {"bits": b_bits, "group_size": b_group}
+            if any_min:
+                self.mins[base] = p.mins if p.mins is not None else np.zeros((p.q.shape[0], p.q.shape[1] // 32), np.float32)
+            self.counts["exact"] += 1
+
+    def close(self, cfg: dict, src: Path) -> int:
+        """Finish the shards, write the offsets, ``config.json`` with
+        ``quantization_config`` and the tokenizer files copied from ``src``; returns the
+        number of shards."""
+        shards = self.writer.close()
+        if self.mins:
+            np.savez(self.out / MINS_FILE, **self.mins)
+        cfg["quantization_config"] = {"quant_method": "olive", "bits": self.bits, "group_size": self.block_size, "overrides": self.overrides}
+        (self.out / "config.json").write_text(json.dumps(cfg, indent=2))
+        for name in _COPIED:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, self.out / name)
+        return shards
 
 
 def add_min_corrections(graph: str | Path, mins_file: str | Path, log=print) -> int:

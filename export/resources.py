@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["rss_mib", "peak_rss_mib", "reset_peak", "run_measured", "PhaseMeter"]
+__all__ = ["rss_mib", "peak_rss_mib", "reset_peak", "run_measured", "PhaseMeter", "trim_heap"]
 
 _STATUS = Path("/proc/self/status")
 _CLEAR = Path("/proc/self/clear_refs")
@@ -143,12 +143,10 @@ class PhaseMeter:
         """End the current phase (if any) and start ``name`` (None: just end it).
 
         Between phases, unreachable objects are collected and freed heap pages given back
-        (:func:`specrt.export.onnx_export.trim_heap`), so a phase does not carry the previous
+        (:func:`trim_heap`), so a phase does not carry the previous
         one's freed memory in its RSS (measured: the quality record's peak held ~2 GB of
         earlier phases' freed heap without it)."""
         import gc
-
-        from .onnx_export import trim_heap
 
         gc.collect()
         trim_heap()
@@ -200,3 +198,22 @@ class PhaseMeter:
             "phases": self.phases,
             "per_phase_peaks": self.resettable,
         }
+
+
+def trim_heap() -> bool:
+    """Give freed heap memory back to the operating system (glibc ``malloc_trim(0)``).
+
+    Weight matrices under glibc's dynamic mmap threshold (up to 32 MiB) live in the malloc
+    heap; freeing them leaves the pages mapped, so without a trim a freed model keeps
+    counting in the process's RSS (measured: 1.9 GB after freeing a Qwen2.5-0.5B-shaped
+    float32 model, whose matrices are 17 MB each). Returns False where glibc is absent.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False

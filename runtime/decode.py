@@ -50,6 +50,7 @@ import numpy as np
 
 from .adaptive import AdaptiveK
 from .backends.base import Model
+from .chunks import call_start, chunk_bounds, feed
 from .drafters import Drafter, ModelDrafter, make_drafter
 from .speculative import chunk_passes, chunk_sizes, commit, draft_limit, head_blocks, propose, rollback_lengths
 
@@ -59,7 +60,11 @@ __all__ = [
     "Round",
     "KVLengths",
     "decode",
+    "prefill",
     "one_round",
+    "bonus_round",
+    "observe_tail",
+    "length_finish",
     "verify",
     "target_blocks",
     "feed",
@@ -183,60 +188,6 @@ class Round:
     tail: tuple | None = None
 
 
-def chunk_bounds(n: int, step: int, min_q: int = 1, tail_q: int = 0) -> list[tuple[int, int]]:
-    """``[lo, hi)`` chunks of at most ``step`` tokens covering ``0..n`` in order, each at
-    least ``min_q`` wide whenever ``n >= min_q`` (a chunk before a short one gives up tokens),
-    and, with ``tail_q``, the last one at most ``tail_q`` wide when ``n >= 2 * min_q``.
-
-    Why the tail: the decode loop may recompute the last ``min_q - 1`` prompt rows at a
-    narrow width (:func:`call_start`), and onnxruntime's kernels are bit-identical across
-    widths only within the widths the export measured (``q = min_q .. k_max + 1``): a wide
-    call such as 129 rows splits into 128 + 1 inside the GEMM and rounds its last row like
-    a 1-row call. A tail of at most ``tail_q`` rows makes every recomputed row come from a
-    measured width, so speculative and target-only decoding hold the same KV bits.
-
-    Raises:
-        ValueError: ``step < min_q``, or ``0 < tail_q < min_q`` (no chunking can satisfy both).
-    """
-    if step < min_q:
-        raise ValueError(f"chunk step {step} < min_q {min_q}")
-    if 0 < tail_q < min_q:
-        raise ValueError(f"tail width {tail_q} < min_q {min_q}")
-    if tail_q and n > tail_q and n >= 2 * min_q:
-        tail = min(tail_q, step, n - min_q)  # the rows before the tail must fill a chunk >= min_q
-        return chunk_bounds(n - tail, step, min_q) + [(n - tail, n)]
-    out, i = [], 0
-    while i < n:
-        w = min(step, n - i)
-        rest = n - i - w
-        if 0 < rest < min_q:
-            w -= min_q - rest
-        out.append((i, i + w))
-        i += w
-    return out
-
-
-def feed(model: Model, tokens: Sequence[int], start: int, min_q: int = 1, tail_q: int = 0) -> np.ndarray:
-    """Run ``tokens`` from KV length ``start`` in chunks of at most ``model.max_q``
-    (:func:`chunk_bounds`: every chunk at least ``min_q`` wide when possible, the last at most
-    ``tail_q``); returns the logits rows of the last chunk (float32 ``[q_last, vocab]``, a
-    view valid until the next call)."""
-    for lo, hi in chunk_bounds(len(tokens), model.max_q, min_q, tail_q):
-        rows = model.run(tokens[lo:hi], start + lo)
-    return rows
-
-
-def call_start(lo: int, hi: int, valid: int, min_q: int) -> int:
-    """First position of a target call that must produce the rows of positions ``[lo, hi)``.
-
-    KV rows ``[0, valid)`` hold committed tokens computed at a width >= ``min_q``, so a call
-    may start anywhere in ``[0, min(valid, lo)]`` (it rewrites those rows with the same bits).
-    It starts as late as possible, but early enough to be at least ``min_q`` wide when the
-    committed prefix allows it.
-    """
-    return max(0, min(valid, lo, hi - min_q))
-
-
 def verify(cands: Sequence[int], blocks, acc: Acceptor) -> tuple[int, int]:
     """Accept candidates left to right over blocks of target logits; stop at the first rejection.
 
@@ -343,7 +294,7 @@ def one_round(
     new, ended = commit(cands, m, token, plan.eos)
     seq.extend(new)
     kv.target, kv.draft = rollback_lengths(seq_len, kv.draft, m)
-    finish = "stop" if ended else _length_finish(seq, n_prompt, plan)
+    finish = "stop" if ended else length_finish(seq, n_prompt, plan)
     return Round(seq_len - n_prompt, steps, len(cands), m, new, finish, drafter.model_calls, t1 - t0 if steps else 0.0, t2 - t1, calls, pre[0] if pre else None)
 
 
@@ -356,9 +307,47 @@ def adaptive_policy(plan: Plan) -> AdaptiveK | None:
     return AdaptiveK(target_s, 0.0 if plan.drafter == "ngram" else draft_s, prior)
 
 
-def _length_finish(seq: list[int], n_prompt: int, plan: Plan) -> str | None:
-    """ "length" when the budget or the context is used up, else None."""
+def length_finish(seq: list[int], n_prompt: int, plan: Plan) -> str | None:
+    """ "length" when the budget or the context is used up (``seq`` = prompt + output), else None."""
     return "length" if len(seq) - n_prompt >= plan.budget or len(seq) >= plan.max_ctx else None
+
+
+def prefill(target: Model, seq: list[int], plan: Plan, acc: Acceptor, kv: KVLengths) -> Round:
+    """Run the prompt ``seq`` through the target (chunked, :func:`chunk_bounds`), append the
+    first token (the acceptor's bonus at the last row) to ``seq`` and set ``kv.target``;
+    returns the prefill record (``pos`` 0). A prompt shorter than ``min_q`` is run narrower
+    and its rows are left to the first round to recompute (``kv.target`` stays at the last
+    chunk's start)."""
+    t0 = time.perf_counter()
+    n_prompt = len(seq)
+    chunks = chunk_bounds(n_prompt, target.max_q, plan.min_q, plan.tail_q)
+    first = acc.bonus(0, feed(target, seq, 0, plan.min_q, plan.tail_q)[-1])
+    seq.append(first)
+    lo, hi = chunks[-1]
+    kv.target = n_prompt if hi - lo >= plan.min_q else lo
+    finish = "stop" if first in plan.eos else length_finish(seq, n_prompt, plan)
+    return Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - t0, calls=[(b - a, a, b - a) for a, b in chunks])
+
+
+def bonus_round(seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, row: np.ndarray, seconds: float) -> Round:
+    """A round without candidates whose target row (the logits of the pending token
+    ``seq[-1]`` at position ``kv.target``) was computed elsewhere, e.g. by a batched step
+    over several generations: commits the acceptor's token and returns the record
+    (``seconds``: this generation's share of the call)."""
+    tok = acc.bonus(0, row)
+    pos = len(seq) - n_prompt
+    seq.append(tok)
+    kv.target += 1
+    finish = "stop" if tok in plan.eos else length_finish(seq, n_prompt, plan)
+    return Round(pos, [], 0, 0, [tok], finish, target_s=seconds, calls=[(1, kv.target - 1, 1)])
+
+
+def observe_tail(rec: Round, draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor) -> Round:
+    """``rec`` with its ``tail`` set when it ends the generation and ``plan.observe`` asks
+    for it (greedy only; :func:`_draft_tail`)."""
+    if rec.finish is not None and plan.observe and acc.greedy:
+        rec.tail = _draft_tail(draft, seq, n_prompt, kv, acc)
+    return rec
 
 
 def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: Acceptor) -> Iterator[Round]:
@@ -374,24 +363,13 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     Raises:
         NumericsError: NaN/inf logits. InputError: a model call outside the buffers.
     """
-    seq = list(prompt)
+    seq, kv = list(prompt), KVLengths()
     n_prompt = len(seq)
-    t0 = time.perf_counter()
-    chunks = chunk_bounds(n_prompt, target.max_q, plan.min_q, plan.tail_q)
-    first = acc.bonus(0, feed(target, seq, 0, plan.min_q, plan.tail_q)[-1])
-    seq.append(first)
-    lo, hi = chunks[-1]
-    # a prompt shorter than min_q was run narrower: the first round recomputes its rows
-    kv = KVLengths(target=n_prompt if hi - lo >= plan.min_q else lo)
-    calls = [(hi - lo, lo, hi - lo) for lo, hi in chunks]
-    finish = "stop" if first in plan.eos else _length_finish(seq, n_prompt, plan)
-    rec = Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - t0, calls=calls)
+    rec = prefill(target, seq, plan, acc, kv)
     drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max)
     policy = adaptive_policy(plan)
     while True:
-        if rec.finish is not None and plan.observe and acc.greedy:
-            rec.tail = _draft_tail(draft, seq, n_prompt, kv, acc)
-        yield rec
+        yield observe_tail(rec, draft, seq, n_prompt, kv, plan, acc)
         if rec.finish is not None:
             return
         rec = one_round(target, draft, seq, n_prompt, kv, plan, acc, drafter, policy)

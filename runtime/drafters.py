@@ -68,7 +68,7 @@ class ModelDrafter:
         self.model_calls = 0
 
     def steps(self, seq, kv, acc, steps, pre) -> Iterator[tuple[int, float]]:
-        from .decode import feed
+        from .chunks import feed
 
         draft = self.draft
         rows = feed(draft, seq[kv.draft :], kv.draft)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -27,48 +25,17 @@ from .config import GenerationConfig, resolve_config
 from .decode import Plan, Round, decode
 from .errors import BackendError, InputError
 from .flops import flop_coefficients
+from .generation import Generation, GenerationResult
 from .integrity import Verification
-from .logprobs import LogprobRecorder, TokenLogprob, token_logprob
+from .logprobs import TokenLogprob, token_logprob
 from .manifest import GRAPH_BUILDER, LAZY_HEAD_HINT, LAZY_HEAD_KEY, REEXPORT_HINT, Manifest, check_files, load_manifest
 from .sampling import SampledAcceptor
 from .speculative import GreedyAcceptor
-from .stats import Stats
-from .textstream import CompletionText
 from .tokenizer import TextCodec
 
-__all__ = ["Engine", "GenerationResult", "Stream", "PREFILL_CHUNK", "commit_output"]
+__all__ = ["Engine", "GenerationResult", "Stream", "PREFILL_CHUNK"]
 
 PREFILL_CHUNK = 256  # widest prefill call; longer prompts are fed in chunks
-
-
-@dataclass
-class GenerationResult:
-    """Output of :meth:`Engine.generate` (and :attr:`Stream.result`).
-
-    Attributes:
-        tokens: generated ids (EOS included when it ended the output; after a stop string,
-            the shortest prefix whose text contains the match).
-        text: the completion text of ``tokens``: the characters they add to the decoded
-            prompt, ``decode(prompt + tokens)[len(decode(prompt)):]`` (special tokens left
-            out; the exact rule and where it cannot hold: :mod:`specrt.runtime.textstream`),
-            cut before a stop string's match. Equal tokens give equal text, whatever the
-            k_max, strategy, stop strings or streaming.
-        finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (max_new_tokens
-            or context full).
-        stats: :class:`~specrt.runtime.stats.Stats` (``new_tokens`` == ``len(tokens)``).
-        stop_reason: the stop string that ended the output; None when EOS ended it or
-            the reason is "length".
-        logprobs: with ``GenerationConfig(logprobs=N)``, one
-            :class:`~specrt.runtime.logprobs.TokenLogprob` per entry of ``tokens`` (the
-            target's raw distribution, :mod:`specrt.runtime.logprobs`); else None.
-    """
-
-    tokens: list[int]
-    text: str
-    finish_reason: str
-    stats: Stats
-    stop_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
 
 
 class Stream:
@@ -125,30 +92,6 @@ class Stream:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def commit_output(piece: list[int], entries: list | None, text_out, out: list[int], lps: list | None) -> bool:
-    """Append one round's committed tokens to the output, cut where a stop string ends it.
-
-    The one place that turns a :class:`~specrt.runtime.decode.Round`'s ``commit`` into output,
-    for :meth:`Engine.generate`/:meth:`Engine.stream` and the server's batch scheduler alike.
-
-    Args:
-        piece: the round's committed token ids.
-        entries: their logprob entries (same length, already cut after EOS), or None.
-        text_out: the generation's :class:`~specrt.runtime.textstream.CompletionText`.
-        out, lps: the output token ids and logprob entries so far (extended in place; ``lps``
-            only when ``entries`` is given).
-
-    Returns:
-        True when a stop string ended the output inside ``piece`` (``text_out.stop_reason``
-        says which); the tokens after it are not appended.
-    """
-    kept = text_out.push(piece)
-    out.extend(piece if kept is None else piece[:kept])
-    if entries is not None:
-        lps.extend(entries if kept is None else entries[:kept])
-    return kept is not None
 
 
 class Engine:
@@ -402,7 +345,7 @@ class Engine:
             if rec:
                 costs = Costs.from_json(rec, "manifest extra.tune.costs")
             else:
-                from .lab.tune import measure_costs
+                from .costs import measure_costs
 
                 costs = measure_costs(self, range(1, m.k_max + 2), min(256, m.max_ctx - m.k_max - 2), reps=5)
             prior = float((m.extra.get("calibration") or {}).get("acceptance", 0.7))
@@ -440,50 +383,39 @@ class Engine:
         with self._locked():
             yield from decode(self.target, self.draft, ids, self.plan(cfg, observe), acceptor if acceptor is not None else self.acceptor(cfg))
 
+    def start(self, ids: list[int], cfg: GenerationConfig, trace=None, draft=None) -> Generation:
+        """A :class:`~specrt.runtime.generation.Generation` of validated ``ids`` with
+        resolved ``cfg`` (:meth:`prompt_ids`, :meth:`resolve`), not yet prefilled; the
+        caller steps it on a target whose KV it may use (this Engine's under its lock, or
+        a batch slot).
+
+        Args:
+            trace: a :class:`~specrt.runtime.lab.trace.TraceWriter` (the plan then observes
+                the draft's top-1s for a replayable trace), or None.
+            draft: the draft model whose KV the generation owns (default: this Engine's).
+        """
+        plan = self.plan(cfg, observe=trace is not None)
+        m = self.manifest
+        return Generation(ids, cfg, plan, self.acceptor(cfg), draft if draft is not None else self.draft, self.codec, m.vocab_size, self._flops, trace)
+
     def _run(self, ids: list[int], cfg: GenerationConfig, streaming: bool, trace=None, out: list[int] | None = None, lps: list | None = None):
-        """One generation: yields text pieces (``streaming``; else one "" per round) and
-        returns the :class:`GenerationResult`. Round records go to the stats and the trace;
-        the round loop is closed on every exit, which releases the Engine's lock. ``out``
-        (and ``lps`` with ``cfg.logprobs``) receive the output's tokens (and their logprob
-        entries) as rounds commit them."""
-        stats = Stats(prompt_tokens=len(ids), accepted_hist=[0] * (cfg.k_max + 1), proposed_hist=[0] * (cfg.k_max + 1))
-        out = [] if out is None else out
-        recorder = None
-        if cfg.logprobs is not None:
-            recorder = LogprobRecorder(self.acceptor(cfg), self.manifest.vocab_size, cfg.logprobs)
-            lps = [] if lps is None else lps
-        finish, stop_reason = "length", None
-        text_out = CompletionText(self.codec, ids, cfg.stop)
-        if trace is not None:
-            trace.begin(ids, cfg)
-        t0 = time.perf_counter()
-        rounds = self.rounds(ids, cfg, observe=trace is not None, acceptor=recorder)
-        try:
-            for rec in rounds:
-                stats.add(rec, self._flops)
-                if trace is not None:
-                    trace.add(rec)
-                piece = rec.commit
-                entries = recorder.take()[: len(piece)] if recorder is not None else None  # the commit is cut after EOS
-                if commit_output(piece, entries, text_out, out, lps):
-                    finish, stop_reason = "stop", text_out.stop_reason
+        """One generation under this Engine's lock: yields text pieces (``streaming``; else
+        one "" per round) and returns the :class:`GenerationResult`. ``out`` (and ``lps``
+        with ``cfg.logprobs``) become the generation's live output lists. Closing the
+        iterator early releases the lock (the result is then never made)."""
+        gen = self.start(ids, cfg, trace)
+        if out is not None:
+            gen.tokens = out
+        if lps is not None and gen.logprobs is not None:
+            gen.logprobs = lps
+        with self._locked():
+            piece = gen.prefill(self.target)
+            while True:
+                yield piece if streaming else ""
+                if gen.done:
                     break
-                finish = rec.finish or finish
-                yield text_out.take() if streaming else ""
-        finally:
-            rounds.close()
-            stats.total_seconds = time.perf_counter() - t0
-        text_out.finish()
-        if streaming and (last := text_out.take()):
-            yield last
-        text = text_out.text
-        stats.new_tokens = len(out)
-        result = GenerationResult(
-            tokens=list(out), text=text, finish_reason=finish, stats=stats, stop_reason=stop_reason, logprobs=list(lps) if recorder is not None else None
-        )
-        if trace is not None:
-            trace.end(result)
-        return result
+                piece = gen.step(self.target)
+        return gen.result()
 
 
 class _Owned:

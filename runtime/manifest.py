@@ -425,6 +425,70 @@ def _schema_error(path: Path, e, hint: str) -> EngineError:
     return _field_error(path, _loc(first["loc"]), first.get("input"), _allowed(first), hint, first["type"] == "missing", more)
 
 
+def _check_entry(role: str, e: ModelEntry, k_max: int, bad) -> None:
+    """The value checks of one model entry (:func:`validate_manifest`); ``bad(loc, value,
+    allowed)`` makes the EngineError raised."""
+    for name in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab_size"):
+        if getattr(e, name) < 1:
+            raise bad(f"{role}.{name}", getattr(e, name), "an integer >= 1")
+    for name in ("params", "matmul_params"):
+        if getattr(e, name) < 0:
+            raise bad(f"{role}.{name}", getattr(e, name), "an integer >= 0")
+    if not e.file or not _inside(e.file):
+        raise bad(f"{role}.file", e.file, "a file name inside the engine folder")
+    if not _HEX64.match(e.sha256):
+        raise bad(f"{role}.sha256", e.sha256, "64 lowercase hex digits")
+    if e.graph not in GRAPH_FORMS:
+        raise bad(f"{role}.graph", e.graph, f"one of {', '.join(GRAPH_FORMS)} (a newer specrt wrote this engine, or it was edited)")
+    if e.precision not in PRECISIONS:
+        raise bad(f"{role}.precision", e.precision, f"one of {', '.join(PRECISIONS)}")
+    if e.data_file and not _inside(e.data_file):
+        raise bad(f"{role}.data_file", e.data_file, "a file name inside the engine folder")
+    if e.exact_min_q is not None and not 1 <= e.exact_min_q <= k_max + 1:
+        raise bad(f"{role}.exact_min_q", e.exact_min_q, f"null or an integer in 1..k_max+1 = {k_max + 1}")
+    ins, outs = ModelEntry.io_names(e.n_layers, e.graph)
+    if e.graph == GRAPH_BUILDER:
+        want_in = f"input_ids, attention_mask, past_key_values.i.key/value for i in 0..{e.n_layers - 1}"
+        want_out = f"logits, present.i.key/value for i in 0..{e.n_layers - 1}"
+    else:
+        want_in = f"input_ids, position_ids, past_key_i, past_value_i for i in 0..{e.n_layers - 1}"
+        want_out = f"logits, new_key_i, new_value_i for i in 0..{e.n_layers - 1}"
+    # names, not order: the runtime binds by name (the model builder lists keys before values)
+    if sorted(e.inputs) != sorted(ins) or len(set(e.inputs)) != len(e.inputs):
+        raise bad(f"{role}.inputs", list(e.inputs), f"the inputs of a {e.graph} graph of n_layers={e.n_layers} layers: {want_in}")
+    if sorted(e.outputs) != sorted(outs) or len(set(e.outputs)) != len(e.outputs):
+        raise bad(f"{role}.outputs", list(e.outputs), f"the outputs of a {e.graph} graph of n_layers={e.n_layers} layers: {want_out}")
+
+
+def _check_tokens(m: Manifest, bad, path: Path, hint: str) -> None:
+    """The tokenizer checks of :func:`validate_manifest`: vocab sizes and hashes of the
+    pair, and every special token id inside the vocabulary."""
+    if m.vocab_size < 1:
+        raise bad("vocab_size", m.vocab_size, "an integer >= 1")
+    if m.draft.vocab_size < m.vocab_size or m.target.vocab_size < m.vocab_size:
+        raise EngineError(
+            f"{path}: vocab sizes differ (draft {m.draft.vocab_size}, target {m.target.vocab_size}, tokenizer {m.vocab_size}); "
+            "the draft and the target must share one tokenizer; export a matching pair",
+            "vocab_size",
+        )
+    if m.draft.vocab_hash and m.target.vocab_hash and m.draft.vocab_hash != m.target.vocab_hash:
+        raise EngineError(
+            f"{path}: the draft and the target come from different tokenizers (vocab hash {m.draft.vocab_hash[:12]} "
+            f"vs {m.target.vocab_hash[:12]}); speculative decoding needs the draft to propose ids the target understands. "
+            f"Re-export the pair together from checkpoints that share the target's tokenizer: {hint}",
+            "vocab_hash",
+        )
+    for name in ("eos_token_id", "bos_token_id"):
+        v = getattr(m, name)
+        if v is not None and not 0 <= v < m.vocab_size:
+            raise bad(name, v, f"a token id in 0..{m.vocab_size - 1}" + (" or null" if name == "bos_token_id" else ""))
+    for i, v in enumerate(m.eos_token_ids):
+        if not 0 <= v < m.vocab_size:
+            raise bad(f"eos_token_ids[{i}]", v, f"a token id in 0..{m.vocab_size - 1}")
+    if m.pad_token_id is not None and not 0 <= m.pad_token_id < m.target.vocab_size:
+        raise bad("pad_token_id", m.pad_token_id, f"a token id in 0..{m.target.vocab_size - 1} or null")
+
+
 def validate_manifest(raw: dict, folder: str | Path) -> Manifest:
     """The :class:`Manifest` of a parsed ``manifest.json`` object, validated whole.
 
@@ -487,64 +551,12 @@ def validate_manifest(raw: dict, folder: str | Path) -> Manifest:
         return _field_error(path, loc, value, allowed, hint)
 
     for role, e in (("draft", m.draft), ("target", m.target)):
-        for name in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab_size"):
-            if getattr(e, name) < 1:
-                raise bad(f"{role}.{name}", getattr(e, name), "an integer >= 1")
-        for name in ("params", "matmul_params"):
-            if getattr(e, name) < 0:
-                raise bad(f"{role}.{name}", getattr(e, name), "an integer >= 0")
-        if not e.file or not _inside(e.file):
-            raise bad(f"{role}.file", e.file, "a file name inside the engine folder")
-        if not _HEX64.match(e.sha256):
-            raise bad(f"{role}.sha256", e.sha256, "64 lowercase hex digits")
-        if e.graph not in GRAPH_FORMS:
-            raise bad(f"{role}.graph", e.graph, f"one of {', '.join(GRAPH_FORMS)} (a newer specrt wrote this engine, or it was edited)")
-        if e.precision not in PRECISIONS:
-            raise bad(f"{role}.precision", e.precision, f"one of {', '.join(PRECISIONS)}")
-        if e.data_file and not _inside(e.data_file):
-            raise bad(f"{role}.data_file", e.data_file, "a file name inside the engine folder")
-        if e.exact_min_q is not None and not 1 <= e.exact_min_q <= m.k_max + 1:
-            raise bad(f"{role}.exact_min_q", e.exact_min_q, f"null or an integer in 1..k_max+1 = {m.k_max + 1}")
-        ins, outs = ModelEntry.io_names(e.n_layers, e.graph)
-        if e.graph == GRAPH_BUILDER:
-            want_in = f"input_ids, attention_mask, past_key_values.i.key/value for i in 0..{e.n_layers - 1}"
-            want_out = f"logits, present.i.key/value for i in 0..{e.n_layers - 1}"
-        else:
-            want_in = f"input_ids, position_ids, past_key_i, past_value_i for i in 0..{e.n_layers - 1}"
-            want_out = f"logits, new_key_i, new_value_i for i in 0..{e.n_layers - 1}"
-        # names, not order: the runtime binds by name (the model builder lists keys before values)
-        if sorted(e.inputs) != sorted(ins) or len(set(e.inputs)) != len(e.inputs):
-            raise bad(f"{role}.inputs", list(e.inputs), f"the inputs of a {e.graph} graph of n_layers={e.n_layers} layers: {want_in}")
-        if sorted(e.outputs) != sorted(outs) or len(set(e.outputs)) != len(e.outputs):
-            raise bad(f"{role}.outputs", list(e.outputs), f"the outputs of a {e.graph} graph of n_layers={e.n_layers} layers: {want_out}")
+        _check_entry(role, e, m.k_max, bad)
     if m.kv_layout != KV_LAYOUT:
         raise bad("kv_layout", m.kv_layout, f'"{KV_LAYOUT}"')
     if m.kv_dtype != "float32":
         raise bad("kv_dtype", m.kv_dtype, '"float32"')
-    if m.vocab_size < 1:
-        raise bad("vocab_size", m.vocab_size, "an integer >= 1")
-    if m.draft.vocab_size < m.vocab_size or m.target.vocab_size < m.vocab_size:
-        raise EngineError(
-            f"{path}: vocab sizes differ (draft {m.draft.vocab_size}, target {m.target.vocab_size}, tokenizer {m.vocab_size}); "
-            "the draft and the target must share one tokenizer; export a matching pair",
-            "vocab_size",
-        )
-    if m.draft.vocab_hash and m.target.vocab_hash and m.draft.vocab_hash != m.target.vocab_hash:
-        raise EngineError(
-            f"{path}: the draft and the target come from different tokenizers (vocab hash {m.draft.vocab_hash[:12]} "
-            f"vs {m.target.vocab_hash[:12]}); speculative decoding needs the draft to propose ids the target understands. "
-            f"Re-export the pair together from checkpoints that share the target's tokenizer: {hint}",
-            "vocab_hash",
-        )
-    for name in ("eos_token_id", "bos_token_id"):
-        v = getattr(m, name)
-        if v is not None and not 0 <= v < m.vocab_size:
-            raise bad(name, v, f"a token id in 0..{m.vocab_size - 1}" + (" or null" if name == "bos_token_id" else ""))
-    for i, v in enumerate(m.eos_token_ids):
-        if not 0 <= v < m.vocab_size:
-            raise bad(f"eos_token_ids[{i}]", v, f"a token id in 0..{m.vocab_size - 1}")
-    if m.pad_token_id is not None and not 0 <= m.pad_token_id < m.target.vocab_size:
-        raise bad("pad_token_id", m.pad_token_id, f"a token id in 0..{m.target.vocab_size - 1} or null")
+    _check_tokens(m, bad, path, hint)
     if m.max_ctx < 2:
         raise bad("max_ctx", m.max_ctx, "an integer >= 2")
     k_top = min(K_LIMIT, m.max_ctx - 1)

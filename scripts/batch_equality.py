@@ -26,7 +26,7 @@ from specrt import Engine, GenerationConfig
 from specrt.runtime.backends.base import ThreadConfig
 from specrt.runtime.lab.bench import divergences
 from specrt.runtime.serve.batching import BatchPool
-from specrt.runtime.serve.server import Job
+from specrt.runtime.serve.jobs import Job
 
 
 def run_pool(eng: Engine, pool: BatchPool, ids: list, cfg) -> list:

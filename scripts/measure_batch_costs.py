@@ -17,7 +17,7 @@ import time
 from specrt import Engine, GenerationConfig
 from specrt.runtime.backends.base import ThreadConfig
 from specrt.runtime.backends.ort_gqa_batch import BatchedGqaModel
-from specrt.runtime.serve.batching import measure_step_costs
+from specrt.runtime.costs import measure_step_costs
 
 PROMPTS = ["def add(a, b):", "for i in range(10):", "class Foo:", "import os\nimport sys\n", "def fib(n):", "while True:"]
 

@@ -106,9 +106,9 @@ print(json.dumps(res))
 
 def specrt_costs(eng, batched, past: int, q_max: int, max_batch: int, reps: int) -> dict:
     """One repetition of specrt's per-call costs, on the Engine's own sessions: the tuner's
-    :func:`~specrt.runtime.lab.tune.measure_costs` (cases in random order; a width below the
+    :func:`~specrt.runtime.costs.measure_costs` (cases in random order; a width below the
     engine's ``exact_min_q`` is timed as the wider call the decode loop makes) and the batch
-    scheduler's :func:`~specrt.runtime.serve.batching.measure_step_costs`.
+    scheduler's :func:`~specrt.runtime.costs.measure_step_costs`.
 
     Args:
         eng: a :class:`specrt.Engine`; batched: a
@@ -124,8 +124,7 @@ def specrt_costs(eng, batched, past: int, q_max: int, max_batch: int, reps: int)
         InputError: a width outside 1..k_max+1 or ``past + q > max_ctx`` (measure_costs);
         ValueError: no row left for the batched step (measure_step_costs).
     """
-    from specrt.runtime.lab.tune import measure_costs
-    from specrt.runtime.serve.batching import measure_step_costs
+    from specrt.runtime.costs import measure_costs, measure_step_costs
 
     c = measure_costs(eng, range(1, q_max + 1), past, reps=reps)
     out = dict(target={str(q): s * 1e3 for q, s in c.target_s_by_q.items()}, draft={"1": c.draft_s_per_call * 1e3})

@@ -108,7 +108,27 @@ def _engine(path: str, threads: int | None, spinning: bool, backend: str | None 
     return Engine(path, threads=tc, backend=backend)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineUsage(click.Command):
+    """A command whose usage errors (an option value out of range, a missing option) are one
+    line, as every other error of the CLI: ``Error: <what was wrong and what is allowed>``,
+    without click's usage block."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            if e.ctx is None:
+                raise
+            raise click.UsageError(f"{e.format_message()} (specrt {self.name} --help lists the options)") from None
+
+
+class _Cli(click.Group):
+    """The ``specrt`` group: every command is a :class:`_OneLineUsage`."""
+
+    command_class = _OneLineUsage
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="specrt")
 def cli():
     """specrt: speculative decoding on exported ONNX engines, without PyTorch."""
@@ -305,7 +325,7 @@ def export(
 )
 @click.option("--k-max", type=int, default=None, help="most draft candidates per verification (default: manifest)")
 @click.option("--threshold", type=float, default=None, help="draft confidence threshold in [0, 1] (default: manifest)")
-@click.option("--max-new-tokens", type=int, default=field_default("max_new_tokens"), show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True)
 @click.option("--no-speculation", is_flag=True, help="run the target alone (baseline)")
 @click.option(
     "--drafter",
@@ -941,27 +961,30 @@ def serve(
 ):
     """Serve ENGINES over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions
     (SSE streaming), /v1/models, /metrics (docs/SERVING.md)."""
+    from .runtime.serve.server import ServeConfig
     from .runtime.serve.server import serve as run_server
 
     tc = ThreadConfig(intra_op=threads or ThreadConfig().intra_op, spinning=spinning)
     run_server(
-        engines,
-        host=host,
-        port=port,
-        workers=workers,
-        max_queue=max_queue,
-        threads=tc,
-        backend=backend,
-        model_name=model_name,
-        log_level=log_level,
-        round_delay=round_delay,
-        chat_template=chat_template,
-        api_key=api_key,
-        allowed_origins=allowed_origins,
-        max_body_bytes=max_body_bytes,
-        max_batch=max_batch,
-        batch_policy=batch_policy,
-        max_tokens_in_flight=max_tokens_in_flight,
+        ServeConfig(
+            engines,
+            host=host,
+            port=port,
+            workers=workers,
+            max_queue=max_queue,
+            threads=tc,
+            backend=backend,
+            model_name=model_name,
+            log_level=log_level,
+            round_delay=round_delay,
+            chat_template=chat_template,
+            api_key=api_key,
+            allowed_origins=tuple(allowed_origins),
+            max_body_bytes=max_body_bytes,
+            max_batch=max_batch,
+            batch_policy=batch_policy,
+            max_tokens_in_flight=max_tokens_in_flight,
+        )
     )
 
 

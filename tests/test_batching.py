@@ -108,7 +108,7 @@ import time  # noqa: E402
 from specrt import GenerationConfig  # noqa: E402
 from specrt.runtime.lab.bench import divergences  # noqa: E402
 from specrt.runtime.serve.batching import BatchCosts, BatchPool, choose_mode  # noqa: E402
-from specrt.runtime.serve.server import Job, ServeError  # noqa: E402
+from specrt.runtime.serve.jobs import Job, ServeError  # noqa: E402
 
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "x", "class Foo:\n    def __init__(self, x):\n", "import os\nimport sys\n", "while True:"]
 
@@ -336,7 +336,7 @@ def test_pool_logprobs_echo_and_prompt_only_jobs_follow_the_job_contract(int4):
     """policy speculate: a row's logprobs equal Engine.generate's and stream with the pieces
     (Job.lp_sent); echo scores the prompt first (Engine.prompt_logprobs); a prompt-only job
     (generate False) ends without a slot; submit_all queues all or none."""
-    from specrt.runtime.serve.server import ServerBusy
+    from specrt.runtime.serve.jobs import ServerBusy
 
     pool = BatchPool(int4, 2, policy="speculate", max_queue=3, costs=flat_costs(2))
     try:

@@ -119,7 +119,7 @@ def test_errors_are_the_projects_own_type():
         (["--prompt", "x", "--k-max", "0"], "k_max=0"),
         (["--prompt", "x", "--k-max", "99"], "k_max=99"),
         (["--prompt", "x", "--threshold", "2"], "threshold=2.0"),
-        (["--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens=0"),
+        (["--prompt", "x", "--max-new-tokens", "0"], "'--max-new-tokens': 0 is not in the range x>=1"),
         (["--prompt", "x" * 2000], "may have at most 255"),
     ],
 )
@@ -129,6 +129,15 @@ def test_cli_bad_input_one_line_nonzero(tiny_pair, args, needle):
     assert needle in res.output
     assert "Traceback" not in res.output
     assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+@pytest.mark.parametrize("command", ["generate --prompt x", "bench", "tune"])
+def test_cli_range_errors_read_the_same_in_every_command(tiny_pair, command):
+    """One line, same words, exit 2, whichever command: no usage block."""
+    res = CliRunner().invoke(cli, [*command.split(), "--engines", str(tiny_pair[2]), "--max-new-tokens", "0"])
+    name = command.split()[0]
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [f"Error: Invalid value for '--max-new-tokens': 0 is not in the range x>=1. (specrt {name} --help lists the options)"]
 
 
 def test_cli_missing_engines_and_bad_prompts_file(tmp_path, tiny_pair):

@@ -166,7 +166,7 @@ def divergences(engine: Engine, ids_all: list[list[int]], base: dict[int, list[i
     two tokens there, and the target's top-2 margin at that position (the target run over
     the prompt and the target-only tokens before it, in calls no narrower than the engine's
     ``min_q``, i.e. the bits target-only decoding saw)."""
-    from ..decode import feed
+    from ..chunks import feed
 
     out = []
     m = engine.manifest

@@ -57,6 +57,17 @@ def run_pattern(model, tokens: Sequence[int], bounds: list[tuple[int, int]]) -> 
     return out
 
 
+def exact_min_q(by_width: dict[int, list[float]]) -> int | None:
+    """The smallest width q such that every measured width >= q gave bit-identical rows
+    (all its differences 0.0), or None when the widest did not."""
+    exact = None
+    for q in sorted(by_width, reverse=True):
+        if max(by_width[q]) != 0.0:
+            break
+        exact = q
+    return exact
+
+
 def measure(
     models: Sequence[tuple[str, object]],
     vocab_size: int,
@@ -118,12 +129,7 @@ def measure(
             d = max(float(np.abs(run_pattern(m, s, pattern_bounds(length, q)) - r).max()) for s, r in zip(seqs, ref))
             diffs[f"q{q} [{lab}]"] = d
             by_width[q].append(d)
-    exact = None
-    for q in reversed(widths):  # the smallest q such that every width >= q is bit-identical
-        if max(by_width[q]) == 0.0:
-            exact = q
-        else:
-            break
+    exact = exact_min_q(by_width)
     return dict(
         exact_min_q=exact,
         widths=widths,

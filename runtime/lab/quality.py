@@ -131,7 +131,7 @@ def score_model(model, seqs: Sequence[Sequence[int]], first: Sequence[int], voca
     Returns:
         :class:`Scores` of all scored positions, concatenated in order.
     """
-    from ..decode import chunk_bounds
+    from ..chunks import chunk_bounds
 
     arg, lp = [], []
     for seq, f in zip(seqs, first):

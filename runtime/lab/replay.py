@@ -287,33 +287,40 @@ def replay(views: Iterable[PositionView], k_max: int, threshold: float, costs: C
     res = ReplayResult(int(k_max), threshold, accepted_hist=[0] * (k_max + 1), q_hist=[0] * (k_max + 2))
     seconds = base_seconds = 0.0
     for v in views:
-        out, n_out, n_prompt = v.out, len(v.out), v.prompt_tokens
-        known = v.on_conf[v.on_tok >= 0]
-        med = float(np.median(known)) if known.size else 0.0
-        res.new_tokens += n_out
-        seconds += v.prefill_s
-        base_seconds += v.prefill_s + (n_out - 1) * costs.target(1) if costs is not None and n_out > 1 else v.prefill_s
-        c = 1
-        done = int(out[0]) in v.eos or v.max_new_tokens <= 1 or n_prompt + 1 >= v.max_ctx or n_out <= 1
-        while not done:
-            n_max = draft_limit(k_max, v.max_new_tokens - c, n_prompt + c, v.max_ctx)
-            pulled: list = []
-            cands, _ = propose(_recorded_steps(v, c, med, res.approximated, pulled), n_max, threshold, v.eos)
-            m = next((i for i, t in enumerate(cands) if c + i >= n_out or t != out[c + i]), len(cands))
-            res.passes += 1
-            res.proposed += len(cands)
-            res.accepted += m
-            res.draft_calls += len(pulled)
-            res.accepted_hist[m] += 1
-            res.q_hist[len(cands) + 1] += 1
-            if costs is not None:
-                seconds += len(pulled) * costs.draft_s_per_call + costs.target(len(cands) + 1)
-            new = out[c : c + m + 1]
-            c += m + 1
-            done = any(int(t) in v.eos for t in new) or c >= v.max_new_tokens or n_prompt + c >= v.max_ctx or c >= n_out
+        res.new_tokens += len(v.out)
+        seconds += v.prefill_s + _replay_view(v, res, costs)
+        base_seconds += v.prefill_s + (len(v.out) - 1) * costs.target(1) if costs is not None and len(v.out) > 1 else v.prefill_s
     if costs is not None:
         res.seconds, res.baseline_seconds = seconds, base_seconds
     return res
+
+
+def _replay_view(v: PositionView, res: ReplayResult, costs: Costs | None) -> float:
+    """The rounds of ``res``'s policy over one recorded generation (:func:`replay`), counted
+    into ``res``; returns their predicted seconds after the prefill (0 without ``costs``)."""
+    out, n_out, n_prompt = v.out, len(v.out), v.prompt_tokens
+    known = v.on_conf[v.on_tok >= 0]
+    med = float(np.median(known)) if known.size else 0.0
+    seconds = 0.0
+    c = 1
+    done = int(out[0]) in v.eos or v.max_new_tokens <= 1 or n_prompt + 1 >= v.max_ctx or n_out <= 1
+    while not done:
+        n_max = draft_limit(res.k_max, v.max_new_tokens - c, n_prompt + c, v.max_ctx)
+        pulled: list = []
+        cands, _ = propose(_recorded_steps(v, c, med, res.approximated, pulled), n_max, res.threshold, v.eos)
+        m = next((i for i, t in enumerate(cands) if c + i >= n_out or t != out[c + i]), len(cands))
+        res.passes += 1
+        res.proposed += len(cands)
+        res.accepted += m
+        res.draft_calls += len(pulled)
+        res.accepted_hist[m] += 1
+        res.q_hist[len(cands) + 1] += 1
+        if costs is not None:
+            seconds += len(pulled) * costs.draft_s_per_call + costs.target(len(cands) + 1)
+        new = out[c : c + m + 1]
+        c += m + 1
+        done = any(int(t) in v.eos for t in new) or c >= v.max_new_tokens or n_prompt + c >= v.max_ctx or c >= n_out
+    return seconds
 
 
 def _recorded_steps(v: PositionView, c: int, med: float, approx: dict, pulled: list) -> Iterator[tuple[int, float]]:

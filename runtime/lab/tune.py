@@ -6,7 +6,7 @@ With the models (:func:`tune`), in this order:
 1. ``calibrate`` (optional): fit the draft's confidence temperature on the validation
    prompts (:mod:`specrt.runtime.calibration`); the sweep then uses it, so a threshold
    reads as a probability of acceptance.
-2. Measure per-call costs on this machine (:func:`measure_costs`): the target's pass at
+2. Measure per-call costs on this machine (:func:`specrt.runtime.costs.measure_costs`): the target's pass at
    each width q = 1..k_max+1 and the draft's q = 1 call, interleaved in a random order,
    repeated, medians.
 3. Record a wide trace (the engine's largest k_max, threshold 0) on the prompts
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -36,6 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..config import STRATEGIES, GenerationConfig, check_k_max, check_strategy, check_threshold
+from ..costs import measure_costs
 from ..errors import InputError
 from ..manifest import write_defaults  # noqa: F401  (re-exported: tune writes its choice with it)
 
@@ -72,65 +72,6 @@ def check_grid(ks: Sequence[int], thresholds: Sequence[float], strategies: Seque
         check_strategy(s)
 
 
-# ---- costs --------------------------------------------------------------------------------------
-def measure_costs(engine, widths: Sequence[int], past: int, reps: int = 50, seed: int = 0, progress: Progress | None = None):
-    """Per-call latency of the engine's own draft and target objects on this machine.
-
-    Cases: the draft's q = 1 call and the target's pass at each width q; every repetition
-    runs all cases once in a fresh random order (so load changes hit all alike), after
-    3 warm-up calls each. Calls read ``past`` KV rows (whatever they hold) and write the
-    q rows after them; a later generation starts from KV length 0, so nothing is disturbed.
-    The target is timed through its plain full-logits call (the ``full`` strategy's pass), at
-    least ``min_q`` rows wide as the decode loop calls it (a q = 1 "pass" of an engine whose
-    exact width is 2 is timed as the 2-row call target-only decoding makes).
-
-    Args:
-        engine: a loaded :class:`~specrt.runtime.engine.Engine`.
-        widths: target widths q (each 1 <= q <= k_max + 1).
-        past: KV length L of every call (past + q <= max_ctx).
-        reps: repetitions per case (medians over them).
-        seed: seed of the order.
-        progress: ``progress("costs", done, total)``.
-
-    Returns:
-        :class:`~specrt.runtime.lab.trace.Costs` (medians in seconds), ``source="measured"``.
-
-    Raises:
-        InputError: reps < 1, a width outside 1..k_max+1, or past + q > max_ctx.
-    """
-    from .trace import Costs
-
-    m = engine.manifest
-    widths = sorted(set(int(q) for q in widths))
-    if reps < 1:
-        raise InputError(f"cost repetitions {reps}; need >= 1")
-    for q in widths:
-        if not 1 <= q <= m.k_max + 1 or past + q > m.max_ctx or past < m.min_q() - 1:
-            raise InputError(f"cost case q={q} at past={past}; need 1 <= q <= {m.k_max + 1}, past >= {m.min_q() - 1} and past + q <= {m.max_ctx}")
-    tok = min(5, m.vocab_size - 1)
-    min_q = m.min_q()
-    # what the decode loop really runs for a q-row verification: at least min_q rows, the
-    # extra ones recomputing committed tokens before it (specrt.runtime.decode.call_start)
-    cases = [("draft", 1, 0, engine.draft)] + [("target", q, max(0, min_q - q), engine.target) for q in widths]
-    for _, q, w, model in cases:
-        for _ in range(3):
-            model.run([tok] * (q + w), past - w)
-    times: list[list[float]] = [[] for _ in cases]
-    rng = np.random.default_rng(seed)
-    clock = time.perf_counter
-    for r in range(reps):
-        for i in rng.permutation(len(cases)):
-            _, q, w, model = cases[i]
-            t0 = clock()
-            model.run([tok] * (q + w), past - w)
-            times[i].append(clock() - t0)
-        if progress:
-            progress("costs", r + 1, reps)
-    med = [float(np.median(t)) for t in times]
-    return Costs(med[0], {q: med[i + 1] for i, (_, q, _, _) in enumerate(cases[1:])}, past, "measured")
-
-
-# ---- manifest ------------------------------------------------------------------------------------
 # ---- the sweep -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Setting:
@@ -223,9 +164,7 @@ def tune(
     m = engine.manifest
     if not prompts:
         raise InputError("empty prompt set; tune needs at least one validation prompt")
-    ks = sorted(set(int(k) for k in ks))
-    thresholds = sorted(set(float(t) for t in thresholds))
-    strategies = list(dict.fromkeys(strategies))
+    ks, thresholds, strategies = sorted({int(k) for k in ks}), sorted({float(t) for t in thresholds}), list(dict.fromkeys(strategies))
     check_grid(ks, thresholds, strategies, (m.k_min, m.k_max))
     ids = [prompt_tokens(engine, p) for p in prompts]
     greedy = GenerationConfig(max_new_tokens=max_new_tokens)
@@ -238,13 +177,7 @@ def tune(
         backend=engine.backend,
     )
     # 1. calibration
-    temperature = engine.resolve(greedy).confidence_temperature
-    if calibrate:
-        rep = _calibrate(engine, ids, greedy, progress)
-        temperature = rep.temperature
-        result["calibration"] = rep.as_dict()
-        log(rep.summary())
-    result["confidence_temperature"] = temperature
+    temperature = _temperature(engine, ids, greedy, calibrate, result, progress, log)
     # 2. costs
     n_prompt = float(np.mean([len(x) for x in ids]))
     past = int(min(max(1, round(n_prompt + max_new_tokens / 2)), m.max_ctx - m.k_max - 1))
@@ -264,9 +197,22 @@ def tune(
     return result
 
 
+def _temperature(engine, ids, greedy: GenerationConfig, calibrate: bool, result: dict, progress, log) -> float:
+    """The draft confidence temperature the sweep uses: fitted on ``ids`` with ``calibrate``
+    (recorded in ``result["calibration"]``), else the engine's; recorded in ``result``."""
+    temperature = engine.resolve(greedy).confidence_temperature
+    if calibrate:
+        rep = _calibrate(engine, ids, greedy, progress)
+        temperature = rep.temperature
+        result["calibration"] = rep.as_dict()
+        log(rep.summary())
+    result["confidence_temperature"] = temperature
+    return temperature
+
+
 def batch_step_costs(engine, max_batch: int, past: int, reps: int = 15) -> dict | None:
     """Median seconds of one batched q = 1 target step per batch size 1..max_batch at past
-    length ``past`` (:func:`specrt.runtime.serve.batching.measure_step_costs`, on a
+    length ``past`` (:func:`specrt.runtime.costs.measure_step_costs`, on a
     temporary :class:`~specrt.runtime.backends.ort_gqa_batch.BatchedGqaModel` over the
     target's session), as ``{"n": seconds}``; None when the target is not a builder graph
     on onnxruntime CPU (no batched model for it).
@@ -276,7 +222,7 @@ def batch_step_costs(engine, max_batch: int, past: int, reps: int = 15) -> dict 
     """
     from ..backends.ort_gqa import OrtGqaModel
     from ..backends.ort_gqa_batch import BatchedGqaModel
-    from ..serve.batching import measure_step_costs
+    from ..costs import measure_step_costs
 
     if not isinstance(engine.target, OrtGqaModel):
         return None

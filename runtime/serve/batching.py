@@ -46,81 +46,21 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
-
-import numpy as np
 
 from ..backends.ort_gqa import OrtGqaModel
 from ..backends.ort_gqa_batch import BatchedGqaModel
-from ..decode import KVLengths, Round, adaptive_policy, chunk_bounds, feed, one_round
-from ..drafters import make_drafter
-from ..engine import GenerationResult, commit_output
-from ..errors import SpecRTError
-from ..logprobs import LogprobRecorder
-from ..stats import Stats
-from ..textstream import CompletionText
+from ..costs import EMA, BatchCosts, measure_step_costs, recorded_costs
+from ..generation import Generation
+from .jobs import Job, ServeError, ServerBusy, fail, finish, run_prompt, send_text
 from .metrics import BatchMetrics
-from .server import Job, ServeError, ServerBusy, _prompt_only_result
 
 __all__ = ["POLICIES", "BatchCosts", "choose_mode", "measure_step_costs", "recorded_costs", "BatchPool"]
 
 log = logging.getLogger("specrt.serve")
 
 POLICIES = ("auto", "speculate", "batched")
-EMA = 0.2  # weight of the newest observation in the running means
-
-
-@dataclass
-class BatchCosts:
-    """Measured seconds of one batched step per batch size (index n, n = 1..max_batch;
-    index 0 unused) and a running mean per size updated by the real steps."""
-
-    step_s: list[float]
-
-    def observe(self, n: int, seconds: float) -> None:
-        """Update the running mean of size ``n`` with one measured step."""
-        self.step_s[n] += EMA * (seconds - self.step_s[n])
-
-    def as_dict(self) -> dict:
-        """JSON-ready ``{"n": seconds}``."""
-        return {str(n): round(s, 6) for n, s in enumerate(self.step_s) if n}
-
-
-def measure_step_costs(batched: BatchedGqaModel, length: int = 64, reps: int = 5, vocab: int | None = None, seed: int = 0) -> BatchCosts:
-    """Time one batched step at each batch size 1..max_batch (median of ``reps``), every row
-    at past length ``length`` over random KV (writes the slots' rows ``[0, length]``: call
-    it before any request holds a slot).
-
-    Raises:
-        ValueError: ``length + 1 > max_ctx`` or ``reps < 1``.
-    """
-    if length + 1 > batched.max_ctx or reps < 1:
-        raise ValueError(f"length {length} must leave a row in max_ctx {batched.max_ctx}; reps {reps} >= 1")
-    rng = np.random.default_rng(seed)
-    v = vocab or batched.vocab
-    step = [0.0]
-    for n in range(1, batched.max_batch + 1):
-        times = []
-        for _ in range(reps + 1):  # the first call of a size binds (warm-up)
-            toks = rng.integers(0, v, size=n)
-            t0 = time.perf_counter()
-            batched.step(toks, [length] * n)
-            times.append(time.perf_counter() - t0)
-        step.append(float(np.median(times[1:])))
-    return BatchCosts(step)
-
-
-def recorded_costs(manifest, max_batch: int) -> BatchCosts | None:
-    """The batched step costs ``specrt tune --batch-costs N`` recorded in the manifest
-    (``extra["tune"]["batch_step_costs"]``, ``{"n": seconds}``), when they cover batch sizes
-    1..max_batch with positive numbers; else None."""
-    rec = ((manifest.extra or {}).get("tune") or {}).get("batch_step_costs") or {}
-    try:
-        step = [0.0] + [float(rec[str(n)]) for n in range(1, max_batch + 1)]
-    except (KeyError, TypeError, ValueError):
-        return None
-    return BatchCosts(step) if min(step[1:]) > 0 else None
 
 
 def choose_mode(n: int, step_s: float, rounds: Sequence[tuple[float, float]]) -> str:
@@ -149,51 +89,33 @@ def choose_mode(n: int, step_s: float, rounds: Sequence[tuple[float, float]]) ->
 
 @dataclass
 class _Row:
-    """One active request: its sequence, KV lengths, acceptor (a
-    :class:`~specrt.runtime.logprobs.LogprobRecorder` around the engine's acceptor when the
-    job asks for logprobs), text state and output logprob entries."""
+    """One active request: its job, its :class:`~specrt.runtime.generation.Generation`
+    (sequence, KV lengths, acceptor, text, stats), its slot and draft fork, and the running
+    means of its speculative rounds (:func:`choose_mode`)."""
 
     job: Job
-    cfg: object
-    plan: object
-    acc: object
-    draft: object
+    gen: Generation
     slot: int
-    seq: list
-    n_prompt: int
-    kv: KVLengths = field(default_factory=KVLengths)
-    stats: Stats | None = None
-    out: list = field(default_factory=list)
-    text_out: CompletionText | None = None
-    lps: list | None = None  # output logprob entries (cfg.logprobs set), one per entry of out
-    finish: str = "length"
-    stop_reason: str | None = None
-    done: bool = False
-    t0: float = 0.0
-    round_tok: float = 0.0  # running means of this row's speculative rounds
+    draft: object
+    failed: bool = False
+    round_tok: float = 0.0
     round_s: float = 0.0
     rounds: int = 0
-    drafter: object = None  # the row's candidate source (runtime.drafters), made when it takes a slot
-    policy: object = None  # adaptive k of the row (runtime.adaptive), or None
+
+    @property
+    def done(self) -> bool:
+        """Ended (EOS, stop string, length, or an error)."""
+        return self.failed or self.gen.done
 
 
 class BatchPool:
-    """The continuous-batching scheduler; a drop-in for
-    :class:`~specrt.runtime.serve.server.WorkerPool` (``submit``, ``submit_all``, ``close``,
-    ``workers``, ``busy``, ``queued``, ``max_queue``, ``engines``), see the module docstring.
-
-    Jobs follow :class:`~specrt.runtime.serve.server.Job`'s contract as
-    ``WorkerPool._run`` does: with ``echo`` the prompt is scored first
-    (:meth:`Engine.prompt_logprobs` on the pool's Engine, in the scheduler thread, before the
-    row takes a slot) and ``("prompt", entries)`` is emitted when streaming; a job with
-    ``generate`` False ends there; a row's text comes from
-    :class:`~specrt.runtime.textstream.CompletionText` (the Engine's text rules, stop strings
-    included); with ``config.logprobs`` the row's acceptor is wrapped in a
-    :class:`~specrt.runtime.logprobs.LogprobRecorder` (as ``Engine._run`` does) and each
-    ``("text", (piece, entries))`` event carries the entries committed since the last one
-    (``Job.lp_sent``); ``Job.started``, ``first`` and ``finished`` are set as a worker sets
-    them. Under a batched step a row's token and logprob come from its row of the batched
-    target call (the kernels' rounding, module docstring).
+    """The continuous-batching scheduler, a :class:`~specrt.runtime.serve.jobs.Pool` (module
+    docstring). Jobs follow the contract of :mod:`specrt.runtime.serve.jobs` through its
+    helpers (``run_prompt``: echo and prompt scoring before the row takes a slot;
+    ``send_text``; ``finish``); each row is a :class:`~specrt.runtime.generation.Generation`
+    stepped on its slot, so its text, stop strings, logprobs and result are the Engine's.
+    Under a batched step a row's token and logprob come from its row of the batched target
+    call (the kernels' rounding, module docstring).
 
     Args:
         engine: a loaded :class:`~specrt.runtime.engine.Engine` whose target is a builder
@@ -248,7 +170,6 @@ class BatchPool:
         self.batched = BatchedGqaModel(engine.target, max_batch, engine.target.max_q)
         self.costs = costs or recorded_costs(engine.manifest, max_batch) or measure_step_costs(self.batched, vocab=engine.manifest.vocab_size)
         self._free_drafts = [engine.draft.fork() for _ in range(max_batch)]
-        self._flops = engine._flops
         self._queue: deque = deque()
         self._rows: list[_Row] = []
         self._cond = threading.Condition()
@@ -352,10 +273,10 @@ class BatchPool:
             left, self._queue = list(self._queue), deque()
         for job in left:
             job.cancelled.set()
-            _finish(job, "cancelled", None)
+            finish(job, "cancelled", None)
 
     def _in_flight(self) -> int:
-        return sum(r.n_prompt + r.cfg.max_new_tokens for r in self._rows)
+        return sum(r.gen.n_prompt + r.gen.plan.budget for r in self._rows)
 
     def _iterate(self) -> None:
         """One scheduler iteration (module docstring)."""
@@ -367,7 +288,7 @@ class BatchPool:
             return
         self.metrics.batch_size.observe(len(rows))
         self.metrics.queue_depth.observe(len(self._queue))
-        ready = [r for r in rows if not r.done and r.kv.target == len(r.seq) - 1]
+        ready = [r for r in rows if not r.done and r.gen.kv.target == len(r.gen.seq) - 1]
         mode, explore = self._mode(ready)
         if mode == "batched":
             self._batched_step(ready)
@@ -406,7 +327,7 @@ class BatchPool:
                     return
                 self._queue.popleft()
             if job.cancelled.is_set():
-                _finish(job, "cancelled", None)
+                finish(job, "cancelled", None)
                 continue
             self._admit(job)
 
@@ -435,94 +356,66 @@ class BatchPool:
         return mode, explore
 
     def _admit(self, job: Job) -> None:
-        """Start ``job``: the prompt scoring pass (``echo``); then, unless it only echoes, in
-        the next free slot: its acceptor (recording logprobs when asked), draft fork,
-        prefill (first token)."""
+        """Start ``job``: its prompt part (:func:`~specrt.runtime.serve.jobs.run_prompt`);
+        then, unless it only echoes, in the next free slot: its generation (on a draft
+        fork) and the prefill (first token)."""
         eng = self.engine
-        job.started = time.perf_counter()
         try:
-            if job.echo:
-                if job.prompt_logprobs is not None:
-                    job.prompt_lps = eng.prompt_logprobs(job.ids, job.prompt_logprobs)
-                if job.stream:
-                    job.emit(("prompt", job.prompt_lps))
-            if not job.generate:
-                _finish(job, "ok", _prompt_only_result(job))
+            if not run_prompt(eng, job):
                 return
+            draft = self._free_drafts[-1]
+            row = _Row(job, eng.start(job.ids, job.config, draft=draft), len(self._rows), self._free_drafts.pop())
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-            if not isinstance(e, SpecRTError):
-                log.exception("generation failed")
-            _finish(job, "error", e)
+            fail(job, e)
             return
-        cfg = job.config
-        slot = len(self._rows)
-        acc = eng.acceptor(cfg)
-        if cfg.logprobs is not None:
-            acc = LogprobRecorder(acc, eng.manifest.vocab_size, cfg.logprobs)
-        row = _Row(job, cfg, eng.plan(cfg), acc, self._free_drafts.pop(), slot, list(job.ids), len(job.ids))
-        row.drafter, row.policy = make_drafter(row.plan.drafter, row.draft, row.draft.vocab, row.plan.k_max), adaptive_policy(row.plan)
-        row.stats = Stats(prompt_tokens=row.n_prompt, accepted_hist=[0] * (cfg.k_max + 1), proposed_hist=[0] * (cfg.k_max + 1))
-        row.text_out = CompletionText(eng.codec, job.ids, cfg.stop)
-        row.lps = [] if cfg.logprobs is not None else None
-        row.t0 = job.started
         self._rows.append(row)
-        try:
-            plan, target = row.plan, self.batched.slots[slot]
-            chunks = chunk_bounds(row.n_prompt, target.max_q, plan.min_q, plan.tail_q)
-            first = row.acc.bonus(0, feed(target, row.seq, 0, plan.min_q, plan.tail_q)[-1])
-            lo, hi = chunks[-1]
-            row.kv.target = row.n_prompt if hi - lo >= plan.min_q else lo
-            row.seq.append(first)
-            finish = "stop" if first in plan.eos else self._length(row)
-            calls = [(hi - lo, lo, hi - lo) for lo, hi in chunks]
-            self._push(row, Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - row.t0, calls=calls))
-        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-            self._fail(row, e)
+        self._run(row, lambda: row.gen.prefill(self.batched.slots[row.slot]))
 
-    def _length(self, row: _Row) -> str | None:
-        """ "length" when the row's budget or the context is used up."""
-        return "length" if len(row.seq) - row.n_prompt >= row.plan.budget or len(row.seq) >= row.plan.max_ctx else None
+    def _run(self, row: _Row, call) -> bool:
+        """Make ``call`` (one of ``row.gen``'s steps, returning released text), hand the text
+        to the client and the result when it ends; an exception ends the row alone.
+        Returns whether the call completed."""
+        try:
+            piece = call()
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            row.failed = True
+            fail(row.job, e)
+            return False
+        send_text(row.job, piece, row.gen.logprobs)
+        if row.gen.done:
+            finish(row.job, "ok", row.gen.result())
+        return True
 
     def _round(self, row: _Row) -> tuple[int, int]:
         """One speculative (or target-only) round of ``row`` on its slot; returns (target
         calls, tokens committed)."""
-        try:
-            t0 = time.perf_counter()
-            rec = one_round(self.batched.slots[row.slot], row.draft, row.seq, row.n_prompt, row.kv, row.plan, row.acc, row.drafter, row.policy)
-            dt = time.perf_counter() - t0
-            if row.rounds:
-                row.round_tok += EMA * (len(rec.commit) - row.round_tok)
-                row.round_s += EMA * (dt - row.round_s)
-            else:
-                row.round_tok, row.round_s = float(len(rec.commit)), dt
-            row.rounds += 1
-            self._push(row, rec)
-            return sum(1 for q, _, _ in rec.calls if q > 0), len(rec.commit)
-        except Exception as e:  # noqa: BLE001
-            self._fail(row, e)
+        gen = row.gen
+        calls, committed = gen.stats.target_calls, len(gen.seq)
+        t0 = time.perf_counter()
+        if not self._run(row, lambda: gen.step(self.batched.slots[row.slot])):
             return 0, 0
+        dt, tok = time.perf_counter() - t0, len(gen.seq) - committed
+        if row.rounds:
+            row.round_tok += EMA * (tok - row.round_tok)
+            row.round_s += EMA * (dt - row.round_s)
+        else:
+            row.round_tok, row.round_s = float(tok), dt
+        row.rounds += 1
+        return gen.stats.target_calls - calls, tok
 
     def _batched_step(self, ready: list) -> None:
-        """One target call over the slots of ``ready`` (q = 1 each); rows then commit one
-        token each from their own acceptor."""
+        """One target call over the slots of ``ready`` (q = 1 each); each row then commits
+        the token of its own row of logits (:meth:`Generation.push_row`)."""
         t0 = time.perf_counter()
         n = len(ready)
         # ready rows must be slots [0, n): the not-ready ones (short prompts) are rare;
         # swap them behind the ready ones first
         self._compact_ready(ready)
         ready = sorted(ready, key=lambda r: r.slot)
-        logits = self.batched.step([r.seq[-1] for r in ready], [r.kv.target for r in ready])
+        logits = self.batched.step([r.gen.seq[-1] for r in ready], [r.gen.kv.target for r in ready])
         dt = time.perf_counter() - t0
         for i, r in enumerate(ready):
-            try:
-                tok = r.acc.bonus(0, logits[i])
-                pos = len(r.seq) - r.n_prompt
-                r.seq.append(tok)
-                r.kv.target += 1
-                finish = "stop" if tok in r.plan.eos else self._length(r)
-                self._push(r, Round(pos, [], 0, 0, [tok], finish, target_s=dt / n, calls=[(1, r.kv.target - 1, 1)]))
-            except Exception as e:  # noqa: BLE001
-                self._fail(r, e)
+            self._run(r, lambda: r.gen.push_row(logits[i], dt / n))
         self.costs.observe(n, time.perf_counter() - t0)
         self.metrics.iteration("batched")
         self.metrics.tokens_per_pass.observe(float(n))
@@ -538,75 +431,19 @@ class BatchPool:
     def _swap(self, a: _Row, b: _Row) -> None:
         """Exchange the slots (and KV rows) of two rows, through a free slot or a copy."""
         bt = self.batched
-        keep = [(buf[b.slot, :, : b.kv.target].copy()) for buf in (*bt.keys, *bt.values)]
-        bt.move(a.slot, b.slot, a.kv.target)
+        keep = [(buf[b.slot, :, : b.gen.kv.target].copy()) for buf in (*bt.keys, *bt.values)]
+        bt.move(a.slot, b.slot, a.gen.kv.target)
         for buf, k in zip((*bt.keys, *bt.values), keep):
-            buf[a.slot, :, : b.kv.target] = k
+            buf[a.slot, :, : b.gen.kv.target] = k
         a.slot, b.slot = b.slot, a.slot
         self._rows.sort(key=lambda r: r.slot)
-
-    def _push(self, row: _Row, rec: Round) -> None:
-        """Count a round record of ``row`` and hand its text (and logprob entries) to the
-        client (:func:`~specrt.runtime.engine.commit_output`, as the Engine), with
-        ``WorkerPool._run``'s events."""
-        row.stats.add(rec, self._flops)
-        piece = rec.commit
-        entries = row.acc.take()[: len(piece)] if row.lps is not None else None  # the commit is cut after EOS
-        if commit_output(piece, entries, row.text_out, row.out, row.lps):
-            row.finish, row.stop_reason = "stop", row.text_out.stop_reason
-            row.done = True
-        else:
-            row.finish = rec.finish or row.finish
-            self._send(row, row.text_out.take())
-            row.done = rec.finish is not None
-        if row.done:
-            self._complete(row)
-
-    def _send(self, row: _Row, text: str) -> None:
-        """A text piece of ``row`` (nothing when empty): ``Job.first``, and with ``stream``
-        the ``("text", (piece, new logprob entries | None))`` event."""
-        if not text:
-            return
-        job = row.job
-        if job.first is None:
-            job.first = time.perf_counter()
-        if job.stream:
-            new = None
-            if row.lps is not None:
-                new = row.lps[job.lp_sent :]
-                job.lp_sent += len(new)
-            job.emit(("text", (text, new)))
-
-    def _complete(self, row: _Row) -> None:
-        """Emit the finished row's result (its slot is released after the iteration)."""
-        st = row.stats
-        st.total_seconds = time.perf_counter() - row.t0
-        st.new_tokens = len(row.out)
-        row.text_out.finish()
-        self._send(row, row.text_out.take())
-        res = GenerationResult(
-            tokens=list(row.out),
-            text=row.text_out.text,
-            finish_reason=row.finish,
-            stats=st,
-            stop_reason=row.stop_reason,
-            logprobs=list(row.lps) if row.lps is not None else None,
-        )
-        _finish(row.job, "ok", res)
-
-    def _fail(self, row: _Row, e: Exception) -> None:
-        """End ``row`` with an error event."""
-        if not isinstance(e, SpecRTError):
-            log.exception("generation failed", exc_info=e)
-        row.done = True
-        _finish(row.job, "error", e)
 
     def _end(self, row: _Row, outcome: str, payload) -> None:
         """End ``row`` now (cancelled or failed; a row that already ended emits nothing
         more) and free its slot."""
         if not row.done:
-            row.done = True
-            _finish(row.job, outcome, payload)
+            row.failed = True
+            finish(row.job, outcome, payload)
         self._release(row)
 
     def _release(self, row: _Row) -> None:
@@ -617,13 +454,6 @@ class BatchPool:
         self._free_drafts.append(row.draft)
         last = max(self._rows, key=lambda r: r.slot, default=None)
         if last is not None and last.slot > row.slot:
-            self.batched.move(last.slot, row.slot, last.kv.target)
+            self.batched.move(last.slot, row.slot, last.gen.kv.target)
             last.slot = row.slot
         self._rows.sort(key=lambda r: r.slot)
-
-
-def _finish(job: Job, outcome: str, payload) -> None:
-    """Hand the job's end to its client (``"ok"``, ``"cancelled"`` or ``"error"``), as
-    ``WorkerPool._finish``."""
-    job.finished = time.perf_counter()
-    job.emit({"ok": ("done", payload), "cancelled": ("cancelled", None), "error": ("error", payload)}[outcome])

@@ -73,11 +73,19 @@ def specrt_deployment(
     def build_asgi_app():
         """Runs on each replica at start: load the engines, return the FastAPI app."""
         from specrt.runtime.backends.base import ThreadConfig
-        from specrt.runtime.serve.server import build_service, create_app
+        from specrt.runtime.serve.server import ServeConfig, build_service, create_app
 
         return create_app(
             build_service(
-                folder, workers=workers, max_queue=max_queue, threads=ThreadConfig(intra_op=threads), backend=backend, model_name=name, round_delay=round_delay
+                ServeConfig(
+                    folder,
+                    workers=workers,
+                    max_queue=max_queue,
+                    threads=ThreadConfig(intra_op=threads),
+                    backend=backend,
+                    model_name=name,
+                    round_delay=round_delay,
+                )
             )
         )
 

@@ -5,8 +5,8 @@ Runs in the main venv. Besides ``run`` it answers three analysis operations, use
 
 - ``sweep``: ``specrt.runtime.lab.bench.run_bench`` over k_max x threshold (interleaved with
   target-only inside this process): acceptance rate, speedup, accepted-length histograms;
-- ``costs``: per-call latency of the draft (q=1) and the target (q=1..k_max+1) at a fixed
-  past length, interleaved and repeated as ``scripts/measure_costs.py`` does;
+- ``costs``: per-call latency of the draft (q=1) and the target (q=1..k_max+1, each as the
+  decode loop calls it) at a fixed past length: ``specrt.runtime.costs.measure_call_times``;
 - ``profile``: the speculative loop under cProfile, time split into onnxruntime's
   ``run_with_iobinding``, binding, numpy and the rest (Python).
 
@@ -95,30 +95,16 @@ def setup(init: dict):
         return {"sweep": res}
 
     def costs(msg):
+        from specrt.runtime.costs import measure_call_times
+
         m = engine.manifest
-        past = int(msg["past"])
-        reps = int(msg.get("reps", 100))
         widths = list(range(1, m.k_max + 2))
-        past = max(1, min(past, m.max_ctx - max(widths) - 1))
-        d, t = engine.draft, engine.target
-        for mdl in (d, t):  # fill the past rows (values do not matter for timing)
-            for s in range(0, past, 16):
-                mdl.run([1] * min(16, past - s), s)
-        cases = [("draft", 1, d)] + [("target", w, t) for w in widths]
-        times = [[] for _ in cases]
-        rng = np.random.default_rng(0)
-        for _ in range(5):
-            for _, q, mdl in cases:
-                mdl.run([5] * q, past)
-        for _ in range(reps):
-            for i in rng.permutation(len(cases)):
-                _, q, mdl = cases[i]
-                t0 = clock()
-                mdl.run([5] * q, past)
-                times[i].append(clock() - t0)
+        past = max(m.min_q() - 1, 1, min(int(msg["past"]), m.max_ctx - max(widths) - 1))
+        reps = int(msg.get("reps", 100))
+        times = measure_call_times({"": engine}, widths, past, reps, warmup=5)
         rows = []
-        for (who, q, _), x in zip(cases, times):
-            x = np.array(x) * 1000
+        for (_, who, q), x in times.items():
+            x = x * 1000
             rows.append(dict(model=who, q=q, median_ms=float(np.median(x)), q25_ms=float(np.percentile(x, 25)), q75_ms=float(np.percentile(x, 75))))
         return {"costs": dict(past=past, reps=reps, threads=int(init["threads"]), rows=rows)}
 

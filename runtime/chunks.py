@@ -1,0 +1,69 @@
+"""How a run of tokens is cut into model calls: :func:`chunk_bounds` (widths within the
+call limits and the measured exact widths), :func:`feed` (run tokens in such chunks) and
+:func:`call_start` (where a target call must start to be at least ``min_q`` wide). Used by
+the decode loop (:mod:`specrt.runtime.decode`), the drafters and the quality scorer.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .backends.base import Model
+
+__all__ = ["chunk_bounds", "feed", "call_start"]
+
+
+def chunk_bounds(n: int, step: int, min_q: int = 1, tail_q: int = 0) -> list[tuple[int, int]]:
+    """``[lo, hi)`` chunks of at most ``step`` tokens covering ``0..n`` in order, each at
+    least ``min_q`` wide whenever ``n >= min_q`` (a chunk before a short one gives up tokens),
+    and, with ``tail_q``, the last one at most ``tail_q`` wide when ``n >= 2 * min_q``.
+
+    Why the tail: the decode loop may recompute the last ``min_q - 1`` prompt rows at a
+    narrow width (:func:`call_start`), and onnxruntime's kernels are bit-identical across
+    widths only within the widths the export measured (``q = min_q .. k_max + 1``): a wide
+    call such as 129 rows splits into 128 + 1 inside the GEMM and rounds its last row like
+    a 1-row call. A tail of at most ``tail_q`` rows makes every recomputed row come from a
+    measured width, so speculative and target-only decoding hold the same KV bits.
+
+    Raises:
+        ValueError: ``step < min_q``, or ``0 < tail_q < min_q`` (no chunking can satisfy both).
+    """
+    if step < min_q:
+        raise ValueError(f"chunk step {step} < min_q {min_q}")
+    if 0 < tail_q < min_q:
+        raise ValueError(f"tail width {tail_q} < min_q {min_q}")
+    if tail_q and n > tail_q and n >= 2 * min_q:
+        tail = min(tail_q, step, n - min_q)  # the rows before the tail must fill a chunk >= min_q
+        return chunk_bounds(n - tail, step, min_q) + [(n - tail, n)]
+    out, i = [], 0
+    while i < n:
+        w = min(step, n - i)
+        rest = n - i - w
+        if 0 < rest < min_q:
+            w -= min_q - rest
+        out.append((i, i + w))
+        i += w
+    return out
+
+
+def feed(model: Model, tokens: Sequence[int], start: int, min_q: int = 1, tail_q: int = 0) -> np.ndarray:
+    """Run ``tokens`` from KV length ``start`` in chunks of at most ``model.max_q``
+    (:func:`chunk_bounds`: every chunk at least ``min_q`` wide when possible, the last at most
+    ``tail_q``); returns the logits rows of the last chunk (float32 ``[q_last, vocab]``, a
+    view valid until the next call)."""
+    for lo, hi in chunk_bounds(len(tokens), model.max_q, min_q, tail_q):
+        rows = model.run(tokens[lo:hi], start + lo)
+    return rows
+
+
+def call_start(lo: int, hi: int, valid: int, min_q: int) -> int:
+    """First position of a target call that must produce the rows of positions ``[lo, hi)``.
+
+    KV rows ``[0, valid)`` hold committed tokens computed at a width >= ``min_q``, so a call
+    may start anywhere in ``[0, min(valid, lo)]`` (it rewrites those rows with the same bits).
+    It starts as late as possible, but early enough to be at least ``min_q`` wide when the
+    committed prefix allows it.
+    """
+    return max(0, min(valid, lo, hi - min_q))

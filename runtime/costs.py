@@ -1,0 +1,145 @@
+"""Per-call costs on this machine, timed the one way every caller uses: the tuner
+(:func:`specrt.runtime.lab.tune.tune`), adaptive k (:meth:`Engine.adaptive_costs`), the
+batch scheduler's load-aware rule, ``scripts/speculation_ceiling.py``,
+``scripts/measure_costs.py`` and the bench workers.
+
+How a call is timed (:func:`measure_call_times`): every case (engine x model x width) runs
+once per repetition in a fresh random order, after warm-up calls, so load changes on a
+shared machine land on all cases alike; a target call of width q is timed as the decode
+loop makes it, at least ``min_q`` rows wide (the extra rows recompute committed tokens
+before it, :func:`specrt.runtime.decode.call_start`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from .errors import InputError
+
+__all__ = ["measure_call_times", "measure_costs", "BatchCosts", "measure_step_costs", "recorded_costs", "EMA"]
+
+EMA = 0.2  # weight of the newest observation in the batch scheduler's running means
+
+
+def measure_call_times(
+    engines: Mapping[str, object], widths: Sequence[int], past: int, reps: int = 50, seed: int = 0, warmup: int = 3, progress: Callable | None = None
+) -> dict[tuple[str, str, int], np.ndarray]:
+    """Seconds of every timed call, per case ``(label, "draft" | "target", q)``.
+
+    Cases: per engine, the draft's q = 1 call and the target's call at each width q
+    (module docstring: at least the manifest's ``min_q`` rows). Calls read ``past`` KV rows
+    (whatever they hold) and write the rows after them; a later generation starts from KV
+    length 0, so nothing is disturbed.
+
+    Args:
+        engines: label -> loaded :class:`~specrt.runtime.engine.Engine` (or anything with
+            ``manifest``, ``draft`` and ``target``).
+        widths: target widths q (each 1 <= q <= k_max + 1 of every engine).
+        past: KV length of every call (``min_q - 1 <= past``, ``past + q <= max_ctx``).
+        reps: repetitions per case. seed: seed of the orders. warmup: untimed calls per case.
+        progress: ``progress("costs", done, total)`` after each repetition.
+
+    Returns:
+        ``{case: float64 [reps] seconds}``.
+
+    Raises:
+        InputError: reps < 1, or a width or past an engine cannot run.
+    """
+    widths = sorted({int(q) for q in widths})
+    if reps < 1:
+        raise InputError(f"cost repetitions {reps}; need >= 1")
+    cases: list[tuple[tuple[str, str, int], object, list[int], int]] = []  # (case, model, tokens run, start)
+    for label, eng in engines.items():
+        m = eng.manifest
+        min_q = m.min_q()
+        for q in widths:
+            if not 1 <= q <= m.k_max + 1 or past + q > m.max_ctx or past < min_q - 1:
+                raise InputError(f"cost case q={q} at past={past}; need 1 <= q <= {m.k_max + 1}, past >= {min_q - 1} and past + q <= {m.max_ctx}")
+        tok = min(5, m.vocab_size - 1)
+        cases.append(((label, "draft", 1), eng.draft, [tok], past))
+        cases += [((label, "target", q), eng.target, [tok] * max(q, min_q), past - max(0, min_q - q)) for q in widths]
+    for _, model, toks, start in cases:
+        for _ in range(warmup):
+            model.run(toks, start)
+    times: list[list[float]] = [[] for _ in cases]
+    rng = np.random.default_rng(seed)
+    clock = time.perf_counter
+    for r in range(reps):
+        for i in rng.permutation(len(cases)):
+            _, model, toks, start = cases[i]
+            t0 = clock()
+            model.run(toks, start)
+            times[i].append(clock() - t0)
+        if progress:
+            progress("costs", r + 1, reps)
+    return {case: np.asarray(t) for (case, *_), t in zip(cases, times)}
+
+
+def measure_costs(engine, widths: Sequence[int], past: int, reps: int = 50, seed: int = 0, progress: Callable | None = None):
+    """Median per-call seconds of one engine (:func:`measure_call_times`) as
+    :class:`~specrt.runtime.lab.trace.Costs` (``source="measured"``).
+
+    Raises:
+        InputError: as :func:`measure_call_times`.
+    """
+    from .lab.trace import Costs
+
+    t = measure_call_times({"": engine}, widths, past, reps, seed, progress=progress)
+    return Costs(float(np.median(t[("", "draft", 1)])), {q: float(np.median(x)) for (_, role, q), x in t.items() if role == "target"}, past, "measured")
+
+
+@dataclass
+class BatchCosts:
+    """Measured seconds of one batched step per batch size (index n, n = 1..max_batch;
+    index 0 unused) and a running mean per size updated by the real steps."""
+
+    step_s: list[float]
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Update the running mean of size ``n`` with one measured step."""
+        self.step_s[n] += EMA * (seconds - self.step_s[n])
+
+    def as_dict(self) -> dict:
+        """JSON-ready ``{"n": seconds}``."""
+        return {str(n): round(s, 6) for n, s in enumerate(self.step_s) if n}
+
+
+def measure_step_costs(batched, length: int = 64, reps: int = 5, vocab: int | None = None, seed: int = 0) -> BatchCosts:
+    """Time one batched step (a :class:`~specrt.runtime.backends.ort_gqa_batch.BatchedGqaModel`)
+    at each batch size 1..max_batch (median of ``reps``), every row at past length
+    ``length`` over random KV (writes the slots' rows ``[0, length]``: call it before any
+    request holds a slot).
+
+    Raises:
+        ValueError: ``length + 1 > max_ctx`` or ``reps < 1``.
+    """
+    if length + 1 > batched.max_ctx or reps < 1:
+        raise ValueError(f"length {length} must leave a row in max_ctx {batched.max_ctx}; reps {reps} >= 1")
+    rng = np.random.default_rng(seed)
+    v = vocab or batched.vocab
+    step = [0.0]
+    for n in range(1, batched.max_batch + 1):
+        times = []
+        for _ in range(reps + 1):  # the first call of a size binds (warm-up)
+            toks = rng.integers(0, v, size=n)
+            t0 = time.perf_counter()
+            batched.step(toks, [length] * n)
+            times.append(time.perf_counter() - t0)
+        step.append(float(np.median(times[1:])))
+    return BatchCosts(step)
+
+
+def recorded_costs(manifest, max_batch: int) -> BatchCosts | None:
+    """The batched step costs ``specrt tune --batch-costs N`` recorded in the manifest
+    (``extra["tune"]["batch_step_costs"]``, ``{"n": seconds}``), when they cover batch sizes
+    1..max_batch with positive numbers; else None."""
+    rec = ((manifest.extra or {}).get("tune") or {}).get("batch_step_costs") or {}
+    try:
+        step = [0.0] + [float(rec[str(n)]) for n in range(1, max_batch + 1)]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return BatchCosts(step) if min(step[1:]) > 0 else None

@@ -1,0 +1,317 @@
+"""The job contract between the HTTP side and whatever generates: :class:`Job` (one
+generation and the events it emits), the :class:`Pool` protocol every generator pool
+implements, the errors, and :class:`WorkerPool` (N threads, each owning an Engine).
+
+Events a job emits, in order (``Job.emit``, thread-safe): ``("prompt", entries | None)``
+(with ``echo`` and ``stream``, first), ``("text", (piece, new logprob entries | None))``
+(``stream`` only, one per released piece), then exactly one of ``("done",
+GenerationResult)``, ``("cancelled", None)``, ``("error", Exception)``. The helpers below
+(:func:`run_prompt`, :func:`send_text`, :func:`finish`) are the one implementation of that
+contract, used by :class:`WorkerPool` and by the batch scheduler
+(:class:`~specrt.runtime.serve.batching.BatchPool`).
+
+No HTTP framework is imported here: the base runtime imports this module without the
+``[serve]`` extra.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+from ..errors import BackendError, SpecRTError
+from ..generation import prompt_only_result
+
+__all__ = ["ServeError", "ServerBusy", "Job", "Pool", "WorkerPool", "run_prompt", "send_text", "finish", "fail"]
+
+log = logging.getLogger("specrt.serve")
+
+
+class ServeError(SpecRTError):
+    """The server cannot start: the ``[serve]`` extra is missing, or bad server settings."""
+
+
+class ServerBusy(SpecRTError):
+    """The request queue is full (answered 503 with ``Retry-After``)."""
+
+
+@dataclass
+class Job:
+    """One generation for a pool (the module docstring lists the events it emits).
+
+    Attributes:
+        ids: validated prompt token ids.
+        config: resolved :class:`~specrt.runtime.config.GenerationConfig`.
+        emit: thread-safe callback receiving the events.
+        stream: emit ``("text", ...)`` and ``("prompt", ...)`` events (else only the final one).
+        echo: score the prompt first (:meth:`Engine.prompt_logprobs` when
+            ``prompt_logprobs`` is not None) and emit ``("prompt", ...)``.
+        prompt_logprobs: alternatives per prompt token, or None (no scoring pass).
+        generate: False for ``max_tokens: 0`` with ``echo`` (the prompt only).
+        cancelled: set it to stop the job at the next piece (or skip it while queued).
+        enqueued, started, first, finished: ``time.perf_counter()`` when queued, taken by a
+            worker, when its first text piece came, when it ended.
+        prompt_lps: the prompt's logprob entries once scored.
+        lp_sent: output logprob entries already emitted with ``("text", ...)`` events.
+    """
+
+    ids: list[int]
+    config: Any
+    emit: Callable[[tuple], None]
+    stream: bool = False
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    generate: bool = True
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    enqueued: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    first: float | None = None
+    finished: float | None = None
+    prompt_lps: list | None = None
+    lp_sent: int = 0
+
+
+@runtime_checkable
+class Pool(Protocol):
+    """What the service needs from a generator pool (:class:`WorkerPool`, ``BatchPool``).
+
+    Attributes:
+        engines: loaded Engines; ``engines[0]`` validates and tokenizes for the service.
+        max_queue: jobs that may wait (:class:`ServerBusy` beyond).
+        workers: generations that can run at once. busy: running now. queued: waiting.
+    """
+
+    engines: list
+    max_queue: int
+
+    @property
+    def workers(self) -> int: ...
+
+    @property
+    def busy(self) -> int: ...
+
+    @property
+    def queued(self) -> int: ...
+
+    def submit_all(self, jobs: Sequence[Job]) -> None:
+        """Queue all ``jobs`` or none, without waiting; raises :class:`ServerBusy`."""
+        ...
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop; queued and running jobs end (cancelled or after their piece)."""
+        ...
+
+    def attach_metrics(self, server_metrics) -> None:
+        """Register the pool's own metrics (if any) in the server's registry."""
+        ...
+
+
+def finish(job: Job, outcome: str, payload) -> None:
+    """Hand the job's end to its client: ``outcome`` ``"ok"`` (payload: the
+    GenerationResult), ``"cancelled"`` or ``"error"`` (payload: the exception)."""
+    job.finished = time.perf_counter()
+    job.emit({"ok": ("done", payload), "cancelled": ("cancelled", None), "error": ("error", payload)}[outcome])
+
+
+def fail(job: Job, e: Exception) -> None:
+    """End ``job`` with an error event (logged with its trace unless it is the project's own error)."""
+    if not isinstance(e, SpecRTError):
+        log.exception("generation failed", exc_info=e)
+    finish(job, "error", e)
+
+
+def run_prompt(engine, job: Job) -> bool:
+    """The prompt part of a job, before any generation: marks it started; with ``echo``
+    scores the prompt (``prompt_logprobs``) and emits ``("prompt", ...)`` when streaming; a
+    job that only echoes (``generate`` False) ends here with its result.
+
+    Returns:
+        True when the job goes on to generate.
+
+    Raises:
+        what :meth:`Engine.prompt_logprobs` raises (the caller ends the job with it).
+    """
+    job.started = time.perf_counter()
+    if job.echo:
+        if job.prompt_logprobs is not None:
+            job.prompt_lps = engine.prompt_logprobs(job.ids, job.prompt_logprobs)
+        if job.stream:
+            job.emit(("prompt", job.prompt_lps))
+    if not job.generate:
+        finish(job, "ok", prompt_only_result(len(job.ids), job.config.logprobs is not None))
+        return False
+    return True
+
+
+def send_text(job: Job, piece: str, logprobs: list | None) -> None:
+    """A released text piece of ``job`` (nothing when empty): sets ``Job.first``, and with
+    ``stream`` emits ``("text", (piece, entries))`` with the output logprob entries of
+    ``logprobs`` (the generation's live list, or None) not sent before."""
+    if not piece:
+        return
+    if job.first is None:
+        job.first = time.perf_counter()
+    if job.stream:
+        new = None
+        if logprobs is not None:
+            new = logprobs[job.lp_sent :]
+            job.lp_sent += len(new)
+        job.emit(("text", (piece, new)))
+
+
+class WorkerPool:
+    """A fixed number of generator threads, each owning one Engine, fed by a bounded queue
+    (a :class:`Pool`).
+
+    Args:
+        engines: one :class:`~specrt.runtime.engine.Engine` per worker (never shared).
+        max_queue: jobs that may wait for a worker; :meth:`submit_all` raises
+            :class:`ServerBusy` beyond it.
+        round_delay: test hook: seconds to sleep after each piece (simulates a slow model
+            so that a disconnect lands mid-generation); 0 in production.
+
+    Raises:
+        ServeError: no engines, or ``max_queue < 1``.
+    """
+
+    def __init__(self, engines: Sequence, max_queue: int = 64, round_delay: float = 0.0):
+        if not engines:
+            raise ServeError("a worker pool needs at least one engine")
+        if max_queue < 1:
+            raise ServeError(f"max_queue={max_queue}; it must be >= 1")
+        self.engines = list(engines)
+        self.max_queue = max_queue
+        self.round_delay = round_delay
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._busy = 0
+        self._lock = threading.Lock()
+        self._submit_lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._work, args=(e,), name=f"specrt-worker-{i}", daemon=True) for i, e in enumerate(self.engines)]
+        for t in self._threads:
+            t.start()
+
+    @classmethod
+    def load(
+        cls, folder: str | Path, workers: int = 1, max_queue: int = 64, threads=None, backend: str | None = None, round_delay: float = 0.0
+    ) -> "WorkerPool":
+        """Load the engine folder once and give each of ``workers`` threads its own Engine:
+        :meth:`Engine.fork` where the backend can (shared onnxruntime sessions, own KV and
+        work buffers), else one more loaded Engine per worker.
+
+        Raises:
+            ServeError: workers < 1 or max_queue < 1.
+            EngineError, BackendError: what :class:`Engine` raises.
+        """
+        from ..engine import Engine
+
+        if workers < 1:
+            raise ServeError(f"workers={workers}; it must be >= 1")
+        first = Engine(folder, threads=threads, backend=backend)
+        engines = [first]
+        for _ in range(workers - 1):
+            try:
+                engines.append(first.fork())
+            except BackendError:
+                engines.append(Engine(folder, threads=threads, backend=first.backend, verify_hashes=False))
+        return cls(engines, max_queue=max_queue, round_delay=round_delay)
+
+    @property
+    def workers(self) -> int:
+        """Number of worker threads."""
+        return len(self.engines)
+
+    @property
+    def busy(self) -> int:
+        """Workers running a job now."""
+        return self._busy
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for a worker (approximate, as ``queue.Queue.qsize``)."""
+        return self._queue.qsize()
+
+    def attach_metrics(self, server_metrics) -> None:
+        """Nothing to register: the server's own gauges cover the workers."""
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` without waiting.
+
+        Raises:
+            ServerBusy: ``max_queue`` jobs are already waiting.
+        """
+        self.submit_all([job])
+
+    def submit_all(self, jobs: Sequence[Job]) -> None:
+        """Queue all ``jobs`` or none (one request's generations), without waiting.
+
+        Raises:
+            ServerBusy: fewer than ``len(jobs)`` places are free in the queue.
+        """
+        with self._submit_lock:  # only submitters put; workers only take: the free room cannot shrink meanwhile
+            if self._queue.qsize() + len(jobs) > self.max_queue:
+                raise ServerBusy(
+                    f"server busy: {self._queue.qsize()} generations already queued for {self.workers} worker(s) (at most {self.max_queue}); retry later"
+                )
+            for j in jobs:
+                self._queue.put_nowait(j)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers after the jobs in hand (queued jobs are cancelled)."""
+        while True:
+            try:
+                j = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if j is not None:
+                j.cancelled.set()
+                j.emit(("cancelled", None))
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout)
+
+    def _work(self, engine) -> None:
+        """Worker thread: take jobs until the ``None`` sentinel."""
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                finish(job, "cancelled", None)
+                continue
+            with self._lock:
+                self._busy += 1
+            try:
+                self._run(engine, job)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+    def _run(self, engine, job: Job) -> None:
+        """Run one job: :func:`run_prompt`, then :meth:`Engine.stream`, checking
+        ``job.cancelled`` between pieces."""
+        stream = None
+        try:
+            if not run_prompt(engine, job):
+                return
+            stream = engine.stream(job.ids, job.config)
+            for piece in stream:
+                if job.cancelled.is_set():
+                    break
+                send_text(job, piece, stream.logprobs)
+                if self.round_delay:
+                    time.sleep(self.round_delay)
+            if job.cancelled.is_set() or stream.result is None:
+                stream.close()
+                finish(job, "cancelled", None)
+            else:
+                finish(job, "ok", stream.result)
+        except Exception as e:  # noqa: BLE001 - reported to the client as a 4xx/500 event
+            if stream is not None:
+                stream.close()
+            fail(job, e)
