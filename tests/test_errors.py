@@ -137,7 +137,9 @@ def test_cli_range_errors_read_the_same_in_every_command(tiny_pair, command):
     res = CliRunner().invoke(cli, [*command.split(), "--engines", str(tiny_pair[2]), "--max-new-tokens", "0"])
     name = command.split()[0]
     assert res.exit_code == 2
-    assert res.output.strip().splitlines() == [f"Error: Invalid value for '--max-new-tokens': 0 is not in the range x>=1. (specrt {name} --help lists the options)"]
+    assert res.output.strip().splitlines() == [
+        f"Error: Invalid value for '--max-new-tokens': 0 is not in the range x>=1. (specrt {name} --help lists the options)"
+    ]
 
 
 def test_cli_missing_engines_and_bad_prompts_file(tmp_path, tiny_pair):
