@@ -51,7 +51,8 @@ export: install $(ENGINES)/manifest.json
 	$(if $(filter fp32 fp16 bf16,$(PRECISION)),$(BIN)/python -m specrt.export.trt_build $(ENGINES) --precision $(TRT_PRECISION) --if-available --skip-if-built,@echo "TensorRT plans: not built ($(PRECISION) engines are onnxruntime-genai builder graphs; export --precision fp32|fp16|bf16 for TensorRT)")
 
 # on a GPU machine with TensorRT: plans, GPU tests, a short bench, one JSON (docs/GPU.md)
-gpu-check: export
+# (plans need standard graphs: the script exports the embedded pair in fp32 when ENGINES is int4/int8)
+gpu-check: install
 	bash scripts/gpu_check.sh bench_out/gpu_check.json
 
 # the main job on the default pair: export, then generate on HumanEval prompts and print stats

@@ -56,9 +56,16 @@ out['backend_status'] = backend_status()
 print(json.dumps(out))
 EOF"
 
-# engine folder: the default pair when exported, else a tiny random pair (needs torch)
-if [ -f "$ENGINES/manifest.json" ]; then
+# engine folder: TensorRT plans are built from standard graphs (fp32/fp16/bf16 exports);
+# the default engines are int4 builder graphs, which the plan builder refuses. So: the
+# folder when its target is a standard graph, else the embedded pair exported in fp32 from
+# models/ (a fresh clone has it), else a tiny random pair (both need torch)
+standard=$("$PY" -c "import json,sys; m=json.load(open(sys.argv[1])); print(int(m['target'].get('graph', 'standard') == 'standard'))" "$ENGINES/manifest.json" 2>/dev/null || echo 0)
+if [ "$standard" = 1 ]; then
   step copy_engines 60 cp -r "$ENGINES" "$WORK/engine"
+elif [ -f models/target/model.safetensors ]; then
+  step export_default_fp32 300 "$PY" -m specrt.cli export --draft models/draft --target models/target --out "$WORK/engine" \
+    --k-max 8 --max-ctx 1024 --precision fp32 --no-quality
 else
   step export_tiny_pair 150 "$PY" - "$WORK" <<'EOF'
 import sys
