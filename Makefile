@@ -48,7 +48,7 @@ TRT_PRECISION ?= fp16
 # plans only where `import tensorrt` works and a GPU is visible (else it says it skipped);
 # TensorRT plans are built from standard graphs only (fp32/fp16/bf16 exports)
 export: install $(ENGINES)/manifest.json
-	$(if $(filter fp32 fp16 bf16,$(PRECISION)),$(BIN)/python -m specrt.export.trt_build $(ENGINES) --precision $(TRT_PRECISION) --if-available --skip-if-built,@echo "TensorRT plans: not built ($(PRECISION) engines are onnxruntime-genai builder graphs; export --precision fp32|fp16|bf16 for TensorRT)")
+	$(if $(filter fp32 fp16 bf16,$(PRECISION)),$(BIN)/specrt plans --engines $(ENGINES) --precision $(TRT_PRECISION) --if-available --skip-if-built,@echo "TensorRT plans: not built ($(PRECISION) engines are onnxruntime-genai builder graphs; export --precision fp32|fp16|bf16 for TensorRT)")
 
 # on a GPU machine with TensorRT: plans, GPU tests, a short bench, one JSON (docs/GPU.md)
 # (plans need standard graphs: the script exports the embedded pair in fp32 when ENGINES is int4/int8)

@@ -25,14 +25,12 @@ Manifest record (``extra["tensorrt"]``)::
 A plan is specific to the TensorRT version and the GPU model it was built on; build on
 the machine that serves. Command line (used by ``make export``)::
 
-    python -m specrt.export.trt_build ENGINE_DIR [--precision fp16] [--if-available] [--skip-if-built]
+    specrt plans --engines ENGINE_DIR [--precision fp16] [--if-available] [--skip-if-built]
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -256,45 +254,36 @@ def plans_up_to_date(folder: Path, manifest: Manifest, cfg: TrtBuildConfig, trt_
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m specrt.export.trt_build``: build plans for an existing engine folder.
+def build_folder(folder: str | Path, cfg: TrtBuildConfig, if_available: bool = False, skip_if_built: bool = False, log: Callable[[str], None] = print) -> int:
+    """``specrt plans``: build plans for an existing engine folder and record them in its
+    manifest (written last, atomically); every outcome is one logged line.
 
-    Exit status: 0 built (or skipped with ``--if-available``), 1 build failed, 2 TensorRT
-    or a GPU missing without ``--if-available``.
+    Args:
+        folder: the engine folder. cfg: :class:`TrtBuildConfig`.
+        if_available: a missing TensorRT or GPU is not an error (status 0).
+        skip_if_built: do nothing when the manifest already records matching, intact plans.
+
+    Returns:
+        Exit status: 0 built (or skipped), 1 the build failed, 2 TensorRT or a GPU missing
+        without ``if_available``.
     """
-    ap = argparse.ArgumentParser(prog="python -m specrt.export.trt_build", description="Build TensorRT plans for an engine folder (see docs/GPU.md).")
-    ap.add_argument("engines", help="engine folder written by specrt export")
-    ap.add_argument("--precision", choices=PRECISIONS, default="fp16")
-    ap.add_argument("--workspace-gb", type=float, default=4.0)
-    ap.add_argument("--prefill-q", type=int, default=PREFILL_Q)
-    ap.add_argument("--past-pad", type=int, choices=(0, 1), default=0, help="1 = dummy past row (if TensorRT refuses past length 0)")
-    ap.add_argument("--opt-level", type=int, default=None, help="builder optimization level 0..5")
-    ap.add_argument("--if-available", action="store_true", help="exit 0 with a message when TensorRT or a GPU is missing")
-    ap.add_argument("--skip-if-built", action="store_true", help="do nothing when the manifest already records matching, intact plans")
-    args = ap.parse_args(argv)
     reason = tensorrt_unavailable()
     if reason:
-        msg = f"TensorRT plans: skipped ({reason})"
-        print(msg, file=sys.stderr)
-        return 0 if args.if_available else 2
+        log(f"TensorRT plans: skipped ({reason})")
+        return 0 if if_available else 2
+    folder = Path(folder)
     try:
-        cfg = TrtBuildConfig(args.precision, args.workspace_gb, args.prefill_q, args.past_pad, args.opt_level)
-        folder = Path(args.engines)
         manifest = load_manifest(folder)
-        if args.skip_if_built:
+        if skip_if_built:
             from specrt.runtime.backends.trt import load_tensorrt
 
             if plans_up_to_date(folder, manifest, cfg, str(getattr(load_tensorrt(), "__version__", "unknown"))):
-                print(f"TensorRT plans: up to date in {folder}", file=sys.stderr)
+                log(f"TensorRT plans: up to date in {folder}")
                 return 0
-        manifest = build_plans(folder, manifest, cfg, log=lambda s: print(s, file=sys.stderr))
+        manifest = build_plans(folder, manifest, cfg, log=log)
         manifest.write(folder)  # atomic, last: until then the old manifest (no plans) stays valid
     except Exception as e:  # noqa: BLE001 - one line, no stack trace, for make
-        print(f"TensorRT plans: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        log(f"TensorRT plans: failed: {type(e).__name__}: {e}")
         return 1
-    print(f"TensorRT plans: wrote {', '.join(r['plan'] for r in manifest.extra['tensorrt']['models'].values())} in {folder}", file=sys.stderr)
+    log(f"TensorRT plans: wrote {', '.join(r['plan'] for r in manifest.extra['tensorrt']['models'].values())} in {folder}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

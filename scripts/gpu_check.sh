@@ -80,7 +80,7 @@ export_pair(root / "d", root / "t", root / "engine", k_max=8, max_ctx=512, log=p
 EOF
 fi
 
-step build_plans 240 "$PY" -m specrt.export.trt_build "$WORK/engine" --precision "$PRECISION" ${OPT_LEVEL:+--opt-level "$OPT_LEVEL"}
+step build_plans 240 "$PY" -m specrt.cli plans --engines "$WORK/engine" --precision "$PRECISION" ${OPT_LEVEL:+--opt-level "$OPT_LEVEL"}
 
 step pytest_gpu 150 "$PY" -m pytest -q -m gpu tests/test_trt.py -p no:cacheprovider
 

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Throughput of N threads over one engine folder: one shared Engine (its lock serialises
 the calls), one ``Engine.fork()`` per thread (shared sessions, own KV buffers), and one
-thread alone; every thread's outputs are checked against the sequential ones.
+thread alone; whether every thread's outputs equal the sequential ones is reported
+(tests/test_hardening.py asserts it).
 
 Usage::
 
     python scripts/measure_concurrency.py --engines /tmp/sizes/engine --threads 2 --intra-op 1
 
-Prints one JSON object (tokens/s per arrangement, extra memory per fork). Not a CI test.
+Prints one JSON object (tokens/s per arrangement, extra memory per fork).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def main(argv=None) -> int:
     jobs = [(prompts[j % len(prompts)], cfgs[j % 2]) for j in range(args.jobs)]
     want = [engine.generate(p, c).tokens for p, c in jobs]  # also warms up
 
+    equal = {}  # reported, not asserted: tests/test_hardening.py::test_threads_give_the_same_outputs_as_sequential_runs asserts it
+
     def run(engines):
         got = {}
 
@@ -50,7 +53,7 @@ def main(argv=None) -> int:
         for th in ths:
             th.join()
         dt = time.perf_counter() - t0
-        assert all(got[t, j] == want[j] for t in range(len(engines)) for j in range(len(jobs))), "outputs differ from sequential runs"
+        equal[len(engines), engines[0] is engines[-1]] = all(got[t, j] == want[j] for t in range(len(engines)) for j in range(len(jobs)))
         return sum(len(v) for v in got.values()) / dt
 
     n = args.threads
@@ -65,6 +68,7 @@ def main(argv=None) -> int:
         "forks_tok_s": round(run([engine.fork() for _ in range(n)]), 1),
         "fork_buffer_mib": round(fork_bytes / 2**20, 2),
         "max_ctx": k.max_ctx,
+        "outputs_equal_sequential": all(equal.values()),
     }
     print(json.dumps(report))
     return 0

@@ -316,6 +316,27 @@ def export(
 
 
 @cli.command()
+@click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(exists=True, file_okay=False), help="engine folder (standard graphs)")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp16", show_default=True, help="compute precision of the plans")
+@click.option("--workspace-gb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True, help="TensorRT workspace pool limit, GiB")
+@click.option("--prefill-q", type=click.IntRange(2), default=256, show_default=True, help="widest prefill chunk the plans accept")
+@click.option("--past-pad", type=click.IntRange(0, 1), default=0, show_default=True, help="1 = a dummy past row (if TensorRT refuses past length 0)")
+@click.option("--opt-level", type=click.IntRange(0, 5), default=None, help="builder optimization level (default: TensorRT's)")
+@click.option("--if-available", is_flag=True, help="exit 0 with a message when TensorRT or a GPU is missing")
+@click.option("--skip-if-built", is_flag=True, help="do nothing when the manifest already records matching, intact plans")
+@click.pass_context
+def plans(ctx, engines, precision, workspace_gb, prefill_q, past_pad, opt_level, if_available, skip_if_built):
+    """Build TensorRT plans for ENGINES (dynamic-k profiles, q = 1..k_max+1) and record them
+    in its manifest (docs/GPU.md). Exit 0 built or skipped, 1 failed, 2 no TensorRT/GPU."""
+    try:
+        from .export.trt_build import TrtBuildConfig, build_folder
+    except ImportError as e:
+        raise click.ClickException(f"plans need the [export] extra (onnx): pip install 'specrt[export]' ({e})") from None
+    cfg = TrtBuildConfig(precision, workspace_gb, prefill_q, past_pad, opt_level)
+    ctx.exit(build_folder(engines, cfg, if_available, skip_if_built, log=lambda s: click.echo(s, err=True)))
+
+
+@cli.command()
 @click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(), help="engine folder")
 @click.option("--prompt", required=True, help="prompt text")
 @click.option(
@@ -702,7 +723,11 @@ def tune(
     if restore_previous:
         if prompts_file or from_trace or dry_run:
             raise InputError("--restore-previous only puts back the previous defaults of --engines; drop --prompts/--from-trace/--dry-run")
-        _restore_previous_defaults(engines or DEFAULT_ENGINES)
+        from .runtime.lab.tune_manifest import restore_previous_defaults
+
+        target = engines or DEFAULT_ENGINES
+        prev, replaced = restore_previous_defaults(target)
+        click.echo(f"restored defaults {prev} in {Path(target) / 'manifest.json'} (replaced {replaced}, now kept as extra.previous_defaults)", err=True)
         return
 
     thresholds = thresholds or DEFAULT_TUNE_THRESHOLDS
@@ -713,11 +738,14 @@ def tune(
     if from_trace:
         if prompts_file or calibrate or strategies or trace_file:
             raise InputError("--from-trace predicts from the trace alone; --prompts, --calibrate, --strategy and --trace need the models (drop them)")
-        result = tune_from_trace(from_trace, k_values or None, thresholds, _costs_file(costs_file))
+        from .runtime.lab.tune_manifest import load_costs_file
+
+        result = tune_from_trace(from_trace, k_values or None, thresholds, load_costs_file(costs_file))
     else:
         if not prompts_file:
             raise InputError("--prompts VALIDATION.jsonl is required (or --from-trace FILE)")
         from .runtime.lab.bench import load_prompts, prompt_tokens
+        from .runtime.lab.tune_manifest import runnable_strategies
 
         prompts = load_prompts(prompts_file, limit)
         engine = _engine(engines or DEFAULT_ENGINES, threads, spinning, backend)
@@ -729,7 +757,7 @@ def tune(
                 prompts,
                 ks,
                 thresholds,
-                strategies or _runnable_strategies(engine, prompt_tokens(engine, prompts[0])),
+                strategies or runnable_strategies(engine, prompt_tokens(engine, prompts[0]), lambda s: click.echo(s, err=True)),
                 max_new_tokens=max_new_tokens,
                 repeats=repeats,
                 confirm_repeats=confirm_repeats,
@@ -756,7 +784,9 @@ def _finish_tune(result: dict, out: Path, target: str | None, from_trace: str | 
     defaults = chosen_defaults(result)
     result["chosen_defaults"] = defaults
     if write and target and not dry_run:
-        _write_tune_defaults(result, defaults, target, from_trace)
+        from .runtime.lab.tune_manifest import write_tune_defaults
+
+        write_tune_defaults(result, defaults, target, from_trace)
     (out / "tune.json").write_text(json.dumps(result, indent=1))
     _print_tune_report(result, out)
     if dry_run and target:
@@ -773,89 +803,6 @@ def _finish_tune(result: dict, out: Path, target: str | None, from_trace: str | 
         ),
         err=True,
     )
-
-
-def _costs_file(costs_file: str | None):
-    """The per-call costs of ``--costs FILE`` (a tune.json's "costs" or a bare costs object), or None.
-
-    Raises:
-        InputError: unreadable JSON or malformed costs.
-    """
-    if not costs_file:
-        return None
-    from .runtime.lab.trace import Costs
-
-    try:
-        raw = json.loads(Path(costs_file).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise InputError(f"cannot read costs file {costs_file}: {e}") from None
-    return Costs.from_json(raw.get("costs", raw) if isinstance(raw, dict) else raw, str(costs_file))
-
-
-def _runnable_strategies(engine, prompt: list[int]) -> list[str]:
-    """Every verification strategy this engine folder and backend can run (one 2-token generation each)."""
-    from .runtime.config import GenerationConfig
-
-    runnable = []
-    for st in STRATEGIES:
-        try:
-            engine.generate(prompt, GenerationConfig(max_new_tokens=2, strategy=st))
-            runnable.append(st)
-        except SpecRTError as e:
-            click.echo(f"strategy {st} left out: {e}", err=True)
-    return runnable
-
-
-def _restore_previous_defaults(target: str) -> None:
-    """Swap ``target``'s defaults with those the last ``specrt tune`` replaced.
-
-    Raises:
-        InputError: the manifest keeps no previous defaults.
-    """
-    from .runtime.manifest import load_manifest, write_defaults
-
-    m = load_manifest(target, verify_hashes=False)
-    prev = m.extra.get("previous_defaults")
-    if not isinstance(prev, dict):
-        raise InputError(f"{Path(target) / 'manifest.json'} keeps no previous defaults (extra.previous_defaults); nothing to restore")
-    write_defaults(target, prev, {"previous_defaults": dict(m.defaults)}, replace=True)
-    click.echo(f"restored defaults {prev} in {Path(target) / 'manifest.json'} (replaced {dict(m.defaults)}, now kept as extra.previous_defaults)", err=True)
-
-
-def _write_tune_defaults(result: dict, defaults: dict, target: str, from_trace: str | None) -> None:
-    """Write a tune result's chosen defaults (and its summary in ``extra``) into ``target``'s manifest.
-
-    Raises:
-        InputError: a trace recorded on another pair than ``target``.
-    """
-    from .runtime.lab.trace import manifest_identity
-    from .runtime.manifest import load_manifest, write_defaults
-
-    if from_trace and manifest_identity(load_manifest(target, verify_hashes=False))["pair_sha256"] != result.get("pair_sha256"):
-        raise InputError(f"the trace {from_trace} was recorded on another pair than {target} (pair_sha256 differs); not writing its defaults there")
-    extra = {"tune": {k: result.get(k) for k in ("prompts_file", "prompts", "max_new_tokens", "measured", "trace", "command")}}
-    extra["tune"].update(
-        chosen=defaults,
-        tokens_per_second=result["best"].get("tokens_per_second"),
-        speedup=result["best"].get("speedup"),
-        confirm=result.get("confirm"),
-        unix_time=time.time(),
-    )
-    if result.get("batch_step_costs"):
-        extra["tune"]["batch_step_costs"] = result["batch_step_costs"]
-    if result.get("costs"):
-        extra["tune"]["costs"] = result["costs"]  # the per-call costs adaptive k decides with (Engine.adaptive_costs)
-    if result.get("calibration"):
-        cal = result["calibration"]
-        extra["calibration"] = {
-            k: cal[k]
-            for k in ("temperature", "n", "prompts", "acceptance", "ece_before", "ece_after", "ece_after_heldout", "nll_before", "nll_after", "n_bins")
-        }
-    previous = dict(load_manifest(target, verify_hashes=False).defaults)
-    extra["previous_defaults"] = previous
-    write_defaults(target, defaults, extra)
-    result["wrote_manifest"] = str(Path(target) / "manifest.json")
-    result["previous_defaults"] = previous
 
 
 def _print_tune_report(result: dict, out: Path) -> None:

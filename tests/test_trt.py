@@ -370,7 +370,10 @@ def test_build_without_strongly_typed_flag_and_build_failures(engine_copy):
 
 
 def test_build_skips_plainly_without_tensorrt(engine_copy, capsys):
-    from specrt.export.trt_build import main, tensorrt_hook, tensorrt_unavailable
+    from click.testing import CliRunner
+
+    from specrt.cli import cli
+    from specrt.export.trt_build import tensorrt_hook, tensorrt_unavailable
 
     if tensorrt_unavailable() is None:
         pytest.skip("this machine can build TensorRT plans")
@@ -378,9 +381,10 @@ def test_build_skips_plainly_without_tensorrt(engine_copy, capsys):
     m = load_manifest(engine_copy)
     assert tensorrt_hook(engine_copy, m, "fp16", msgs.append) is m
     assert msgs and msgs[0].startswith("TensorRT plans: skipped (")
-    assert main([str(engine_copy), "--if-available"]) == 0
-    assert main([str(engine_copy)]) == 2
-    assert "TensorRT plans: skipped" in capsys.readouterr().err
+    r = CliRunner().invoke(cli, ["plans", "--engines", str(engine_copy), "--if-available"])
+    assert r.exit_code == 0 and r.output.startswith("TensorRT plans: skipped (") and len(r.output.splitlines()) == 1, r.output
+    r = CliRunner().invoke(cli, ["plans", "--engines", str(engine_copy)])
+    assert r.exit_code == 2 and "TensorRT plans: skipped" in r.output
 
 
 # ----------------------------------------------------- TrtModel against the stand-ins
@@ -653,7 +657,7 @@ def test_cuda_errors_name_the_call():
 
 @pytest.mark.parametrize("version", ["9.3.0.1", "8.6.1", "10.0.1.6", "unknown"])
 def test_tensorrt_older_than_10_1_refused_with_its_version(engine_copy, monkeypatch, capsys, version):
-    from specrt.export.trt_build import TrtBuildConfig, build_plans, main, tensorrt_unavailable
+    from specrt.export.trt_build import TrtBuildConfig, build_folder, build_plans, tensorrt_unavailable
     from specrt.runtime.backends.trt import TrtModel, load_tensorrt
 
     trt, cuda, log = fake_gpu.install(monkeypatch, version=version)
@@ -668,8 +672,12 @@ def test_tensorrt_older_than_10_1_refused_with_its_version(engine_copy, monkeypa
     assert tensorrt_unavailable().startswith(line)
     with pytest.raises(BackendError, match=re.escape(line)):
         build_plans(engine_copy, load_manifest(engine_copy), TrtBuildConfig(precision="fp32"), trt=trt, log=lambda *_: None)
-    assert main([str(engine_copy)]) == 2 and main([str(engine_copy), "--if-available"]) == 0
-    assert f"TensorRT plans: skipped ({line}" in capsys.readouterr().err
+    lines = []
+    assert (
+        build_folder(engine_copy, TrtBuildConfig(), log=lines.append) == 2
+        and build_folder(engine_copy, TrtBuildConfig(), if_available=True, log=lines.append) == 0
+    )
+    assert all(x.startswith(f"TensorRT plans: skipped ({line}") for x in lines) and len(lines) == 2
     assert not any(e[0].startswith(("builder.", "runtime.", "cudaMalloc")) for e in log)  # refused before any work
     assert "tensorrt" not in load_manifest(engine_copy).extra and not list(engine_copy.glob("*.plan"))
 

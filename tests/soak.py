@@ -13,10 +13,11 @@ max_new_tokens, top-k/top-p, seeds, stop strings; ``generate`` and ``Engine.stre
 
 Usage::
 
-    python scripts/soak.py --engines /tmp/sizes/engine            # prints a JSON report
-    python scripts/soak.py --engines engines/default --n 200 --out soak.json
+    python tests/soak.py --engines /tmp/sizes/engine            # prints a JSON report
+    python tests/soak.py --engines engines/default --n 200 --out soak.json
 
-Exit status 1 when the ratio exceeds ``--max-ratio``. Not a CI test (it takes minutes).
+Exit status 1 when the ratio exceeds ``--max-ratio``. CI runs a short soak on the tiny
+pair (tests/test_soak.py); the 1,000-generation run takes minutes.
 
 Two one-time RSS steps are not leaks, so the warm-up includes what causes them: onnxruntime's
 CPU arena keeps the high-water mark of the shapes it has run (RSS steps up the first time a
