@@ -721,13 +721,7 @@ def tune(
     from .runtime.lab.tune import tune_from_trace
 
     if restore_previous:
-        if prompts_file or from_trace or dry_run:
-            raise InputError("--restore-previous only puts back the previous defaults of --engines; drop --prompts/--from-trace/--dry-run")
-        from .runtime.lab.tune_manifest import restore_previous_defaults
-
-        target = engines or DEFAULT_ENGINES
-        prev, replaced = restore_previous_defaults(target)
-        click.echo(f"restored defaults {prev} in {Path(target) / 'manifest.json'} (replaced {replaced}, now kept as extra.previous_defaults)", err=True)
+        _restore_previous(engines or DEFAULT_ENGINES, prompts_file or from_trace or dry_run)
         return
 
     thresholds = thresholds or DEFAULT_TUNE_THRESHOLDS
@@ -772,6 +766,16 @@ def tune(
             bars.close()
         result["prompts_file"] = str(prompts_file)
     _finish_tune(result, out, engines or (None if from_trace else DEFAULT_ENGINES), from_trace, write, dry_run)
+
+
+def _restore_previous(target: str, other_options: bool) -> None:
+    """``specrt tune --restore-previous``: put back the defaults the last tune replaced."""
+    if other_options:
+        raise InputError("--restore-previous only puts back the previous defaults of --engines; drop --prompts/--from-trace/--dry-run")
+    from .runtime.lab.tune_manifest import restore_previous_defaults
+
+    prev, replaced = restore_previous_defaults(target)
+    click.echo(f"restored defaults {prev} in {Path(target) / 'manifest.json'} (replaced {replaced}, now kept as extra.previous_defaults)", err=True)
 
 
 def _finish_tune(result: dict, out: Path, target: str | None, from_trace: str | None, write: bool, dry_run: bool) -> None:
