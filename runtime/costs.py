@@ -54,12 +54,12 @@ def measure_call_times(
         raise InputError(f"cost repetitions {reps}; need >= 1")
     cases: list[tuple[tuple[str, str, int], object, list[int], int]] = []  # (case, model, tokens run, start)
     for label, eng in engines.items():
-        m = eng.manifest
-        min_q = m.min_q()
+        manifest = eng.manifest
+        min_q = manifest.min_q()
         for q in widths:
-            if not 1 <= q <= m.k_max + 1 or past + q > m.max_ctx or past < min_q - 1:
-                raise InputError(f"cost case q={q} at past={past}; need 1 <= q <= {m.k_max + 1}, past >= {min_q - 1} and past + q <= {m.max_ctx}")
-        tok = min(5, m.vocab_size - 1)
+            if not 1 <= q <= manifest.k_max + 1 or past + q > manifest.max_ctx or past < min_q - 1:
+                raise InputError(f"cost case q={q} at past={past}; need 1 <= q <= {manifest.k_max + 1}, past >= {min_q - 1} and past + q <= {manifest.max_ctx}")
+        tok = min(5, manifest.vocab_size - 1)
         cases.append(((label, "draft", 1), eng.draft, [tok], past))
         cases += [((label, "target", q), eng.target, [tok] * max(q, min_q), past - max(0, min_q - q)) for q in widths]
     for _, model, toks, start in cases:

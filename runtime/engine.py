@@ -130,32 +130,32 @@ class Engine:
     def __init__(self, folder: str | Path, threads: ThreadConfig | None = None, verify_hashes: bool = True, backend: str | None = None):
         self.folder = Path(folder)
         self.manifest: Manifest = load_manifest(self.folder, verify_hashes=False)  # validated whole; files present
-        m = self.manifest
-        self.backend = resolve_backend(backend, m)
+        manifest = self.manifest
+        self.backend = resolve_backend(backend, manifest)
         if verify_hashes:
             hint = REEXPORT_HINT.format(folder=self.folder)
-            check_files(m, self.folder, m.load_files(), True, hint)  # sizes: a stat each, before anything reads them
+            check_files(manifest, self.folder, manifest.load_files(), True, hint)  # sizes: a stat each, before anything reads them
             # Digests before any session exists: files whose identity already has the
             # manifest's digest in the digest cache are not read again, the others are hashed
             # on worker threads. Hashing first, not beside session creation, because it
             # measured faster (docs/real_shapes/load_strategy_e714.json: on 2 shared cores
             # the overlap took 15.0 s, hashing first 9.6 s, sessions alone 4.7 s), and no
             # session is ever built over unverified bytes.
-            check = Verification(self.folder, m.load_files(), hint)
+            check = Verification(self.folder, manifest.load_files(), hint)
             check.wait()
             self.integrity = dict(hashed=check.hashed, cached=check.cached)
         else:
             self.integrity = None
-        self.codec = TextCodec(self.folder / m.tokenizer_file, m.bos_token_id, m.add_bos)
+        self.codec = TextCodec(self.folder / manifest.tokenizer_file, manifest.bos_token_id, manifest.add_bos)
         self.target, self.draft = load_models(
-            self.backend, self.folder, m, threads or ThreadConfig(), max(PREFILL_CHUNK, m.k_max + 1), PREFILL_CHUNK, verify_hashes
+            self.backend, self.folder, manifest, threads or ThreadConfig(), max(PREFILL_CHUNK, manifest.k_max + 1), PREFILL_CHUNK, verify_hashes
         )
-        self._flops = flop_coefficients(m.target)
+        self._flops = flop_coefficients(manifest.target)
         self._adaptive: tuple | None = None  # per-call costs for adaptive k (adaptive_costs)
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread holding _lock (deadlock check)
         # the folder's chat template (specrt export copies the target's; its SHA-256 was checked with the manifest)
-        self.chat_template: str | None = (self.folder / m.chat_template_file).read_text(encoding="utf-8") if m.chat_template_file else None
+        self.chat_template: str | None = (self.folder / manifest.chat_template_file).read_text(encoding="utf-8") if manifest.chat_template_file else None
 
     def fork(self) -> "Engine":
         """Another Engine over the same loaded models (weights, manifest, tokenizer shared)
@@ -186,13 +186,13 @@ class Engine:
                 folder exported without it or whose target is a builder graph.
             BackendError: lazy-head on a backend that offers no body/head split.
         """
-        m = self.manifest
-        cfg = resolve_config(config, m.defaults, (m.k_min, m.k_max))
+        manifest = self.manifest
+        cfg = resolve_config(config, manifest.defaults, (manifest.k_min, manifest.k_max))
         if cfg.strategy == "lazy-head":
-            if m.target.graph == GRAPH_BUILDER:
+            if manifest.target.graph == GRAPH_BUILDER:
                 raise InputError(
                     f"strategy 'lazy-head' needs the standard graph's body/head split; the target in {self.folder} is "
-                    f"an {m.target.precision} builder graph, which computes its LM head inside (use 'full' or 'chunked', "
+                    f"an {manifest.target.precision} builder graph, which computes its LM head inside (use 'full' or 'chunked', "
                     "or export --precision fp32 --lazy-head)",
                     "strategy",
                 )
@@ -200,7 +200,7 @@ class Engine:
                 raise BackendError(
                     f"strategy 'lazy-head' needs a backend with a body/head split; {self.backend!r} has none (use 'full' or 'chunked')", "strategy"
                 )
-            if LAZY_HEAD_KEY not in m.extra:
+            if LAZY_HEAD_KEY not in manifest.extra:
                 raise InputError(LAZY_HEAD_HINT.format(folder=self.folder), "strategy")
         return cfg
 
@@ -211,21 +211,21 @@ class Engine:
             InputError: (param ``prompt``) empty prompt, ids not 1-D integers, ids outside
                 the vocab, or a prompt that leaves no room in the context (< max_ctx tokens).
         """
-        m = self.manifest
+        manifest = self.manifest
         if isinstance(prompt, str):
             ids = self.codec.encode(prompt)
         else:
             arr = np.asarray(prompt)
             if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
                 raise InputError(f"prompt ids must be a 1-D sequence of integers, got shape {arr.shape} dtype {arr.dtype}", "prompt")
-            if arr.size and (arr.min() < 0 or arr.max() >= m.vocab_size):
-                raise InputError(f"prompt ids must be in 0..{m.vocab_size - 1}; got min {arr.min()} max {arr.max()}", "prompt")
+            if arr.size and (arr.min() < 0 or arr.max() >= manifest.vocab_size):
+                raise InputError(f"prompt ids must be in 0..{manifest.vocab_size - 1}; got min {arr.min()} max {arr.max()}", "prompt")
             ids = arr.astype(np.int64).tolist()
         if not ids:
             raise InputError("empty prompt; give at least one token", "prompt")
-        if len(ids) >= m.max_ctx:
+        if len(ids) >= manifest.max_ctx:
             raise InputError(
-                f"prompt has {len(ids)} tokens; the engines' context is max_ctx={m.max_ctx}, so a prompt may have at most {m.max_ctx - 1}",
+                f"prompt has {len(ids)} tokens; the engines' context is max_ctx={manifest.max_ctx}, so a prompt may have at most {manifest.max_ctx - 1}",
                 "prompt",
             )
         return ids
@@ -306,26 +306,26 @@ class Engine:
     def acceptor(self, cfg: GenerationConfig):
         """The acceptor of one generation with resolved settings ``cfg``: greedy
         (temperature 0) or exact speculative sampling, with its own buffers and generator."""
-        m = self.manifest
+        manifest = self.manifest
         if cfg.temperature > 0.0:
-            return SampledAcceptor(m.vocab_size, m.k_max, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
-        return GreedyAcceptor(m.vocab_size, self.draft.vocab, 1.0 / cfg.confidence_temperature)
+            return SampledAcceptor(manifest.vocab_size, manifest.k_max, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+        return GreedyAcceptor(manifest.vocab_size, self.draft.vocab, 1.0 / cfg.confidence_temperature)
 
     def plan(self, cfg: GenerationConfig, observe: bool = False) -> Plan:
         """The decode loop's :class:`~specrt.runtime.decode.Plan` for resolved settings ``cfg``."""
-        m = self.manifest
+        manifest = self.manifest
         return Plan(
             cfg.k_max,
             cfg.threshold,
             cfg.max_new_tokens,
-            m.stop_ids(),
-            m.max_ctx,
+            manifest.stop_ids(),
+            manifest.max_ctx,
             cfg.speculative,
             cfg.strategy,
             cfg.chunk_bound,
             observe,
-            m.min_q() if cfg.exact_widths else 1,
-            m.k_max + 1 if cfg.exact_widths else 0,
+            manifest.min_q() if cfg.exact_widths else 1,
+            manifest.k_max + 1 if cfg.exact_widths else 0,
             cfg.drafter,
             self.adaptive_costs() if cfg.adaptive and cfg.speculative else None,
         )
@@ -340,16 +340,16 @@ class Engine:
         if self._adaptive is None:
             from .lab.trace import Costs
 
-            m = self.manifest
-            rec = (m.extra.get("tune") or {}).get("costs")
+            manifest = self.manifest
+            rec = (manifest.extra.get("tune") or {}).get("costs")
             if rec:
                 costs = Costs.from_json(rec, "manifest extra.tune.costs")
             else:
                 from .costs import measure_costs
 
-                costs = measure_costs(self, range(1, m.k_max + 2), min(256, m.max_ctx - m.k_max - 2), reps=5)
-            prior = float((m.extra.get("calibration") or {}).get("acceptance", 0.7))
-            self._adaptive = (tuple(costs.target(q) for q in range(1, m.k_max + 2)), costs.draft_s_per_call, prior)
+                costs = measure_costs(self, range(1, manifest.k_max + 2), min(256, manifest.max_ctx - manifest.k_max - 2), reps=5)
+            prior = float((manifest.extra.get("calibration") or {}).get("acceptance", 0.7))
+            self._adaptive = (tuple(costs.target(q) for q in range(1, manifest.k_max + 2)), costs.draft_s_per_call, prior)
         return self._adaptive
 
     def _locked(self):
@@ -395,8 +395,8 @@ class Engine:
             draft: the draft model whose KV the generation owns (default: this Engine's).
         """
         plan = self.plan(cfg, observe=trace is not None)
-        m = self.manifest
-        return Generation(ids, cfg, plan, self.acceptor(cfg), draft if draft is not None else self.draft, self.codec, m.vocab_size, self._flops, trace)
+        manifest = self.manifest
+        return Generation(ids, cfg, plan, self.acceptor(cfg), draft if draft is not None else self.draft, self.codec, manifest.vocab_size, self._flops, trace)
 
     def _run(self, ids: list[int], cfg: GenerationConfig, streaming: bool, trace=None, out: list[int] | None = None, lps: list | None = None):
         """One generation under this Engine's lock: yields text pieces (``streaming``; else

@@ -543,31 +543,31 @@ def validate_manifest(raw: dict, folder: str | Path) -> Manifest:
     from pydantic import ValidationError
 
     try:
-        m = _adapter(Manifest).validate_json(json.dumps(raw), strict=True)
+        manifest = _adapter(Manifest).validate_json(json.dumps(raw), strict=True)
     except ValidationError as e:
         raise _schema_error(path, e, hint) from None
 
     def bad(loc: str, value: Any, allowed: str) -> EngineError:
         return _field_error(path, loc, value, allowed, hint)
 
-    for role, e in (("draft", m.draft), ("target", m.target)):
-        _check_entry(role, e, m.k_max, bad)
-    if m.kv_layout != KV_LAYOUT:
-        raise bad("kv_layout", m.kv_layout, f'"{KV_LAYOUT}"')
-    if m.kv_dtype != "float32":
-        raise bad("kv_dtype", m.kv_dtype, '"float32"')
-    _check_tokens(m, bad, path, hint)
-    if m.max_ctx < 2:
-        raise bad("max_ctx", m.max_ctx, "an integer >= 2")
-    k_top = min(K_LIMIT, m.max_ctx - 1)
-    if not 1 <= m.k_min <= k_top:
-        raise bad("k_min", m.k_min, f"an integer in 1..{k_top} (and <= k_max)")
-    if not m.k_min <= m.k_max <= k_top:
-        raise bad("k_max", m.k_max, f"an integer in k_min={m.k_min}..{k_top} (at most 64 and max_ctx - 1 = {m.max_ctx - 1})")
-    lazy = _check_lazy_head(m, bad)
+    for role, e in (("draft", manifest.draft), ("target", manifest.target)):
+        _check_entry(role, e, manifest.k_max, bad)
+    if manifest.kv_layout != KV_LAYOUT:
+        raise bad("kv_layout", manifest.kv_layout, f'"{KV_LAYOUT}"')
+    if manifest.kv_dtype != "float32":
+        raise bad("kv_dtype", manifest.kv_dtype, '"float32"')
+    _check_tokens(manifest, bad, path, hint)
+    if manifest.max_ctx < 2:
+        raise bad("max_ctx", manifest.max_ctx, "an integer >= 2")
+    k_top = min(K_LIMIT, manifest.max_ctx - 1)
+    if not 1 <= manifest.k_min <= k_top:
+        raise bad("k_min", manifest.k_min, f"an integer in 1..{k_top} (and <= k_max)")
+    if not manifest.k_min <= manifest.k_max <= k_top:
+        raise bad("k_max", manifest.k_max, f"an integer in k_min={manifest.k_min}..{k_top} (at most 64 and max_ctx - 1 = {manifest.max_ctx - 1})")
+    lazy = _check_lazy_head(manifest, bad)
     if ver >= 2:
-        _check_files(m, lazy, bad, path, hint)
-    return m
+        _check_files(manifest, lazy, bad, path, hint)
+    return manifest
 
 
 def _inside(name: str) -> bool:
@@ -684,11 +684,11 @@ def load_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
         raise EngineError(f"{path} is not readable JSON ({e}); {hint}") from None
     if not isinstance(raw, dict):
         raise EngineError(f"{path} is not a JSON object; {hint}")
-    m = validate_manifest(raw, folder)
-    check_files(m, folder, m.load_files(), verify_hashes, hint)
+    manifest = validate_manifest(raw, folder)
+    check_files(manifest, folder, manifest.load_files(), verify_hashes, hint)
     if verify_hashes:
-        Verification(folder, m.load_files(), hint).wait()
-    return m
+        Verification(folder, manifest.load_files(), hint).wait()
+    return manifest
 
 
 def write_defaults(folder: str | Path, defaults: dict, extra: dict | None = None, replace: bool = False) -> dict:

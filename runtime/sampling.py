@@ -331,9 +331,9 @@ class SampledAcceptor:
     def draft(self, row: np.ndarray, i: int) -> tuple[int, float]:
         """Candidate ``i``: x ~ q from a draft logits row (q kept in ``q_rows[i]``); returns
         (x, q(x)), the confidence the threshold rule reads. One draw."""
-        q = self._warp(row, self.q_rows[i])
-        x = sample_token(q, self.rng, self.work[1])
-        return x, float(q[x])
+        q_row = self._warp(row, self.q_rows[i])
+        x = sample_token(q_row, self.rng, self.work[1])
+        return x, float(q_row[x])
 
     def accept(self, r: int, x: int, row: np.ndarray) -> bool:
         """Warp target row r into ``p_rows[r]`` and accept x with probability

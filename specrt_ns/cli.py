@@ -530,9 +530,9 @@ def bench(
 
     prompts = load_prompts(prompts_file, limit)
     engine = _engine(engines, threads, spinning, backend)
-    m = engine.manifest
-    ks = k_values or (m.defaults.get("k_max", m.k_max),)
-    ths = thresholds or (m.defaults.get("threshold", 0.0),)
+    manifest = engine.manifest
+    ks = k_values or (manifest.defaults.get("k_max", manifest.k_max),)
+    ths = thresholds or (manifest.defaults.get("threshold", 0.0),)
     samp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     configs = [BenchConfig("target-only", GenerationConfig(max_new_tokens=max_new_tokens, speculative=False, **samp))]
     if fastest_baseline:
@@ -743,8 +743,8 @@ def tune(
 
         prompts = load_prompts(prompts_file, limit)
         engine = _engine(engines or DEFAULT_ENGINES, threads, spinning, backend)
-        m = engine.manifest
-        ks = k_values or tuple(k for k in DEFAULT_TUNE_KS if m.k_min <= k <= m.k_max)
+        manifest = engine.manifest
+        ks = k_values or tuple(k for k in DEFAULT_TUNE_KS if manifest.k_min <= k <= manifest.k_max)
         try:
             result = run_tune(
                 engine,

@@ -169,7 +169,7 @@ def divergences(engine: Engine, ids_all: list[list[int]], base: dict[int, list[i
     from ..chunks import feed
 
     out = []
-    m = engine.manifest
+    manifest = engine.manifest
     for i, toks in sorted(got.items()):
         ref = base.get(i)
         if ref is None or toks == ref:
@@ -177,9 +177,9 @@ def divergences(engine: Engine, ids_all: list[list[int]], base: dict[int, list[i
         pos = next((j for j, (a, b) in enumerate(zip(ref, toks)) if a != b), min(len(ref), len(toks)))
         prefix = ids_all[i] + ref[:pos]
         margin = None
-        if len(prefix) < m.max_ctx:
+        if len(prefix) < manifest.max_ctx:
             with engine._lock:  # the target's KV buffers; no generation runs meanwhile
-                margin = top2_margin(feed(engine.target, prefix, 0, m.min_q(), m.k_max + 1)[-1], m.vocab_size)
+                margin = top2_margin(feed(engine.target, prefix, 0, manifest.min_q(), manifest.k_max + 1)[-1], manifest.vocab_size)
         out.append(
             dict(
                 prompt=i,

@@ -161,11 +161,11 @@ def tune(
     """
     from .bench import BenchConfig, prompt_tokens
 
-    m = engine.manifest
+    manifest = engine.manifest
     if not prompts:
         raise InputError("empty prompt set; tune needs at least one validation prompt")
     ks, thresholds, strategies = sorted({int(k) for k in ks}), sorted({float(t) for t in thresholds}), list(dict.fromkeys(strategies))
-    check_grid(ks, thresholds, strategies, (m.k_min, m.k_max))
+    check_grid(ks, thresholds, strategies, (manifest.k_min, manifest.k_max))
     ids = [prompt_tokens(engine, p) for p in prompts]
     greedy = GenerationConfig(max_new_tokens=max_new_tokens)
     result: dict = dict(
@@ -180,13 +180,14 @@ def tune(
     temperature = _temperature(engine, ids, greedy, calibrate, result, progress, log)
     # 2. costs
     n_prompt = float(np.mean([len(x) for x in ids]))
-    past = int(min(max(1, round(n_prompt + max_new_tokens / 2)), m.max_ctx - m.k_max - 1))
-    costs = measure_costs(engine, range(1, m.k_max + 2), past, cost_reps, progress=progress)
+    past = int(min(max(1, round(n_prompt + max_new_tokens / 2)), manifest.max_ctx - manifest.k_max - 1))
+    costs = measure_costs(engine, range(1, manifest.k_max + 2), past, cost_reps, progress=progress)
     result["costs"] = costs.to_json()
     if batch_sizes > 0:
         result["batch_step_costs"] = batch_step_costs(engine, batch_sizes, past, min(cost_reps, 15))
     # 3. wide trace -> predictions
-    views = _wide_views(engine, ids, replace(greedy, k_max=m.k_max, threshold=0.0, confidence_temperature=temperature), costs, trace_path, result, progress)
+    wide = replace(greedy, k_max=manifest.k_max, threshold=0.0, confidence_temperature=temperature)
+    views = _wide_views(engine, ids, wide, costs, trace_path, result, progress)
     # 4. sweep
     settings = [Setting(k, th, s) for s in strategies for k in ks for th in thresholds]
     configs = [BenchConfig("target-only", replace(greedy, speculative=False))]
@@ -251,10 +252,10 @@ def _wide_views(engine, ids, wide, costs, trace_path, result: dict, progress):
     from .replay import position_views
     from .trace import TraceWriter, load_trace
 
-    m = engine.manifest
+    manifest = engine.manifest
     tmp = trace_path is None
     tpath = Path(trace_path) if trace_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"specrt-tune-{os.getpid()}.jsonl"
-    with TraceWriter(tpath, engine, costs, note=f"specrt tune wide trace: k_max {m.k_max}, threshold 0, T {wide.confidence_temperature:g}") as tw:
+    with TraceWriter(tpath, engine, costs, note=f"specrt tune wide trace: k_max {manifest.k_max}, threshold 0, T {wide.confidence_temperature:g}") as tw:
         for i, x in enumerate(ids):
             engine.generate(x, wide, trace=tw)
             if progress:

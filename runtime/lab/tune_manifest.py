@@ -56,12 +56,12 @@ def restore_previous_defaults(target: str) -> tuple[dict, dict]:
     """
     from ..manifest import load_manifest, write_defaults
 
-    m = load_manifest(target, verify_hashes=False)
-    prev = m.extra.get("previous_defaults")
+    manifest = load_manifest(target, verify_hashes=False)
+    prev = manifest.extra.get("previous_defaults")
     if not isinstance(prev, dict):
         raise InputError(f"{Path(target) / 'manifest.json'} keeps no previous defaults (extra.previous_defaults); nothing to restore")
-    write_defaults(target, prev, {"previous_defaults": dict(m.defaults)}, replace=True)
-    return prev, dict(m.defaults)
+    write_defaults(target, prev, {"previous_defaults": dict(manifest.defaults)}, replace=True)
+    return prev, dict(manifest.defaults)
 
 
 def write_tune_defaults(result: dict, defaults: dict, target: str, from_trace: str | None) -> None:

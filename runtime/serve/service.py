@@ -66,13 +66,13 @@ class CompletionService:
         self.pool = pool
         self.model_name = model_name
         self.engine = pool.engines[0]  # validation and tokenizing only (no generation)
-        m = self.engine.manifest
-        self.metrics = ServerMetrics(model_name, m.k_max, lambda: (pool.workers, pool.busy, pool.queued, pool.max_queue))
+        manifest = self.engine.manifest
+        self.metrics = ServerMetrics(model_name, manifest.k_max, lambda: (pool.workers, pool.busy, pool.queued, pool.max_queue))
         pool.attach_metrics(self.metrics)  # a pool's own metrics (the BatchPool's) join this registry
         self.chat_template = chat_template
         self.created = int(time.time())
-        self.prompt_char_limit = 2 * (m.max_ctx - 1) * self.engine.codec.max_token_bytes
-        self.responses = Responses(model_name, self.engine.codec, m.stop_ids())
+        self.prompt_char_limit = 2 * (manifest.max_ctx - 1) * self.engine.codec.max_token_bytes
+        self.responses = Responses(model_name, self.engine.codec, manifest.stop_ids())
         self._ids = itertools.count(1)
 
     # -- validation --
