@@ -56,6 +56,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -535,31 +536,25 @@ def log(msg: str) -> None:
     print(f"[bench-compare {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    sys.path.insert(0, str(ROOT))
+def _context(a) -> SimpleNamespace:
+    """The run's fixed inputs: folders, prompts, the specrt settings compared, the workers'
+    environment (OpenMP's wait policy: each system's own unless asked) and interpreters."""
     from specrt.runtime.lab.bench import load_prompts
     from specrt.runtime.manifest import load_manifest
     from specrt.runtime.tokenizer import TextCodec
 
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    logs = out / "logs"
-    logs.mkdir(exist_ok=True)
-    systems = {s.strip() for s in a.systems.split(",") if s.strip()}
-    target, draft, engines = str(Path(a.target).resolve()), str(Path(a.draft).resolve()), str(Path(a.engines).resolve())
-
-    m = load_manifest(engines, verify_hashes=False)
-    codec = TextCodec(Path(engines) / m.tokenizer_file, m.bos_token_id, m.add_bos)
-    prompts = load_prompts(a.prompts, a.limit)
-    ids = [codec.encode(p["prompt"]) for p in prompts]
-    best_k = a.spec_k if a.spec_k is not None else int(m.defaults.get("k_max", m.k_max))
-    best_th = a.spec_threshold if a.spec_threshold is not None else float(m.defaults.get("threshold", 0.0))
-    fixed_k = a.fixed_k if a.fixed_k is not None else best_k
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    env["HF_HUB_OFFLINE"] = "1"
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    c = SimpleNamespace(a=a, out=out, logs=out / "logs", systems={s.strip() for s in a.systems.split(",") if s.strip()})
+    c.target, c.draft, c.engines = str(Path(a.target).resolve()), str(Path(a.draft).resolve()), str(Path(a.engines).resolve())
+    c.manifest = manifest = load_manifest(c.engines, verify_hashes=False)
+    codec = TextCodec(Path(c.engines) / manifest.tokenizer_file, manifest.bos_token_id, manifest.add_bos)
+    c.prompts = load_prompts(a.prompts, a.limit)
+    c.ids = [codec.encode(p["prompt"]) for p in c.prompts]
+    c.best_k = a.spec_k if a.spec_k is not None else int(manifest.defaults.get("k_max", manifest.k_max))
+    c.best_th = a.spec_threshold if a.spec_threshold is not None else float(manifest.defaults.get("threshold", 0.0))
+    c.fixed_k = a.fixed_k if a.fixed_k is not None else c.best_k
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     # OpenMP's wait policy: by default each system's own (unset). Forcing PASSIVE on every
     # system, as this script once did, made llama.cpp's OpenMP build 5x slower per token on
     # this machine (llama-server Q4_0: 135 tok/s PASSIVE vs 755 unset, same run otherwise,
@@ -569,296 +564,266 @@ def main(argv=None) -> int:
         env.pop("OMP_WAIT_POLICY", None)
     else:
         env["OMP_WAIT_POLICY"] = policy
-    env["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
-    common = dict(threads=a.threads, spinning=a.spinning, warmup=[ids[0]])
-    main_py = sys.executable
-    py_opt = venv_python(a.python_optimum)
-    py_og = venv_python(a.python_ortgenai)
-    py_ov = venv_python(a.python_openvino)
-    py_ll = venv_python(a.python_llamacpp)
-    server_bin = venv_python(a.llama_server)
+    c.env = env
+    c.common = dict(threads=a.threads, spinning=a.spinning, warmup=[c.ids[0]])
+    c.py_main, c.py_opt, c.py_og = sys.executable, venv_python(a.python_optimum), venv_python(a.python_ortgenai)
+    c.py_ov, c.py_ll, c.server_bin = venv_python(a.python_openvino), venv_python(a.python_llamacpp), venv_python(a.llama_server)
+    c.og_root = (out / "anchors" / f"ortgenai-{a.ortgenai_precision}").resolve()
+    c.ov_root, c.ll_root = (out / "anchors" / "openvino").resolve(), (out / "anchors" / "llamacpp").resolve()
+    return c
 
-    rows: list[dict] = []
 
-    def row(label, system, python, script, init, missing=None, own_base=None, build=None):
-        rows.append(
-            dict(
-                label=label,
-                system=system,
-                python=python,
-                script=script,
-                init=init,
-                status="pending",
-                error=missing,
-                peak_rss_mb=None,
-                own_base=own_base,
-                build=build,
-                four_bit=False,
-            )
-        )
-        return rows[-1]
+class _Rows(list):
+    """The compared rows, in order (the first is the specrt target-only baseline)."""
 
-    row(BASE, "specrt", main_py, "specrt_worker.py", dict(common, engines=engines, variant=dict(speculative=False)))
-    if "specrt" in systems:
-        row(
-            f"specrt spec best (k={best_k} th={best_th:g})",
+    def add(self, label, system, python, script, init, missing=None, own_base=None, build=None) -> dict:
+        """One row: ``missing`` is why it cannot run (it then fails at once); ``own_base`` the
+        label of its own target-only row; ``build`` the artifacts it needs built."""
+        self.append(dict(label=label, system=system, python=python, script=script, init=init, status="pending", error=missing))
+        self[-1].update(peak_rss_mb=None, own_base=own_base, build=build, four_bit=False)
+        return self[-1]
+
+
+def _rows_specrt(c, rows: _Rows) -> None:
+    """specrt's speculative rows at the compared settings."""
+    spec = dict(c.common, engines=c.engines)
+    if "specrt" in c.systems:
+        rows.add(
+            f"specrt spec best (k={c.best_k} th={c.best_th:g})",
             "specrt",
-            main_py,
+            c.py_main,
             "specrt_worker.py",
-            dict(common, engines=engines, variant=dict(speculative=True, k_max=best_k, threshold=best_th)),
+            dict(spec, variant=dict(speculative=True, k_max=c.best_k, threshold=c.best_th)),
         )
-        if not (fixed_k == best_k and best_th == 0):
-            row(
-                f"specrt spec fixed k={fixed_k} (th=0)",
+        if not (c.fixed_k == c.best_k and c.best_th == 0):
+            rows.add(
+                f"specrt spec fixed k={c.fixed_k} (th=0)",
                 "specrt",
-                main_py,
+                c.py_main,
                 "specrt_worker.py",
-                dict(common, engines=engines, variant=dict(speculative=True, k_max=fixed_k, threshold=0.0)),
+                dict(spec, variant=dict(speculative=True, k_max=c.fixed_k, threshold=0.0)),
             )
-    if "hf" in systems:
-        row("HF generate (PyTorch)", "transformers", main_py, "hf_worker.py", dict(common, target=target, variant=dict(kind="generate")))
-        row("HF assisted (defaults)", "transformers", main_py, "hf_worker.py", dict(common, target=target, draft=draft, variant=dict(kind="assisted")))
-        row(
-            f"HF assisted (k={best_k} th={best_th:g})",
-            "transformers",
-            main_py,
-            "hf_worker.py",
-            dict(
-                common,
-                target=target,
-                draft=draft,
-                variant=dict(kind="assisted", num_assistant_tokens=best_k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=best_th),
-            ),
-        )
-    if "optimum" in systems:
-        row(
-            "optimum ORTModelForCausalLM",
-            "optimum",
-            py_opt,
-            "optimum_worker.py",
-            dict(common, target=target, cache=str((out / "anchors" / "optimum-target").resolve())),
-            missing=None if py_opt else f"no python at {a.python_optimum}: run `make bench-envs`",
-        )
-    og_root = (out / "anchors" / f"ortgenai-{a.ortgenai_precision}").resolve()
-    if "ortgenai" in systems:
-        miss = None if py_og else f"no python at {a.python_ortgenai}: run `make bench-envs`"
-        p = a.ortgenai_precision
-        base_og = f"ort-genai {p} target-only"
-        row(base_og, "onnxruntime-genai", py_og, "ortgenai_worker.py", dict(common, model_dir=str(og_root / "target"), variant=dict(speculative=False)), miss)
-        row(
-            f"ort-genai {p} speculative (k={best_k})",
-            "onnxruntime-genai",
-            py_og,
-            "ortgenai_worker.py",
-            dict(common, model_dir=str(og_root), variant=dict(speculative=True, max_draft_tokens=best_k)),
-            miss,
-            own_base=base_og,
-        )
-    for spec in a.flavor:
-        lab, _, folder = spec.partition("=")
+
+
+def _rows_flavors(c, rows: _Rows) -> None:
+    """Target-only and speculative rows of each ``--flavor LABEL=FOLDER``."""
+    from specrt.runtime.manifest import load_manifest
+
+    for flavor in c.a.flavor:
+        lab, _, folder = flavor.partition("=")
         fm = load_manifest(folder, verify_hashes=False)
         fk, fth = int(fm.defaults.get("k_max", fm.k_max)), float(fm.defaults.get("threshold", 0.0))
-        fdir = str(Path(folder).resolve())
+        fl = dict(c.common, engines=str(Path(folder).resolve()))
         b = f"specrt[{lab}] target-only"
-        row(b, "specrt", main_py, "specrt_worker.py", dict(common, engines=fdir, variant=dict(speculative=False)))
-        row(
+        rows.add(b, "specrt", c.py_main, "specrt_worker.py", dict(fl, variant=dict(speculative=False)))
+        rows.add(
             f"specrt[{lab}] spec (k={fk} th={fth:g})",
             "specrt",
-            main_py,
+            c.py_main,
             "specrt_worker.py",
-            dict(common, engines=fdir, variant=dict(speculative=True, k_max=fk, threshold=fth)),
+            dict(fl, variant=dict(speculative=True, k_max=fk, threshold=fth)),
             own_base=b,
         )
-    ov_root = (out / "anchors" / "openvino").resolve()
-    if "openvino" in systems:
-        miss = None if py_ov else f"no python at {a.python_openvino}: run `make bench-envs`"
-        d = dict(common, target_dir=str(ov_root / "target"), draft_dir=str(ov_root / "draft"))
+
+
+def _rows_python_systems(c, rows: _Rows) -> None:
+    """transformers, optimum and onnxruntime-genai rows."""
+    a, k, th = c.a, c.best_k, c.best_th
+    if "hf" in c.systems:
+        hf = dict(c.common, target=c.target)
+        rows.add("HF generate (PyTorch)", "transformers", c.py_main, "hf_worker.py", dict(hf, variant=dict(kind="generate")))
+        rows.add("HF assisted (defaults)", "transformers", c.py_main, "hf_worker.py", dict(hf, draft=c.draft, variant=dict(kind="assisted")))
+        v = dict(kind="assisted", num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=th)
+        rows.add(f"HF assisted (k={k} th={th:g})", "transformers", c.py_main, "hf_worker.py", dict(hf, draft=c.draft, variant=v))
+    if "optimum" in c.systems:
+        miss = None if c.py_opt else f"no python at {a.python_optimum}: run `make bench-envs`"
+        rows.add(
+            "optimum ORTModelForCausalLM",
+            "optimum",
+            c.py_opt,
+            "optimum_worker.py",
+            dict(c.common, target=c.target, cache=str((c.out / "anchors" / "optimum-target").resolve())),
+            miss,
+        )
+    if "ortgenai" in c.systems:
+        miss = None if c.py_og else f"no python at {a.python_ortgenai}: run `make bench-envs`"
+        p, og = a.ortgenai_precision, "onnxruntime-genai"
+        b = f"ort-genai {p} target-only"
+        rows.add(b, og, c.py_og, "ortgenai_worker.py", dict(c.common, model_dir=str(c.og_root / "target"), variant=dict(speculative=False)), miss)
+        v = dict(speculative=True, max_draft_tokens=k)
+        rows.add(f"ort-genai {p} speculative (k={k})", og, c.py_og, "ortgenai_worker.py", dict(c.common, model_dir=str(c.og_root), variant=v), miss, own_base=b)
+
+
+def _rows_openvino(c, rows: _Rows) -> None:
+    """OpenVINO GenAI rows (int4, fixed k and confidence threshold)."""
+    a, k = c.a, c.best_k
+    if "openvino" in c.systems:
+        miss = None if c.py_ov else f"no python at {a.python_openvino}: run `make bench-envs`"
+        d, ov = dict(c.common, target_dir=str(c.ov_root / "target"), draft_dir=str(c.ov_root / "draft")), "openvino-genai"
         b = "OpenVINO int4 target-only"
-        row(b, "openvino-genai", py_ov, "openvino_worker.py", dict(d, variant=dict(speculative=False)), miss)
-        row(
-            f"OpenVINO int4 spec k={best_k}",
-            "openvino-genai",
-            py_ov,
-            "openvino_worker.py",
-            dict(d, variant=dict(speculative=True, num_assistant_tokens=best_k)),
-            miss,
-            own_base=b,
+        rows.add(b, ov, c.py_ov, "openvino_worker.py", dict(d, variant=dict(speculative=False)), miss)
+        rows.add(
+            f"OpenVINO int4 spec k={k}", ov, c.py_ov, "openvino_worker.py", dict(d, variant=dict(speculative=True, num_assistant_tokens=k)), miss, own_base=b
         )
-        row(
-            f"OpenVINO int4 spec threshold {a.ov_threshold:g}",
-            "openvino-genai",
-            py_ov,
-            "openvino_worker.py",
-            dict(d, variant=dict(speculative=True, assistant_confidence_threshold=a.ov_threshold)),
-            miss,
-            own_base=b,
-        )
-    ll_root = (out / "anchors" / "llamacpp").resolve()
-    if "llamacpp" in systems:
-        miss = None if py_ll else f"no python at {a.python_llamacpp}: run `make bench-envs`"
+        v = dict(speculative=True, assistant_confidence_threshold=a.ov_threshold)
+        rows.add(f"OpenVINO int4 spec threshold {a.ov_threshold:g}", ov, c.py_ov, "openvino_worker.py", dict(d, variant=v), miss, own_base=b)
+
+
+def _rows_llamacpp(c, rows: _Rows) -> None:
+    """llama-cpp-python and llama-server rows (GGUF files built from the same checkpoints)."""
+    a, k, ll = c.a, c.best_k, c.ll_root
+    if "llamacpp" in c.systems:
+        miss = None if c.py_ll else f"no python at {a.python_llamacpp}: run `make bench-envs`"
         for q in ("Q8_0", "Q4_K_M", "Q4_0"):
-            row(
-                f"llama.cpp {q} target-only",
-                "llama-cpp-python",
-                py_ll,
-                "llamacpp_worker.py",
-                dict(common, gguf=str(ll_root / f"target-{q}.gguf"), variant=dict(kind="python")),
-                miss,
-                build=[f"target-{q}"],
-            )
-        row(
-            f"llama.cpp Q4_0 prompt-lookup (k={best_k})",
-            "llama-cpp-python",
-            py_ll,
-            "llamacpp_worker.py",
-            dict(common, gguf=str(ll_root / "target-Q4_0.gguf"), variant=dict(kind="python", prompt_lookup=best_k)),
-            miss,
-            own_base="llama.cpp Q4_0 target-only",
-            build=["target-Q4_0"],
-        )
-    if "llamaserver" in systems:
-        miss = None if (py_ll and server_bin) else f"no llama-server at {a.llama_server} or python at {a.python_llamacpp}: run `make bench-envs`"
-        srv = dict(common, gguf=str(ll_root / "target-Q4_0.gguf"), server=server_bin, log_dir=str(logs.resolve()))
+            init = dict(c.common, gguf=str(ll / f"target-{q}.gguf"), variant=dict(kind="python"))
+            rows.add(f"llama.cpp {q} target-only", "llama-cpp-python", c.py_ll, "llamacpp_worker.py", init, miss, build=[f"target-{q}"])
+        init = dict(c.common, gguf=str(ll / "target-Q4_0.gguf"), variant=dict(kind="python", prompt_lookup=k))
+        base = "llama.cpp Q4_0 target-only"
+        rows.add(f"llama.cpp Q4_0 prompt-lookup (k={k})", "llama-cpp-python", c.py_ll, "llamacpp_worker.py", init, miss, own_base=base, build=["target-Q4_0"])
+    if "llamaserver" in c.systems:
+        miss = None if (c.py_ll and c.server_bin) else f"no llama-server at {a.llama_server} or python at {a.python_llamacpp}: run `make bench-envs`"
+        srv = dict(c.common, gguf=str(ll / "target-Q4_0.gguf"), server=c.server_bin, log_dir=str(c.logs.resolve()))
         b = "llama-server Q4_0 target-only"
-        draft_args = ["--spec-draft-model", str(ll_root / "draft-Q4_0.gguf"), "--spec-draft-n-max", best_k, "--spec-draft-threads", a.threads]
-        row(b, "llama-server", py_ll, "llamacpp_worker.py", dict(srv, variant=dict(kind="server", args=[])), miss, build=["target-Q4_0"])
+        draft_args = ["--spec-draft-model", str(ll / "draft-Q4_0.gguf"), "--spec-draft-n-max", k, "--spec-draft-threads", a.threads]
+        rows.add(b, "llama-server", c.py_ll, "llamacpp_worker.py", dict(srv, variant=dict(kind="server", args=[])), miss, build=["target-Q4_0"])
         for pmin in (0.0, 0.5):
-            row(
-                f"llama-server Q4_0 spec draft k={best_k} p-min {pmin:g}",
-                "llama-server",
-                py_ll,
-                "llamacpp_worker.py",
-                dict(srv, variant=dict(kind="server", args=draft_args + ["--spec-draft-p-min", pmin])),
-                miss,
-                own_base=b,
-                build=["target-Q4_0", "draft-Q4_0"],
-            )
-        row(
-            f"llama-server Q4_0 spec ngram-simple (k={best_k})",
+            v = dict(kind="server", args=draft_args + ["--spec-draft-p-min", pmin])
+            label = f"llama-server Q4_0 spec draft k={k} p-min {pmin:g}"
+            rows.add(label, "llama-server", c.py_ll, "llamacpp_worker.py", dict(srv, variant=v), miss, own_base=b, build=["target-Q4_0", "draft-Q4_0"])
+        v = dict(kind="server", args=["--spec-type", "ngram-simple", "--spec-draft-n-max", k])
+        rows.add(
+            f"llama-server Q4_0 spec ngram-simple (k={k})",
             "llama-server",
-            py_ll,
+            c.py_ll,
             "llamacpp_worker.py",
-            dict(srv, variant=dict(kind="server", args=["--spec-type", "ngram-simple", "--spec-draft-n-max", best_k])),
+            dict(srv, variant=v),
             miss,
             own_base=b,
             build=["target-Q4_0"],
         )
+
+
+def define_rows(c) -> _Rows:
+    """Every row of the comparison, the specrt target-only baseline first."""
+    rows = _Rows()
+    rows.add(BASE, "specrt", c.py_main, "specrt_worker.py", dict(c.common, engines=c.engines, variant=dict(speculative=False)))
+    _rows_specrt(c, rows)
+    _rows_python_systems(c, rows)
+    _rows_flavors(c, rows)
+    _rows_openvino(c, rows)
+    _rows_llamacpp(c, rows)
     for r in rows:
         r["four_bit"] = r["system"] in ("onnxruntime-genai", "openvino-genai") and "int4" in r["label"] or ("Q4" in r["label"] and r["system"] != "specrt")
-    result = dict(
-        settings=dict(
-            target=target,
-            draft=draft,
-            engines=engines,
-            prompts_file=a.prompts,
-            prompts=len(prompts),
-            repeats=a.repeats,
-            max_new_tokens=a.max_new_tokens,
-            threads=a.threads,
-            spinning=a.spinning,
-            omp_wait_policy=env.get("OMP_WAIT_POLICY", "unset"),
-            best_k=best_k,
-            best_threshold=best_th,
-            fixed_k=fixed_k,
-            systems=sorted(systems),
-            command=" ".join([Path(sys.executable).name] + sys.argv),
-            machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_start=os.getloadavg()),
-            prompt_tokens=quart([len(x) for x in ids]),
-        ),
+    return rows
+
+
+def _settings(c) -> dict:
+    a = c.a
+    return dict(
+        target=c.target,
+        draft=c.draft,
+        engines=c.engines,
+        prompts_file=a.prompts,
+        prompts=len(c.prompts),
+        repeats=a.repeats,
+        max_new_tokens=a.max_new_tokens,
+        threads=a.threads,
+        spinning=a.spinning,
+        omp_wait_policy=c.env.get("OMP_WAIT_POLICY", "unset"),
+        best_k=c.best_k,
+        best_threshold=c.best_th,
+        fixed_k=c.fixed_k,
+        systems=sorted(c.systems),
+        command=" ".join([Path(sys.executable).name] + sys.argv),
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_start=os.getloadavg()),
+        prompt_tokens=quart([len(x) for x in c.ids]),
     )
 
-    # onnxruntime-genai: build both checkpoints with its model builder (cached)
-    if "ortgenai" in systems and py_og:
-        log("onnxruntime-genai: model builder (target, draft) ...")
-        p = subprocess.run(
-            [
-                py_og,
-                str(WORKERS / "ortgenai_worker.py"),
-                "--build",
-                "--target",
-                target,
-                "--draft",
-                draft,
-                "--out",
-                str(og_root),
-                "--k",
-                str(best_k),
-                "--precision",
-                a.ortgenai_precision,
-            ],
-            capture_output=True,
-            text=True,
-            cwd=str(ROOT),
-            env=env,
-        )
-        (logs / "ortgenai_build.log").write_text(p.stderr)
-        try:
-            build = json.loads(p.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            tail = " | ".join([ln for ln in p.stderr.splitlines() if ln.strip()][-6:])
-            build = dict(ok=False, error=f"builder step exited {p.returncode}: {tail}")
-        result["ortgenai_build"] = build
+
+def _build_step(c, name: str, python: str | None, cmd: list[str]) -> dict:
+    """Run one system's build (its worker's ``--build``) and return its JSON record."""
+    log(f"{name}: build ...")
+    if not python:
+        return dict(ok=False, error=f"no python for {name}")
+    p = subprocess.run([python, *cmd], capture_output=True, text=True, cwd=str(ROOT), env=c.env)
+    (c.logs / f"{name}_build.log").write_text(p.stderr)
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        tail = " | ".join([ln for ln in p.stderr.splitlines() if ln.strip()][-6:])
+        return dict(ok=False, error=f"build step exited {p.returncode}: {tail}")
+
+
+def _missing(build: dict, need: list[str], alt=lambda n: n) -> list[str]:
+    """``"artifact: error"`` for each needed artifact the build did not make."""
+    return [f"{n}: {build.get(n, {}).get('error') or build.get(alt(n), {}).get('error', 'not built')}" for n in need if not build.get(n, {}).get("ok")]
+
+
+def run_builds(c, rows: _Rows, result: dict) -> None:
+    """Build every system's models (cached by the workers); a row whose models failed gets
+    the build's error."""
+    a, W = c.a, WORKERS
+    if "ortgenai" in c.systems and c.py_og:
+        cmd = [
+            str(W / "ortgenai_worker.py"),
+            "--build",
+            "--target",
+            c.target,
+            "--draft",
+            c.draft,
+            "--out",
+            str(c.og_root),
+            "--k",
+            str(c.best_k),
+            "--precision",
+            a.ortgenai_precision,
+        ]
+        result["ortgenai_build"] = b = _build_step(c, "ortgenai", c.py_og, cmd)
         for r in rows:
-            if r["system"] != "onnxruntime-genai" or r["error"]:
-                continue
-            spec = r["init"]["variant"]["speculative"]
-            need = ["target", "draft", "speculative_config"] if spec else ["target"]
-            bad = [f"{n}: {build.get(n, {}).get('error', 'not built')}" for n in need if not build.get(n, {}).get("ok")]
-            if bad:
-                r["error"] = "model builder failed: " + "; ".join(bad)
-
-    def build_step(name: str, python: str | None, cmd: list[str]) -> dict:
-        log(f"{name}: build ...")
-        if not python:
-            return dict(ok=False, error=f"no python for {name}")
-        p = subprocess.run([python, *cmd], capture_output=True, text=True, cwd=str(ROOT), env=env)
-        (logs / f"{name}_build.log").write_text(p.stderr)
-        try:
-            return json.loads(p.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            tail = " | ".join([ln for ln in p.stderr.splitlines() if ln.strip()][-6:])
-            return dict(ok=False, error=f"build step exited {p.returncode}: {tail}")
-
-    if "openvino" in systems and py_ov:
-        b = build_step(
-            "openvino",
-            py_ov,
-            [str(WORKERS / "openvino_worker.py"), "--build", "--target", target, "--draft", draft, "--out", str(ov_root), "--group-size", str(a.ov_group_size)],
-        )
-        result["openvino_build"] = b
+            if r["system"] == "onnxruntime-genai" and not r["error"]:
+                need = ["target", "draft", "speculative_config"] if r["init"]["variant"]["speculative"] else ["target"]
+                if bad := _missing(b, need):
+                    r["error"] = "model builder failed: " + "; ".join(bad)
+    if "openvino" in c.systems and c.py_ov:
+        cmd = [
+            str(W / "openvino_worker.py"),
+            "--build",
+            "--target",
+            c.target,
+            "--draft",
+            c.draft,
+            "--out",
+            str(c.ov_root),
+            "--group-size",
+            str(a.ov_group_size),
+        ]
+        result["openvino_build"] = b = _build_step(c, "openvino", c.py_ov, cmd)
         for r in rows:
             need = ["target", "draft"] if r["init"].get("variant", {}).get("speculative") else ["target"]
-            if r["system"] == "openvino-genai" and (bad := [f"{n}: {b.get(n, {}).get('error', 'not built')}" for n in need if not b.get(n, {}).get("ok")]):
+            if r["system"] == "openvino-genai" and (bad := _missing(b, need)):
                 r["error"] = "optimum-cli export openvino failed: " + "; ".join(bad)
-    if ({"llamacpp", "llamaserver"} & systems) and py_ll:
-        b = build_step(
-            "llamacpp",
-            py_ll,
-            [
-                str(WORKERS / "llamacpp_worker.py"),
-                "--build",
-                "--target",
-                target,
-                "--draft",
-                draft,
-                "--out",
-                str(ll_root),
-                "--src",
-                str(Path(a.llama_src).resolve()),
-            ],
-        )
-        result["llamacpp_build"] = b
+    if ({"llamacpp", "llamaserver"} & c.systems) and c.py_ll:
+        cmd = [
+            str(W / "llamacpp_worker.py"),
+            "--build",
+            "--target",
+            c.target,
+            "--draft",
+            c.draft,
+            "--out",
+            str(c.ll_root),
+            "--src",
+            str(Path(a.llama_src).resolve()),
+        ]
+        result["llamacpp_build"] = b = _build_step(c, "llamacpp", c.py_ll, cmd)
         for r in rows:
             if r["system"] in ("llama-cpp-python", "llama-server") and r.get("build") and not r["error"]:
-                bad = [
-                    f"{n}: {b.get(n, {}).get('error') or b.get(n.split('-')[0] + '-f32', {}).get('error', 'not built')}"
-                    for n in r["build"]
-                    if not b.get(n, {}).get("ok")
-                ]
-                if bad:
+                if bad := _missing(b, r["build"], lambda n: n.split("-")[0] + "-f32"):
                     r["error"] = "GGUF conversion/quantization failed: " + "; ".join(bad)
 
-    # start the workers one at a time (loading and warming up), then interleave
+
+def start_workers(c, rows: _Rows) -> dict:
+    """Start the workers one at a time (loading and warming up); label -> Worker."""
     workers: dict[str, Worker] = {}
     for r in rows:
         if r["error"]:
@@ -866,8 +831,8 @@ def main(argv=None) -> int:
             continue
         log(f"start {r['label']} ...")
         try:
-            w = Worker(r["label"], r["python"], r["script"], r["init"], logs, env)
-            ans = w.recv(a.setup_timeout)
+            w = Worker(r["label"], r["python"], r["script"], r["init"], c.logs, c.env)
+            ans = w.recv(c.a.setup_timeout)
         except Exception as e:  # noqa: BLE001
             r["status"], r["error"] = "failed", f"{type(e).__name__}: {e}"
             continue
@@ -880,12 +845,16 @@ def main(argv=None) -> int:
         log(f"  ready ({ans['info'].get('load_seconds', 0):.1f} s load)")
     if BASE not in workers:
         log(f"baseline failed: {rows[0]['error']}")
+    return workers
 
+
+def interleave(c, rows: _Rows, workers: dict) -> dict:
+    """Every prompt on every live row, rows in a rotating order per prompt and repeat;
+    then each worker's peak RSS. Returns label -> run records."""
+    a, ids = c.a, c.ids
     runs: dict[str, list[dict]] = {r["label"]: [] for r in rows}
     active = [r for r in rows if r["label"] in workers]
-    total = len(ids) * a.repeats * len(active)
-    done = 0
-    t_start = time.time()
+    total, done, t_start = len(ids) * a.repeats * len(active), 0, time.time()
     for rep in range(a.repeats):
         for i, x in enumerate(ids):
             live = [r for r in active if r["status"] == "ok"]
@@ -893,9 +862,8 @@ def main(argv=None) -> int:
                 break
             shift = (i + rep) % len(live)
             for r in live[shift:] + live[:shift]:
-                w = workers[r["label"]]
                 try:
-                    ans = w.call({"op": "run", "ids": x, "max_new_tokens": a.max_new_tokens}, a.call_timeout)
+                    ans = workers[r["label"]].call({"op": "run", "ids": x, "max_new_tokens": a.max_new_tokens}, a.call_timeout)
                 except Exception as e:  # noqa: BLE001
                     r["status"], r["error"] = "failed", f"prompt {i}: {type(e).__name__}: {e}"
                     continue
@@ -905,143 +873,142 @@ def main(argv=None) -> int:
                 runs[r["label"]].append(run_record(i, rep, ans))
                 done += 1
             if (i + 1) % 5 == 0 or i + 1 == len(ids):
-                el = time.time() - t_start
-                log(f"repeat {rep + 1}/{a.repeats} prompt {i + 1}/{len(ids)}: {done}/{total} calls, {el:.0f} s")
+                log(f"repeat {rep + 1}/{a.repeats} prompt {i + 1}/{len(ids)}: {done}/{total} calls, {time.time() - t_start:.0f} s")
     for r in rows:
         if r["label"] in workers:
             try:
-                ans = workers[r["label"]].call({"op": "rss"}, 60)
-                r["peak_rss_mb"] = ans.get("peak_rss_mb")
+                r["peak_rss_mb"] = workers[r["label"]].call({"op": "rss"}, 60).get("peak_rss_mb")
             except Exception as e:  # noqa: BLE001
                 r.setdefault("notes", []).append(f"rss: {e}")
         if r["status"] == "ok" and runs[r["label"]] and len(runs[r["label"]]) < len(ids) * a.repeats:
             r["status"] = "partial"
-    summarize(rows, runs, len(ids))
+    return runs
 
-    # analysis on the specrt target-only worker, every other worker closed first
+
+def _ask(w, msg: dict, key: str, timeout: float) -> dict:
+    """One analysis call to a worker: its ``key`` answer, or ``{"error": ...}``."""
+    try:
+        ans = w.call(msg, timeout)
+        return ans[key] if ans.get("ok") else dict(error=ans.get("error"))
+    except Exception as e:  # noqa: BLE001
+        return dict(error=f"{type(e).__name__}: {e}")
+
+
+def worker_analysis(c, workers: dict, result: dict) -> None:
+    """On the specrt target-only worker, every other worker closed first: per-call costs,
+    the k x threshold sweep, the profiles."""
+    a, ids = c.a, c.ids
     base_w = workers.get(BASE)
     for lab, w in list(workers.items()):
         if lab != BASE:
             w.close()
+    if base_w is None:
+        return
+    past = int(np.median([len(x) for x in ids]) + a.max_new_tokens // 2)
+    log(f"per-call costs at past length {past} ...")
+    result["costs"] = _ask(base_w, {"op": "costs", "past": past, "reps": a.cost_reps}, "costs", a.call_timeout)
+    ks = sorted({min(int(k), c.manifest.k_max) for k in a.sweep_k.split(",") if k.strip()})
+    ths = [float(t) for t in a.sweep_thresholds.split(",") if t.strip()]
+    if ks and a.sweep_limit > 0:
+        n_sw = min(a.sweep_limit, len(ids))
+        log(f"sweep k={ks} th={ths} on {n_sw} prompts ...")
+        msg = {"op": "sweep", "k_values": ks, "thresholds": ths, "prompts": ids[:n_sw], "max_new_tokens": a.max_new_tokens, "repeats": 1}
+        result["sweep"] = _ask(base_w, msg, "sweep", a.call_timeout * 10)
+    if a.profile_prompts > 0:
+        log("cProfile of the speculative loop ...")
+        msg = {"op": "profile", "prompts": ids[: a.profile_prompts], "max_new_tokens": a.max_new_tokens, "k_max": c.best_k, "threshold": c.best_th}
+        result["profile_cprofile"] = _ask(base_w, msg, "profile", a.call_timeout * 5)
+    base_w.close()
+    if a.profile_prompts > 0 and not a.no_pyspy:
+        result["profile_pyspy"] = run_pyspy(a, c.engines, ids[: a.profile_prompts], c.best_k, c.best_th, c.out, c.env)
+
+
+def _sweep_analysis(result: dict, costs: dict) -> list:
+    """The analytic bound of each threshold-0 speculative row of the sweep."""
+    out = []
+    for sr in (result.get("sweep") or {}).get("rows", []):
+        if not sr.get("speculative") or sr.get("threshold") != 0:
+            continue
+        hist = sr.get("accepted_hist") or []
+        passes = round(sum(hist))
+        fake = dict(accepted_hist=hist, accepted=sum(i * h for i, h in enumerate(hist)), passes=passes, new_tokens=sr["tokens"])
+        fake["runs"] = result["sweep"]["prompts"] * result["sweep"]["repeats"]
+        # run_bench reports the acceptance rate, not the proposed count: with threshold 0
+        # every pass proposes k (fewer only at the token budget), and each proposal is one
+        # draft call (the catch-up feed produces the first candidate)
+        ar = sr.get("acceptance_rate")
+        fake["proposed"] = fake["draft_calls"] = fake["accepted"] / ar if ar else passes * sr["k_max"]
+        b = analyse_row(fake, costs, 0.0, sr["k_max"], sr.get("speedup"), None)
+        b["label"] = sr["label"]
+        out.append(b)
+    return out
+
+
+def analytic_bounds(rows: _Rows, result: dict) -> dict:
+    """Measured time split vs the ideal decode, and each specrt row's and sweep row's
+    speedup against the analytic bound (Leviathan et al. 2023)."""
     analytic: dict = {}
-    if base_w is not None:
-        past = int(np.median([len(x) for x in ids]) + a.max_new_tokens // 2)
-        log(f"per-call costs at past length {past} ...")
-        try:
-            ans = base_w.call({"op": "costs", "past": past, "reps": a.cost_reps}, a.call_timeout)
-            result["costs"] = ans["costs"] if ans.get("ok") else dict(error=ans.get("error"))
-        except Exception as e:  # noqa: BLE001
-            result["costs"] = dict(error=f"{type(e).__name__}: {e}")
-        ks = sorted({min(int(k), m.k_max) for k in a.sweep_k.split(",") if k.strip()})
-        ths = [float(t) for t in a.sweep_thresholds.split(",") if t.strip()]
-        if ks and a.sweep_limit > 0:
-            n_sw = min(a.sweep_limit, len(ids))
-            log(f"sweep k={ks} th={ths} on {n_sw} prompts ...")
-            try:
-                ans = base_w.call(
-                    {"op": "sweep", "k_values": ks, "thresholds": ths, "prompts": ids[:n_sw], "max_new_tokens": a.max_new_tokens, "repeats": 1},
-                    a.call_timeout * 10,
-                )
-                result["sweep"] = ans["sweep"] if ans.get("ok") else dict(error=ans.get("error"))
-            except Exception as e:  # noqa: BLE001
-                result["sweep"] = dict(error=f"{type(e).__name__}: {e}")
-        if a.profile_prompts > 0:
-            log("cProfile of the speculative loop ...")
-            try:
-                ans = base_w.call(
-                    {"op": "profile", "prompts": ids[: a.profile_prompts], "max_new_tokens": a.max_new_tokens, "k_max": best_k, "threshold": best_th},
-                    a.call_timeout * 5,
-                )
-                result["profile_cprofile"] = ans["profile"] if ans.get("ok") else dict(error=ans.get("error"))
-            except Exception as e:  # noqa: BLE001
-                result["profile_cprofile"] = dict(error=f"{type(e).__name__}: {e}")
-        base_w.close()
-        if a.profile_prompts > 0 and not a.no_pyspy:
-            result["profile_pyspy"] = run_pyspy(a, engines, ids[: a.profile_prompts], best_k, best_th, out, env)
+    costs = result.get("costs", {})
+    if not costs.get("rows"):
+        return analytic
+    base_row = rows[0]
+    t1 = next((x["median_ms"] for x in costs["rows"] if x["model"] == "target" and x["q"] == 1), None)
+    if base_row.get("time_split_seconds") and base_row.get("passes") and t1:
+        ts, ideal = base_row["time_split_seconds"], base_row["passes"] * t1 / 1000
+        analytic["target_only"] = dict(measured_seconds=ts, ideal_decode_seconds=ideal, decode_over_ideal=ts["verify_or_decode"] / ideal)
+    for r in rows:
+        if r["system"] != "specrt" or not r.get("passes") or r is base_row:
+            continue
+        v = r["init"]["variant"]
+        dec = None
+        if r.get("decode_tokens_per_second") and base_row.get("decode_tokens_per_second"):
+            dec = r["decode_tokens_per_second"] / base_row["decode_tokens_per_second"]
+        b = analyse_row(r, costs, v["threshold"], v["k_max"], r.get("ratio_to_specrt_target_only"), dec)
+        b["label"] = r["label"]
+        analytic.setdefault("rows", []).append(b)
+    if sweep := _sweep_analysis(result, costs):
+        analytic["sweep"] = sweep
+    analytic["formula"] = "(1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)), c = t_draft(q=1) / t_target(q=k+1), Leviathan et al. 2023"
+    return analytic
 
-        costs = result.get("costs", {})
-        if costs.get("rows"):
-            base_row = rows[0]
-            t1 = next((c["median_ms"] for c in costs["rows"] if c["model"] == "target" and c["q"] == 1), None)
-            if base_row.get("time_split_seconds") and base_row.get("passes") and t1:
-                ts = base_row["time_split_seconds"]
-                analytic["target_only"] = dict(
-                    measured_seconds=ts,
-                    ideal_decode_seconds=base_row["passes"] * t1 / 1000,
-                    decode_over_ideal=ts["verify_or_decode"] / (base_row["passes"] * t1 / 1000),
-                )
-            for r in rows:
-                if r["system"] != "specrt" or not r.get("passes") or r is base_row:
-                    continue
-                v = r["init"]["variant"]
-                dec = (
-                    (r["decode_tokens_per_second"] / base_row["decode_tokens_per_second"])
-                    if r.get("decode_tokens_per_second") and base_row.get("decode_tokens_per_second")
-                    else None
-                )
-                b = analyse_row(r, costs, v["threshold"], v["k_max"], r.get("ratio_to_specrt_target_only"), dec)
-                b["label"] = r["label"]
-                analytic.setdefault("rows", []).append(b)
-            for sr in (result.get("sweep") or {}).get("rows", []):
-                if not sr.get("speculative") or sr.get("threshold") != 0:
-                    continue
-                hist = sr.get("accepted_hist") or []
-                n_sw = result["sweep"]["prompts"] * result["sweep"]["repeats"]
-                passes = round(sum(hist))
-                fake = dict(
-                    accepted_hist=hist,
-                    accepted=sum(i * h for i, h in enumerate(hist)),
-                    passes=passes,
-                    proposed=None,
-                    new_tokens=sr["tokens"],
-                    runs=n_sw,
-                    draft_calls=None,
-                )
-                # run_bench reports the acceptance rate, not the proposed count: with threshold 0
-                # every pass proposes k (fewer only at the token budget), and each proposal is one
-                # draft call (the catch-up feed produces the first candidate)
-                ar = sr.get("acceptance_rate")
-                fake["proposed"] = fake["accepted"] / ar if ar else passes * sr["k_max"]
-                fake["draft_calls"] = fake["proposed"]
-                b = analyse_row(fake, costs, 0.0, sr["k_max"], sr.get("speedup"), None)
-                b["label"] = sr["label"]
-                analytic.setdefault("sweep", []).append(b)
-            analytic["formula"] = "(1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)), c = t_draft(q=1) / t_target(q=k+1), Leviathan et al. 2023"
-    result["analytic"] = analytic
 
-    # goals
-
+def goals(rows: _Rows, analytic: dict) -> dict:
+    """The comparison goals: specrt's best row against HF assisted, onnxruntime-genai's
+    speculation, the analytic bound (decode phase) and the fastest 4-bit row."""
     best = next((r for r in rows if r["label"].startswith("specrt spec best")), None)
-    goals = {}
-    if best and best.get("tokens_per_second"):
-        hf_as = [r for r in rows if r["label"].startswith("HF assisted") and r.get("tokens_per_second")]
-        if hf_as:
-            top = max(hf_as, key=lambda r: r["tokens_per_second"])
-            goals["vs_hf_assisted"] = dict(target=4.0, value=best["tokens_per_second"] / top["tokens_per_second"], against=top["label"])
-        og_spec = [r for r in rows if r["label"].startswith("ort-genai speculative") and r.get("tokens_per_second")]
-        if og_spec:
-            goals["vs_ortgenai_speculative"] = dict(target=1.3, value=best["tokens_per_second"] / og_spec[0]["tokens_per_second"], against=og_spec[0]["label"])
-        bb = next((b for b in analytic.get("rows", []) if b["label"] == best["label"]), None)
-        if bb and bb.get("decode_over_bound_formula") is not None:
-            # the formula models the decode phase (prefill is the same target pass in both), so the
-            # goal compares the decode-phase speedup; the end-to-end ratio is reported beside it
-            goals["vs_analytic_bound"] = dict(
-                target=0.9,
-                value=bb["decode_over_bound_formula"],
-                bound=bb["bound_formula"],
-                measured_decode_speedup=bb["measured_decode_speedup"],
-                measured_speedup=bb["measured_speedup"],
-                end_to_end_over_bound=bb.get("measured_over_bound_formula"),
-            )
-        four = [r for r in rows if r.get("four_bit") and r.get("tokens_per_second")]
-        if four:
-            top = max(four, key=lambda r: r["tokens_per_second"])
-            goals["vs_fastest_4bit"] = dict(target=1.5, value=best["tokens_per_second"] / top["tokens_per_second"], against=top["label"])
-        for g in goals.values():
-            g["met"] = g["value"] >= g["target"]
-    result["goals"] = goals
-    result["settings"]["loadavg_end"] = os.getloadavg()
+    out: dict = {}
+    if not (best and best.get("tokens_per_second")):
+        return out
+    tps = best["tokens_per_second"]
+    hf_as = [r for r in rows if r["label"].startswith("HF assisted") and r.get("tokens_per_second")]
+    if hf_as:
+        top = max(hf_as, key=lambda r: r["tokens_per_second"])
+        out["vs_hf_assisted"] = dict(target=4.0, value=tps / top["tokens_per_second"], against=top["label"])
+    og_spec = [r for r in rows if r["label"].startswith("ort-genai speculative") and r.get("tokens_per_second")]
+    if og_spec:
+        out["vs_ortgenai_speculative"] = dict(target=1.3, value=tps / og_spec[0]["tokens_per_second"], against=og_spec[0]["label"])
+    bb = next((b for b in analytic.get("rows", []) if b["label"] == best["label"]), None)
+    if bb and bb.get("decode_over_bound_formula") is not None:
+        # the formula models the decode phase (prefill is the same target pass in both), so the
+        # goal compares the decode-phase speedup; the end-to-end ratio is reported beside it
+        out["vs_analytic_bound"] = dict(target=0.9, value=bb["decode_over_bound_formula"], bound=bb["bound_formula"])
+        out["vs_analytic_bound"].update(
+            measured_decode_speedup=bb["measured_decode_speedup"],
+            measured_speedup=bb["measured_speedup"],
+            end_to_end_over_bound=bb.get("measured_over_bound_formula"),
+        )
+    four = [r for r in rows if r.get("four_bit") and r.get("tokens_per_second")]
+    if four:
+        top = max(four, key=lambda r: r["tokens_per_second"])
+        out["vs_fastest_4bit"] = dict(target=1.5, value=tps / top["tokens_per_second"], against=top["label"])
+    for g in out.values():
+        g["met"] = g["value"] >= g["target"]
+    return out
 
+
+def write_outputs(c, rows: _Rows, runs: dict, result: dict) -> None:
+    """compare.json, table.md and the plots in ``--out``; the table printed."""
+    out = c.out
     for r in rows:
         r.pop("init", None)
     result["rows"] = rows
@@ -1058,6 +1025,25 @@ def main(argv=None) -> int:
     (out / "table.md").write_text(table + "\n")
     print(table)
     log(f"wrote {out / 'compare.json'}, {out / 'table.md'}, plots: {', '.join(Path(p).name for p in (result['plots'] or {}).values() if isinstance(p, str))}")
+
+
+def main(argv=None) -> int:
+    """Define the rows, build, start the workers, interleave every prompt over them, analyse
+    on the specrt baseline, then write compare.json, table.md and the plots."""
+    a = parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    c = _context(a)
+    rows = define_rows(c)
+    result = dict(settings=_settings(c))
+    run_builds(c, rows, result)
+    workers = start_workers(c, rows)
+    runs = interleave(c, rows, workers)
+    summarize(rows, runs, len(c.ids))
+    worker_analysis(c, workers, result)
+    result["analytic"] = analytic_bounds(rows, result)
+    result["goals"] = goals(rows, result["analytic"])
+    result["settings"]["loadavg_end"] = os.getloadavg()
+    write_outputs(c, rows, runs, result)
     return 0
 
 
