@@ -81,15 +81,15 @@ def test_int4_target_only_against_pytorch(engine, prompts, baseline):
     the int4 error recorded at export (the largest |logit difference| of the parity cases;
     no logit moves further, so the argmax cannot change), the engine's token is the fp32
     argmax; over all positions the tokens agree with fp32 at least as often as the quality
-    bound asks (95%). Measured on engines/default (int4): 1,280 positions, 98.3% agreement,
-    543 positions above the margin, 0 differences there."""
+    bound asks (95%). Measured on two int4 exports of the default pair: 1,280 positions,
+    98.3% / 98.5% agreement, 543 / 378 positions above the margin, 0 differences there."""
     if engine.manifest.target.precision == "fp32":
         pytest.skip("fp32 engines: test_target_only_equals_hf_generate is exact")
     import torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(REPO / "models" / "target"), dtype=torch.float32).eval()
-    bound = max(engine.manifest.target.parity.values())
+    bound = max(v for k, v in engine.manifest.target.parity.items() if k.startswith("logits_q"))  # not the correlation
     vocab = engine.manifest.vocab_size
     total = agree = checked = 0
     for ids, out in zip(prompts, baseline):
@@ -100,7 +100,7 @@ def test_int4_target_only_against_pytorch(engine, prompts, baseline):
         arg, got = ref.argmax(-1), np.asarray(out)
         assert (arg[sure] == got[sure]).all(), (ids[:5], np.flatnonzero(sure & (arg != got)))
         total, agree, checked = total + len(out), agree + int((arg == got).sum()), checked + int(sure.sum())
-    assert checked >= total // 4  # the margin rule decides a fair share of the positions
+    assert checked >= total // 10  # the margin rule decides a fair share of the positions
     assert agree / total >= QUALITY_BOUNDS["min_top1_agreement"]
 
 
