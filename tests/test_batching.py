@@ -192,7 +192,9 @@ def test_batched_steps_diverge_only_at_near_ties(int4):
         cfg = dict(max_new_tokens=32, k_max=3)
         jobs = [submit(pool, int4, p, **cfg) for p in PROMPTS[:4]]
         got = {i: ev.result().tokens for i, (_, ev) in enumerate(jobs)}
-        assert pool.steps["batched"] > 0
+        # every row that takes a batched step is ready for the next one (its KV length
+        # advanced with its token): after admission, iterations stay batched
+        assert pool.steps["batched"] >= 24 and pool.steps["speculate"] <= 3, pool.steps
         ids = [int4.prompt_ids(p) for p in PROMPTS[:4]]
         base = {i: int4.generate(p, GenerationConfig(**cfg)).tokens for i, p in enumerate(PROMPTS[:4])}
         divs = divergences(int4, ids, base, got)
