@@ -754,6 +754,11 @@ def _build_step(c, name: str, python: str | None, cmd: list[str]) -> dict:
         return dict(ok=False, error=f"build step exited {p.returncode}: {tail}")
 
 
+def _build_cmd(c, worker: str, out: Path, *extra: str) -> list[str]:
+    """A worker's build command line: both checkpoints in, its models into ``out``."""
+    return [str(WORKERS / worker), "--build", "--target", c.target, "--draft", c.draft, "--out", str(out), *extra]
+
+
 def _missing(build: dict, need: list[str], alt=lambda n: n) -> list[str]:
     """``"artifact: error"`` for each needed artifact the build did not make."""
     return [f"{n}: {build.get(n, {}).get('error') or build.get(alt(n), {}).get('error', 'not built')}" for n in need if not build.get(n, {}).get("ok")]
@@ -762,22 +767,9 @@ def _missing(build: dict, need: list[str], alt=lambda n: n) -> list[str]:
 def run_builds(c, rows: _Rows, result: dict) -> None:
     """Build every system's models (cached by the workers); a row whose models failed gets
     the build's error."""
-    a, W = c.a, WORKERS
+    a = c.a
     if "ortgenai" in c.systems and c.py_og:
-        cmd = [
-            str(W / "ortgenai_worker.py"),
-            "--build",
-            "--target",
-            c.target,
-            "--draft",
-            c.draft,
-            "--out",
-            str(c.og_root),
-            "--k",
-            str(c.best_k),
-            "--precision",
-            a.ortgenai_precision,
-        ]
+        cmd = _build_cmd(c, "ortgenai_worker.py", c.og_root, "--k", str(c.best_k), "--precision", a.ortgenai_precision)
         result["ortgenai_build"] = b = _build_step(c, "ortgenai", c.py_og, cmd)
         for r in rows:
             if r["system"] == "onnxruntime-genai" and not r["error"]:
@@ -785,36 +777,14 @@ def run_builds(c, rows: _Rows, result: dict) -> None:
                 if bad := _missing(b, need):
                     r["error"] = "model builder failed: " + "; ".join(bad)
     if "openvino" in c.systems and c.py_ov:
-        cmd = [
-            str(W / "openvino_worker.py"),
-            "--build",
-            "--target",
-            c.target,
-            "--draft",
-            c.draft,
-            "--out",
-            str(c.ov_root),
-            "--group-size",
-            str(a.ov_group_size),
-        ]
+        cmd = _build_cmd(c, "openvino_worker.py", c.ov_root, "--group-size", str(a.ov_group_size))
         result["openvino_build"] = b = _build_step(c, "openvino", c.py_ov, cmd)
         for r in rows:
             need = ["target", "draft"] if r["init"].get("variant", {}).get("speculative") else ["target"]
             if r["system"] == "openvino-genai" and (bad := _missing(b, need)):
                 r["error"] = "optimum-cli export openvino failed: " + "; ".join(bad)
     if ({"llamacpp", "llamaserver"} & c.systems) and c.py_ll:
-        cmd = [
-            str(W / "llamacpp_worker.py"),
-            "--build",
-            "--target",
-            c.target,
-            "--draft",
-            c.draft,
-            "--out",
-            str(c.ll_root),
-            "--src",
-            str(Path(a.llama_src).resolve()),
-        ]
+        cmd = _build_cmd(c, "llamacpp_worker.py", c.ll_root, "--src", str(Path(a.llama_src).resolve()))
         result["llamacpp_build"] = b = _build_step(c, "llamacpp", c.py_ll, cmd)
         for r in rows:
             if r["system"] in ("llama-cpp-python", "llama-server") and r.get("build") and not r["error"]:

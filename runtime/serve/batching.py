@@ -90,13 +90,12 @@ def choose_mode(n: int, step_s: float, rounds: Sequence[tuple[float, float]]) ->
 @dataclass
 class _Row:
     """One active request: its job, its :class:`~specrt.runtime.generation.Generation`
-    (sequence, KV lengths, acceptor, text, stats), its slot and draft fork, and the running
+    (sequence, KV lengths, acceptor, text, stats, its draft fork), its slot, and the running
     means of its speculative rounds (:func:`choose_mode`)."""
 
     job: Job
     gen: Generation
     slot: int
-    draft: object
     failed: bool = False
     round_tok: float = 0.0
     round_s: float = 0.0
@@ -363,8 +362,8 @@ class BatchPool:
         try:
             if not run_prompt(eng, job):
                 return
-            draft = self._free_drafts[-1]
-            row = _Row(job, eng.start(job.ids, job.config, draft=draft), len(self._rows), self._free_drafts.pop())
+            row = _Row(job, eng.start(job.ids, job.config, draft=self._free_drafts[-1]), len(self._rows))
+            self._free_drafts.pop()  # taken once the generation exists (a refused config leaves it free)
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             fail(job, e)
             return
@@ -451,7 +450,7 @@ class BatchPool:
         if row not in self._rows:
             return
         self._rows.remove(row)
-        self._free_drafts.append(row.draft)
+        self._free_drafts.append(row.gen.draft)
         last = max(self._rows, key=lambda r: r.slot, default=None)
         if last is not None and last.slot > row.slot:
             self.batched.move(last.slot, row.slot, last.gen.kv.target)
