@@ -37,6 +37,7 @@ __all__ = [
     "check_logprobs",
     "check_drafter",
     "check_adaptive",
+    "check_constraint",
     "MAX_LOGPROBS",
 ]
 
@@ -115,6 +116,17 @@ class GenerationConfig:
             decoding on text the drafter predicts badly; ``k_max`` stays the cap. None =
             the manifest's default, else False. Costs come from ``specrt tune``'s record in
             the manifest, else are measured once per Engine. The output never changes.
+        constraint: a :class:`~specrt.runtime.constraints.Constraint` (JSON schema, regex,
+            Lark/GBNF grammar, choice list) the output must match, or None. Applied to every
+            draft and target row (constrained decoding; greedy output equals the
+            constrained target-only output, sampling follows the constrained target
+            distribution); tokens the grammar forces are committed without a model call
+            (:mod:`specrt.runtime.constraints`). Compiled and checked by the Engine
+            (:meth:`~specrt.runtime.engine.Engine.resolve`).
+        logit_bias: ``((token id, bias), ...)`` added to every draft and target logits row
+            before anything else reads it (OpenAI's ``logit_bias``: biases in [-100, 100];
+            -100 bans a token); a dict is accepted and sorted into pairs. Exact under
+            speculation: draft and target rows get the same offsets.
     """
 
     max_new_tokens: int = 128
@@ -133,6 +145,8 @@ class GenerationConfig:
     exact_widths: bool = True
     drafter: str | None = None
     adaptive: bool | None = None
+    constraint: Any = None
+    logit_bias: Any = ()
 
 
 # ---- one check per field ------------------------------------------------------------------
@@ -345,7 +359,22 @@ def resolve_config(config: GenerationConfig, defaults: Mapping[str, Any], k_rang
         exact_widths=bool(config.exact_widths),
         drafter=check_drafter(pick("drafter", "drafter", "model")),
         adaptive=check_adaptive(pick("adaptive", "adaptive", False)),
+        constraint=check_constraint(config.constraint),
     )
+
+
+def check_constraint(c):
+    """``c`` if it is None or a :class:`~specrt.runtime.constraints.Constraint` (its grammar
+    is compiled against the vocabulary by the Engine).
+
+    Raises:
+        InputError: (param ``constraint``) otherwise.
+    """
+    from .constraints import Constraint
+
+    if c is not None and not isinstance(c, Constraint):
+        raise InputError(f"constraint={c!r}; pass None or a specrt Constraint (Constraint.json_schema(...), .regex(...), .choice(...))", "constraint")
+    return c
 
 
 def check_defaults(defaults: object, k_max: int, where: str = "defaults") -> dict:

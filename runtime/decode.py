@@ -63,6 +63,8 @@ __all__ = [
     "prefill",
     "one_round",
     "bonus_round",
+    "catch_up",
+    "commit_forced",
     "observe_tail",
     "length_finish",
     "verify",
@@ -102,6 +104,22 @@ class Acceptor(Protocol):
 
     def bonus(self, r: int, row: np.ndarray) -> int:
         """The target's token at row r when no candidate is left to check."""
+        ...
+
+    def forced(self, limit: int) -> list[int]:
+        """Tokens a constraint forces after the last commit, at most ``limit``, committed
+        without a model call ([] without a constraint;
+        :class:`~specrt.runtime.constraints.ConstrainedAcceptor`)."""
+        ...
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` a constraint allows in a row from the committed state
+        (``len(tokens)`` without one): an n-gram proposal is cut there."""
+        ...
+
+    def forced_at(self, i: int) -> int | None:
+        """The token a constraint forces at draft step i of this round, or None: the draft
+        model then proposes it without a call."""
         ...
 
 
@@ -172,6 +190,8 @@ class Round:
             round's feed had two or more tokens; else None.
         tail: (observe, last round) ``(output index, [(top-1, confidence), ...])`` of the
             committed tokens the draft had not seen.
+        forced: of ``commit``, the tokens a constraint forced after the target's token
+            (jump-forward: no model call made them; :func:`commit_forced`).
     """
 
     pos: int
@@ -186,6 +206,7 @@ class Round:
     calls: list = field(default_factory=list)
     pre: tuple | None = None
     tail: tuple | None = None
+    forced: int = 0
 
 
 def verify(cands: Sequence[int], blocks, acc: Acceptor) -> tuple[int, int]:
@@ -276,26 +297,66 @@ def one_round(
     choosing how many candidates this round may propose (None: up to ``k_max``)."""
     clock = time.perf_counter
     seq_len = len(seq)
-    n_max = draft_limit(plan.k_max, plan.budget - (seq_len - n_prompt), seq_len, plan.max_ctx) if plan.speculative else 0
+    calls: list = []
+    t0 = clock()
+    room = catch_up(target, seq, kv, plan, calls)
+    n_max = min(room, draft_limit(plan.k_max, plan.budget - (seq_len - n_prompt), seq_len, plan.max_ctx)) if plan.speculative else 0
     if policy is not None:
         n_max = policy.choose(n_max)
     steps: list = []
     pre: list | None = [] if plan.observe and acc.greedy else None
-    t0 = clock()
+    t1 = clock()
     drafter = drafter if drafter is not None else ModelDrafter(draft)
     drafter.model_calls = 0
     cands, confs = propose(drafter.steps(seq, kv, acc, steps, pre), n_max, plan.threshold, plan.eos, acc.propose_below)
-    t1 = clock()
-    calls: list = []
-    m, token = verify(cands, target_blocks(target, seq, cands, kv.target, confs, plan, calls), acc)
     t2 = clock()
+    m, token = verify(cands, target_blocks(target, seq, cands, kv.target, confs, plan, calls), acc)
+    t3 = clock()
     if policy is not None:
         policy.update(len(cands), m)
-    new, ended = commit(cands, m, token, plan.eos)
+    new, ended, forced = commit_forced(commit(cands, m, token, plan.eos), seq_len, n_prompt, plan, acc)
     seq.extend(new)
     kv.target, kv.draft = rollback_lengths(seq_len, kv.draft, m)
     finish = "stop" if ended else length_finish(seq, n_prompt, plan)
-    return Round(seq_len - n_prompt, steps, len(cands), m, new, finish, drafter.model_calls, t1 - t0 if steps else 0.0, t2 - t1, calls, pre[0] if pre else None)
+    return Round(
+        seq_len - n_prompt, steps, len(cands), m, new, finish, drafter.model_calls, t2 - t1 if steps else 0.0, t1 - t0 + t3 - t2, calls, pre[0] if pre else None, forced=forced
+    )
+
+
+def catch_up(target: Model, seq: list[int], kv: KVLengths, plan: Plan, calls: list) -> int:
+    """Bring the target's KV up to the pending token when committed tokens are missing from
+    it (forced tokens, jump-forward; or a prompt shorter than ``min_q``), and return how many
+    candidates this round's verification call may still carry.
+
+    The missing tokens ride in the verification call, which must stay within the widths
+    measured bit-identical (``plan.tail_q``, else the target's widest call): when they alone
+    would not fit, they are fed first in chunks (:func:`~specrt.runtime.chunks.chunk_bounds`,
+    the prefill's rule: the last chunk within the measured widths), each call appended to
+    ``calls``. Speculative and target-only decoding meet the same missing tokens at the
+    same positions, so both make the same calls for them.
+    """
+    pend = len(seq) - 1
+    widest = plan.tail_q or target.max_q
+    behind = pend - kv.target
+    if behind + 1 > widest:
+        at = kv.target
+        for lo, hi in chunk_bounds(behind, target.max_q, plan.min_q, plan.tail_q):
+            target.run(seq[at + lo : at + hi], at + lo)
+            calls.append((hi - lo, at + lo, hi - lo))
+        kv.target, behind = pend, 0
+    return max(0, widest - 1 - behind)
+
+
+def commit_forced(committed: tuple[list[int], bool], seq_len: int, n_prompt: int, plan: Plan, acc: Acceptor) -> tuple[list[int], bool, int]:
+    """A round's commit (:func:`~specrt.runtime.speculative.commit`) followed by the tokens a
+    constraint forces after it (``acc.forced``, jump-forward), within the budget and the
+    context; returns ``(tokens, ended, forced count)``."""
+    new, ended = committed
+    if ended:
+        return new, True, 0
+    total = seq_len + len(new)
+    forced = acc.forced(min(plan.budget - (total - n_prompt), plan.max_ctx - total))
+    return new + forced, bool(forced) and forced[-1] in plan.eos, len(forced)
 
 
 def adaptive_policy(plan: Plan) -> AdaptiveK | None:
@@ -317,29 +378,37 @@ def prefill(target: Model, seq: list[int], plan: Plan, acc: Acceptor, kv: KVLeng
     first token (the acceptor's bonus at the last row) to ``seq`` and set ``kv.target``;
     returns the prefill record (``pos`` 0). A prompt shorter than ``min_q`` is run narrower
     and its rows are left to the first round to recompute (``kv.target`` stays at the last
-    chunk's start)."""
+    chunk's start). Tokens a constraint forces before the first choice are output tokens
+    fed with the prompt (and when they end the output, no model call is made)."""
     t0 = time.perf_counter()
     n_prompt = len(seq)
-    chunks = chunk_bounds(n_prompt, target.max_q, plan.min_q, plan.tail_q)
+    head = acc.forced(min(plan.budget, plan.max_ctx - n_prompt))
+    seq.extend(head)
+    if head and (head[-1] in plan.eos or length_finish(seq, n_prompt, plan)):
+        return Round(0, [], 0, 0, head, "stop" if head[-1] in plan.eos else "length", target_s=time.perf_counter() - t0, forced=len(head))
+    n_fed = len(seq)
+    chunks = chunk_bounds(n_fed, target.max_q, plan.min_q, plan.tail_q)
     first = acc.bonus(0, feed(target, seq, 0, plan.min_q, plan.tail_q)[-1])
-    seq.append(first)
+    new, ended, forced = commit_forced(([first], first in plan.eos), n_fed, n_prompt, plan, acc)
+    seq.extend(new)
     lo, hi = chunks[-1]
-    kv.target = n_prompt if hi - lo >= plan.min_q else lo
-    finish = "stop" if first in plan.eos else length_finish(seq, n_prompt, plan)
-    return Round(0, [], 0, 0, [first], finish, target_s=time.perf_counter() - t0, calls=[(b - a, a, b - a) for a, b in chunks])
+    kv.target = n_fed if hi - lo >= plan.min_q else lo
+    finish = "stop" if ended else length_finish(seq, n_prompt, plan)
+    return Round(0, [], 0, 0, head + new, finish, target_s=time.perf_counter() - t0, calls=[(b - a, a, b - a) for a, b in chunks], forced=len(head) + forced)
 
 
 def bonus_round(seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, row: np.ndarray, seconds: float) -> Round:
     """A round without candidates whose target row (the logits of the pending token
     ``seq[-1]`` at position ``kv.target``) was computed elsewhere, e.g. by a batched step
-    over several generations: commits the acceptor's token and returns the record
-    (``seconds``: this generation's share of the call)."""
+    over several generations: commits the acceptor's token (and what a constraint forces
+    after it) and returns the record (``seconds``: this generation's share of the call)."""
     tok = acc.bonus(0, row)
-    pos = len(seq) - n_prompt
-    seq.append(tok)
+    pos, seq_len = len(seq) - n_prompt, len(seq)
+    new, ended, forced = commit_forced(([tok], tok in plan.eos), seq_len, n_prompt, plan, acc)
+    seq.extend(new)
     kv.target += 1
-    finish = "stop" if tok in plan.eos else length_finish(seq, n_prompt, plan)
-    return Round(pos, [], 0, 0, [tok], finish, target_s=seconds, calls=[(1, kv.target - 1, 1)])
+    finish = "stop" if ended else length_finish(seq, n_prompt, plan)
+    return Round(pos, [], 0, 0, new, finish, target_s=seconds, calls=[(1, kv.target - 1, 1)], forced=forced)
 
 
 def observe_tail(rec: Round, draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor) -> Round:

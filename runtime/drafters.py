@@ -16,6 +16,11 @@ output stays the target's own, sampled output its distribution.
 * ``hybrid`` (:class:`HybridDrafter`): the n-gram proposal when the sequence has one, the
   draft model otherwise.
 
+Under a constraint (:mod:`specrt.runtime.constraints`) the acceptor masks every draft row,
+so the draft model proposes only tokens the grammar allows, and an n-gram proposal is cut to
+its longest allowed prefix. The sequence includes the whole prompt, so a fill-in-the-middle
+prompt's suffix (the code after the gap) is looked up like the rest.
+
 An n-gram proposal is a deterministic draft: its distribution is one-hot at the proposed
 token, given to the acceptor as a logits row with every other id at -1e9 (``acc.draft``), so
 exact speculative sampling (accept with probability p(x) / 1, else sample the residual p
@@ -30,7 +35,7 @@ import numpy as np
 
 from .backends.base import Model
 
-__all__ = ["DRAFTERS", "Drafter", "ModelDrafter", "NgramIndex", "NgramDrafter", "HybridDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "Drafter", "ModelDrafter", "one_hot_step", "NgramIndex", "NgramDrafter", "HybridDrafter", "make_drafter"]
 
 DRAFTERS = ("model", "ngram", "hybrid")
 NGRAM_MIN, NGRAM_MAX = 2, 4  # suffix lengths tried, longest first (HF's default lookup is 2..)
@@ -61,29 +66,45 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """The draft model proposes (one call per step, as pulled)."""
+    """The draft model proposes (one call per step, as pulled). A step a constraint forces
+    (``acc.forced_at``) is proposed without a call; the draft sees it with the next call."""
 
     def __init__(self, draft: Model):
         self.draft = draft
         self.model_calls = 0
+        self.row = np.full(draft.vocab, -1e9, np.float32)  # a forced step's one-hot row, reused
 
     def steps(self, seq, kv, acc, steps, pre) -> Iterator[tuple[int, float]]:
         from .chunks import feed
 
         draft = self.draft
-        rows = feed(draft, seq[kv.draft :], kv.draft)
-        if pre is not None and len(rows) > 1:
-            pre.append(acc.draft(rows[-2], 0))
-        kv.draft = len(seq)
+        unseen = seq[kv.draft :]  # tokens the draft's KV lacks (the first call feeds them)
         i = 0
         while True:
-            step = acc.draft(rows[-1], i)
+            f = acc.forced_at(i)
+            if f is None:
+                rows = feed(draft, unseen, kv.draft)
+                if pre is not None and i == 0 and len(rows) > 1:
+                    pre.append(acc.draft(rows[-2], 0))
+                kv.draft += len(unseen)
+                unseen = []
+                step = acc.draft(rows[-1], i)
+                self.model_calls += 1
+            else:
+                step = one_hot_step(self.row, f, acc, i)
             steps.append(step)
-            self.model_calls += 1
             yield step
-            rows = draft.run((step[0],), kv.draft)
-            kv.draft += 1
+            unseen.append(step[0])
             i += 1
+
+
+def one_hot_step(row: np.ndarray, token: int, acc, i: int) -> tuple[int, float]:
+    """Draft step i proposing ``token`` deterministically: the acceptor reads a one-hot draft
+    row (``row``: a -1e9 buffer, restored after), so exact sampling holds with q(token) = 1."""
+    row[token] = 0.0
+    step = acc.draft(row, i)
+    row[token] = -1e9
+    return step
 
 
 class NgramIndex:
@@ -130,20 +151,20 @@ class NgramDrafter:
         self.model_calls = 0
         self.row = np.full(vocab, -1e9, np.float32)  # the one-hot draft distribution, reused
 
-    def proposal(self, seq: list[int]) -> list[int]:
-        """This round's n-gram continuation of ``seq`` (indexed first)."""
+    def proposal(self, seq: list[int], acc) -> list[int]:
+        """This round's n-gram continuation of ``seq`` (indexed first), cut to the longest
+        prefix a constraint allows (``acc.valid_prefix``: a candidate the grammar refuses
+        would waste the pass)."""
         self.index.update(seq)
-        return self.index.continuation(seq, self.k_max)
+        toks = self.index.continuation(seq, self.k_max)
+        return toks[: acc.valid_prefix(toks)] if toks else toks
 
     def steps(self, seq, kv, acc, steps, pre) -> Iterator[tuple[int, float]]:
-        return self._one_hot(self.proposal(seq), acc, steps)
+        return self._one_hot(self.proposal(seq, acc), acc, steps)
 
     def _one_hot(self, tokens: list[int], acc, steps: list) -> Iterator[tuple[int, float]]:
-        row = self.row
         for i, t in enumerate(tokens):
-            row[t] = 0.0
-            step = acc.draft(row, i)
-            row[t] = -1e9
+            step = one_hot_step(self.row, t, acc, i)
             steps.append(step)
             yield step
 
@@ -164,7 +185,7 @@ class HybridDrafter(NgramDrafter):
         self.model.model_calls = n
 
     def steps(self, seq, kv, acc, steps, pre) -> Iterator[tuple[int, float]]:
-        toks = self.proposal(seq)
+        toks = self.proposal(seq, acc)
         return self._one_hot(toks, acc, steps) if toks else self.model.steps(seq, kv, acc, steps, pre)
 
 

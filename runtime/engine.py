@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -22,6 +23,7 @@ import numpy as np
 from .backends import load_models, resolve_backend
 from .backends.base import SplitsHead, ThreadConfig
 from .config import GenerationConfig, resolve_config
+from .constraints import ConstrainedAcceptor, GrammarTokenizer, check_logit_bias
 from .decode import Plan, Round, decode
 from .errors import BackendError, InputError
 from .flops import flop_coefficients
@@ -154,6 +156,7 @@ class Engine:
         self._adaptive: tuple | None = None  # per-call costs for adaptive k (adaptive_costs)
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread holding _lock (deadlock check)
+        self._grammar = {"lock": threading.Lock(), "tok": None}  # grammar_tokenizer(), shared by forks
         # the folder's chat template (specrt export copies the target's; its SHA-256 was checked with the manifest)
         self.chat_template: str | None = (self.folder / manifest.chat_template_file).read_text(encoding="utf-8") if manifest.chat_template_file else None
 
@@ -202,7 +205,20 @@ class Engine:
                 )
             if LAZY_HEAD_KEY not in manifest.extra:
                 raise InputError(LAZY_HEAD_HINT.format(folder=self.folder), "strategy")
+        if cfg.logit_bias:
+            cfg = replace(cfg, logit_bias=check_logit_bias(cfg.logit_bias, manifest.vocab_size))
+        if cfg.constraint is not None:
+            self.grammar_tokenizer().matcher(cfg.constraint)  # compiles and checks it (one line on failure)
         return cfg
+
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The vocabulary as llguidance sees it (:class:`~specrt.runtime.constraints.GrammarTokenizer`),
+        built on first use (about 1 s for a 150k vocabulary) and shared with every fork."""
+        holder = self._grammar
+        with holder["lock"]:
+            if holder["tok"] is None:
+                holder["tok"] = GrammarTokenizer(self.codec, self.manifest.vocab_size, sorted(self.manifest.stop_ids()))
+            return holder["tok"]
 
     def prompt_ids(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
         """Token ids for a text prompt, or validated ids for an id prompt.
@@ -305,11 +321,18 @@ class Engine:
 
     def acceptor(self, cfg: GenerationConfig):
         """The acceptor of one generation with resolved settings ``cfg``: greedy
-        (temperature 0) or exact speculative sampling, with its own buffers and generator."""
+        (temperature 0) or exact speculative sampling, with its own buffers and generator;
+        with a constraint or a logit bias, wrapped in a
+        :class:`~specrt.runtime.constraints.ConstrainedAcceptor` (its own matcher)."""
         manifest = self.manifest
         if cfg.temperature > 0.0:
-            return SampledAcceptor(manifest.vocab_size, manifest.k_max, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
-        return GreedyAcceptor(manifest.vocab_size, self.draft.vocab, 1.0 / cfg.confidence_temperature)
+            acc = SampledAcceptor(manifest.vocab_size, manifest.k_max, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+        else:
+            acc = GreedyAcceptor(manifest.vocab_size, self.draft.vocab, 1.0 / cfg.confidence_temperature)
+        if cfg.constraint is None and not cfg.logit_bias:
+            return acc
+        matcher = self.grammar_tokenizer().matcher(cfg.constraint) if cfg.constraint is not None else None
+        return ConstrainedAcceptor(acc, matcher, manifest.vocab_size, manifest.k_max, manifest.stop_ids(), manifest.eos_token_id, cfg.logit_bias)
 
     def plan(self, cfg: GenerationConfig, observe: bool = False) -> Plan:
         """The decode loop's :class:`~specrt.runtime.decode.Plan` for resolved settings ``cfg``."""
@@ -394,6 +417,8 @@ class Engine:
                 the draft's top-1s for a replayable trace), or None.
             draft: the draft model whose KV the generation owns (default: this Engine's).
         """
+        if trace is not None and cfg.constraint is not None:
+            raise InputError("a trace records unconstrained rounds (the replay has no grammar); run a constrained generation without trace", "constraint")
         plan = self.plan(cfg, observe=trace is not None)
         manifest = self.manifest
         return Generation(ids, cfg, plan, self.acceptor(cfg), draft if draft is not None else self.draft, self.codec, manifest.vocab_size, self._flops, trace)

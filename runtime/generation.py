@@ -34,6 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from .backends.base import Model
+from .constraints import ConstrainedAcceptor
 from .decode import KVLengths, Plan, Round, adaptive_policy, bonus_round, observe_tail, one_round, prefill
 from .drafters import make_drafter
 from .logprobs import LogprobRecorder, TokenLogprob
@@ -55,8 +56,10 @@ class GenerationResult:
             out; the exact rule and where it cannot hold: :mod:`specrt.runtime.textstream`),
             cut before a stop string's match. Equal tokens give equal text, whatever the
             k_max, strategy, stop strings or streaming.
-        finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (max_new_tokens
-            or context full).
+        finish_reason: ``"stop"`` (EOS, a stop string, or a constraint's grammar complete),
+            ``"length"`` (max_new_tokens or context full) or ``"constraint"`` (the grammar
+            allowed no token after the output so far: the generation ended there with an
+            end-of-generation id, :mod:`specrt.runtime.constraints`).
         stats: :class:`~specrt.runtime.stats.Stats` (``new_tokens`` == ``len(tokens)``).
         stop_reason: the stop string that ended the output; None when EOS ended it or
             the reason is "length".
@@ -108,6 +111,7 @@ class Generation:
     def __init__(self, ids: Sequence[int], cfg, plan: Plan, acceptor, draft: Model, codec, vocab: int, flops, trace=None):
         self.seq, self.n_prompt, self.kv = list(ids), len(ids), KVLengths()
         self.plan, self.draft, self.flops, self.trace = plan, draft, flops, trace
+        self.constrained = acceptor if isinstance(acceptor, ConstrainedAcceptor) else None
         self.recorder = LogprobRecorder(acceptor, vocab, cfg.logprobs) if cfg.logprobs is not None else None
         self.acc = self.recorder if self.recorder is not None else acceptor
         self.drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max)
@@ -164,6 +168,8 @@ class Generation:
             self.finish_reason = rec.finish or self.finish_reason
             self.done = rec.finish is not None
         if self.done:
+            if self.constrained is not None and self.constrained.failed is not None:
+                self.finish_reason = "constraint"
             self.text.finish()
         return self.text.take()
 

@@ -135,6 +135,22 @@ class LogprobRecorder:
         self._entries.append(token_logprob(row, self.vocab, t, self.top_n))
         return t
 
+    def forced(self, limit: int) -> list[int]:
+        """Forwarded; a forced token's entry is log-probability 0 (probability 1 under the
+        constraint: no model row chose it), listed alone among its alternatives."""
+        toks = self.inner.forced(limit)
+        for t in toks:
+            self._entries.append(TokenLogprob(int(t), 0.0, ((int(t), 0.0),) if self.top_n else ()))
+        return toks
+
+    def valid_prefix(self, tokens) -> int:
+        """Forwarded."""
+        return self.inner.valid_prefix(tokens)
+
+    def forced_at(self, i: int):
+        """Forwarded."""
+        return self.inner.forced_at(i)
+
     def take(self) -> list[TokenLogprob]:
         """The entries recorded since the last call, in commit order."""
         out, self._entries = self._entries, []

@@ -348,3 +348,15 @@ class SampledAcceptor:
         """No candidate to check at row r (all accepted, the first token, a target-only
         step): a sample from the warped p_r (one draw)."""
         return final_token(self._warp(row, self.p_rows[r]), None, self.rng, self.work)
+
+    def forced(self, limit: int) -> list[int]:
+        """No constraint: nothing is forced."""
+        return []
+
+    def valid_prefix(self, tokens) -> int:
+        """No constraint: every token is allowed."""
+        return len(tokens)
+
+    def forced_at(self, i: int) -> None:
+        """No constraint: no draft step is forced."""
+        return None

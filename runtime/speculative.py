@@ -337,3 +337,15 @@ class GreedyAcceptor:
         """The target's token at row r when there is no candidate to check (all accepted,
         the prefill's first token, or a target-only step): the argmax."""
         return argmax_token(row, self.vocab)
+
+    def forced(self, limit: int) -> list[int]:
+        """No constraint: nothing is forced."""
+        return []
+
+    def valid_prefix(self, tokens) -> int:
+        """No constraint: every token is allowed."""
+        return len(tokens)
+
+    def forced_at(self, i: int) -> None:
+        """No constraint: no draft step is forced."""
+        return None

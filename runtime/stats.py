@@ -24,6 +24,10 @@ class Stats:
     the body runs for lazy-head, whose head runs are ``head_calls``), ``target_positions``
     positions through the target's body, ``head_rows`` rows projected to logits, and
     ``target_flops`` the FLOPs of all that (:mod:`specrt.runtime.flops`).
+
+    ``forced`` counts the output tokens a constraint forced (jump-forward: committed without
+    a model call, :mod:`specrt.runtime.constraints`); they are in ``new_tokens`` but never in
+    ``proposed``/``accepted``.
     """
 
     prompt_tokens: int = 0
@@ -45,6 +49,7 @@ class Stats:
     head_rows: int = 0
     target_flops: int = 0
     prefill_flops: int = 0
+    forced: int = 0
 
     def add(self, rec: Round, fc: FlopCoefficients) -> None:
         """Count one :class:`~specrt.runtime.decode.Round` record (the prefill's included).
@@ -54,6 +59,7 @@ class Stats:
         """
         flops = sum(body_flops(fc, q, past) + rows * fc.per_head_row for q, past, rows in rec.calls)
         self.new_tokens += len(rec.commit)
+        self.forced += rec.forced
         if rec.pos == 0:
             self.prefill_seconds = self.ttft_seconds = rec.target_s
             self.prefill_flops = flops
