@@ -319,7 +319,18 @@ def one_round(
     kv.target, kv.draft = rollback_lengths(seq_len, kv.draft, m)
     finish = "stop" if ended else length_finish(seq, n_prompt, plan)
     return Round(
-        seq_len - n_prompt, steps, len(cands), m, new, finish, drafter.model_calls, t2 - t1 if steps else 0.0, t1 - t0 + t3 - t2, calls, pre[0] if pre else None, forced=forced
+        pos=seq_len - n_prompt,
+        steps=steps,
+        n=len(cands),
+        m=m,
+        commit=new,
+        finish=finish,
+        draft_calls=drafter.model_calls,
+        draft_s=t2 - t1 if steps else 0.0,
+        target_s=t1 - t0 + t3 - t2,
+        calls=calls,
+        pre=pre[0] if pre else None,
+        forced=forced,
     )
 
 

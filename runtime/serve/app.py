@@ -26,6 +26,7 @@ from .jobs import Job, ServeError, ServerBusy
 from .protocol import chat_request_model, completion_request_model, field_names, validation_message
 from .responses import Work, error_body
 from .service import CompletionService, RequestError
+from .tools import ToolStream
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "create_app", "require_serve_extra"]
 
@@ -384,13 +385,16 @@ async def _sse(service: CompletionService, work: Work, jobs: list[Job], events: 
     send the prompt (and its logprobs) first; then text pieces; then a chunk with the
     ``finish_reason``. Logprob entries travel with the piece of the round that committed
     their tokens (their text may be held back to a later piece: UTF-8 boundaries, possible
-    stop-string starts)."""
+    stop-string starts). With tools, the text goes through a
+    :class:`~specrt.runtime.serve.tools.ToolStream`: content deltas, then each call as
+    ``delta.tool_calls`` once it is complete, and ``finish_reason`` ``"tool_calls"``."""
     metrics = service.metrics
     loop = asyncio.get_running_loop()
     results: list = [None] * len(jobs)
     seen: list[list[int]] = [[] for _ in jobs]  # output ids sent so far per choice (text offsets)
     left = len(jobs)
     ended = False
+    tools = [ToolStream(work.tools.format) for _ in jobs] if work.tools is not None else None  # tool calls read back per choice
 
     try:
         if work.chat:
@@ -402,17 +406,25 @@ async def _sse(service: CompletionService, work: Work, jobs: list[Job], events: 
                 yield await loop.run_in_executor(None, service.responses.prompt_chunk, work, cid, created, i, payload)
             elif kind == "text":
                 piece, entries = payload
+                lp = None
                 if work.top_n is not None:
                     lp = await loop.run_in_executor(None, service.responses.piece_logprobs, work, i, entries, seen[i])
+                if tools is None:
                     yield service.responses.chunk(work, cid, created, i, piece, None, lp)
-                else:
-                    yield service.responses.chunk(work, cid, created, i, piece)
+                    continue
+                for j, delta in enumerate(tools[i].push(piece) or ([{}] if lp else [])):
+                    yield service.responses.chunk(work, cid, created, i, None, None, lp if j == 0 else None, delta=delta)
             elif kind == "done":
                 results[i] = payload
                 left -= 1
                 rest = payload.logprobs[jobs[i].lp_sent :] if payload.logprobs is not None and work.top_n is not None else None
                 lp = await loop.run_in_executor(None, service.responses.piece_logprobs, work, i, rest, seen[i]) if rest else None
-                yield service.responses.chunk(work, cid, created, i, "", payload.finish_reason, lp)
+                finish = payload.finish_reason
+                if tools is not None:
+                    for delta in tools[i].finish():
+                        yield service.responses.chunk(work, cid, created, i, None, None, None, delta=delta)
+                    finish = "tool_calls" if tools[i].calls and finish == "stop" else finish
+                yield service.responses.chunk(work, cid, created, i, "", finish, lp)
             else:
                 ended = True
                 if kind == "cancelled":

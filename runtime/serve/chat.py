@@ -83,7 +83,9 @@ class ChatTemplate:
         self.source, self.origin = source, origin
         self.special_tokens = dict(special_tokens or {})
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+    def render(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list | None = None
+    ) -> str:
         """The prompt text of a conversation.
 
         Args:
@@ -95,6 +97,8 @@ class ChatTemplate:
                 transformers' marker appended, and the rendered text is cut where the
                 marker appears (its end-of-turn tokens dropped; when the template trims
                 the content, trailing whitespace is removed too: :func:`_cut_at_tag`).
+            tools: OpenAI tool objects (``{"type": "function", "function": {...}}``) the
+                template renders (transformers' ``tools``), or None.
 
         Returns:
             the rendered text (to be tokenized without adding BOS).
@@ -120,7 +124,7 @@ class ChatTemplate:
                 raise InputError("continue_final_message: the last message has no content to continue", "continue_final_message")
             messages[-1] = dict(messages[-1], content=final + _CONTINUE_TAG)
         try:
-            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self.special_tokens)
+            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None, **self.special_tokens)
         except self._errors as e:
             raise InputError(f"messages: the chat template refused the conversation: {e}", "messages") from None
         return text if final is None else _cut_at_tag(text, final)
@@ -198,6 +202,9 @@ def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
     parts must hold only ``{"type": "text", "text": ...}`` parts, which are joined with
     ``"\\n"`` into one string (vLLM's "string" content format; templates written for
     transformers read ``message['content']`` as a string); ``None`` content becomes ``""``.
+    An assistant message's ``tool_calls`` keep their fields, with ``function.arguments``
+    given as JSON text parsed into an object (templates write ``arguments | tojson``; vLLM
+    and transformers pass them as objects).
 
     Raises:
         InputError: (param ``messages``) a part that is not text.
@@ -215,5 +222,20 @@ def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
                 texts.append(part["text"])
             content = "\n".join(texts)
         d["content"] = "" if content is None else content
+        if isinstance(d.get("tool_calls"), list):
+            d["tool_calls"] = [_parsed_arguments(c) for c in d["tool_calls"]]
         out.append(d)
     return out
+
+
+def _parsed_arguments(call: Any) -> Any:
+    """A tool call with its ``function.arguments`` JSON text parsed (left as it is when it
+    is not a JSON object)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return dict(call, function=dict(fn, arguments=args)) if isinstance(args, dict) else call

@@ -4,9 +4,15 @@
 specrt's ``top_k``, ``k_max``, ``threshold`` and ``speculative``. Every optional field may
 be sent as ``null``, which means its default (the OpenAI API allows null for all of them).
 Unknown fields are refused (400, naming the allowed ones); the OpenAI fields this server
-does not implement are accepted only at the values that change nothing (zero penalties,
-empty ``logit_bias``, no ``suffix``, no tools), so a client never gets an output it did
-not ask for.
+does not implement (presence and frequency penalties) are accepted only at the values that
+change nothing, so a client never gets an output it did not ask for.
+
+Structured output on both routes: OpenAI's ``response_format`` (``json_object``,
+``json_schema``), ``logit_bias``, and the field's extensions: vLLM's ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar`` and llama.cpp's ``json_schema``,
+``grammar`` (GBNF); one constraint per request. Chat adds ``tools``, ``tool_choice``,
+``parallel_tool_calls`` (:mod:`specrt.runtime.serve.tools`); completions add ``suffix``
+(fill-in-the-middle).
 
 pydantic is part of the ``[serve]`` extra: the models are built on first use.
 """
@@ -27,6 +33,7 @@ __all__ = [
     "chat_request_model",
     "validation_message",
     "field_names",
+    "CONSTRAINT_FIELDS",
 ]
 
 OPENAI_MAX_STOPS = 4  # what the OpenAI API allows per request
@@ -38,23 +45,15 @@ MAX_N = 128  # OpenAI's bound for n (and here for best_of)
 
 # OpenAI fields accepted only at the values that change nothing (besides null)
 NO_OP_VALUES = {
-    "suffix": ("",),
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
-    "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "response_format": ({"type": "text"},),
 }
 UNSUPPORTED_HINTS = {
-    "suffix": "suffix is not supported; send null or leave it out",
     "presence_penalty": "only presence_penalty=0 (or null) is supported",
     "frequency_penalty": "only frequency_penalty=0 (or null) is supported",
-    "logit_bias": "logit_bias is not supported; send null or {}",
-    "tools": "tools (function calling) are not supported; send null or []",
-    "tool_choice": 'tool_choice is not supported; send null or "none"',
-    "response_format": 'only response_format {"type": "text"} (or null) is supported',
 }
+# the request fields that carry a constraint (at most one per request), in the order named
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "grammar")
 
 _models: dict[str, type] = {}
 
@@ -94,6 +93,15 @@ def _common_fields():
         k_max: Optional[StrictInt] = Field(None, description="specrt extension: most draft candidates per verification")
         threshold: Optional[StrictFloat] = Field(None, description="specrt extension: draft confidence threshold in [0, 1]")
         speculative: Optional[StrictBool] = Field(None, description="specrt extension: false runs the target alone")
+        response_format: Optional[dict[str, Any]] = Field(
+            None, description='{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}'
+        )
+        guided_json: Optional[Union[dict[str, Any], StrictStr]] = Field(None, description="vLLM extension: a JSON schema the output matches")
+        guided_regex: Optional[StrictStr] = Field(None, description="vLLM extension: a regular expression the whole output matches")
+        guided_choice: Optional[list[StrictStr]] = Field(None, description="vLLM extension: the output is one of these strings")
+        guided_grammar: Optional[StrictStr] = Field(None, description="vLLM extension: a grammar (GBNF, or llguidance's Lark)")
+        json_schema: Optional[dict[str, Any]] = Field(None, description="llama.cpp extension: a JSON schema the output matches")
+        grammar: Optional[StrictStr] = Field(None, description="llama.cpp extension: a GBNF grammar the output matches")
 
         @field_validator("stop")
         @classmethod
@@ -102,7 +110,7 @@ def _common_fields():
                 raise ValueError(f"at most {OPENAI_MAX_STOPS} stop strings are allowed")
             return v
 
-        @field_validator("presence_penalty", "frequency_penalty", "logit_bias")
+        @field_validator("presence_penalty", "frequency_penalty")
         @classmethod
         def _no_op_only(cls, v, info):
             if v is not None and v not in NO_OP_VALUES[info.field_name]:
@@ -119,7 +127,7 @@ def completion_request_model():
         return _models["completion"]
     from typing import Optional, Union
 
-    from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
+    from pydantic import Field, StrictBool, StrictInt, StrictStr
 
     Common = _common_fields()
 
@@ -133,14 +141,7 @@ def completion_request_model():
         best_of: Optional[StrictInt] = Field(None, ge=1, le=MAX_N, description="generate this many per prompt, return the n most probable")
         echo: Optional[StrictBool] = None
         logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="alternatives per token (target's raw distribution)")
-        suffix: Optional[StrictStr] = None
-
-        @field_validator("suffix")
-        @classmethod
-        def _no_suffix(cls, v):
-            if v not in (None, ""):
-                raise ValueError(UNSUPPORTED_HINTS["suffix"])
-            return v
+        suffix: Optional[StrictStr] = Field(None, description="fill-in-the-middle: the text after the gap (models with FIM tokens)")
 
     _models["completion"] = CompletionRequest
     return CompletionRequest
@@ -152,7 +153,7 @@ def chat_request_model():
         return _models["chat"]
     from typing import Any, Literal, Optional, Union
 
-    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
     Common = _common_fields()
 
@@ -183,19 +184,13 @@ def chat_request_model():
         max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, description="default: the rest of the context")
         logprobs: Optional[StrictBool] = Field(None, description="log-probabilities of the output tokens (target's raw distribution)")
         top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token; needs logprobs=true")
-        tools: Optional[list[Any]] = None
-        tool_choice: Optional[Any] = None
-        parallel_tool_calls: Optional[StrictBool] = None
-        response_format: Optional[dict[str, Any]] = None
+        tools: Optional[list[dict[str, Any]]] = Field(None, description='[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]')
+        tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = Field(
+            None, description='"none", "auto" (default with tools), "required", or {"type": "function", "function": {"name": ...}}'
+        )
+        parallel_tool_calls: Optional[StrictBool] = Field(None, description="several calls per turn (default true)")
         metadata: Optional[dict[str, Any]] = None
         store: Optional[StrictBool] = None
-
-        @field_validator("tools", "tool_choice", "response_format")
-        @classmethod
-        def _no_op_only(cls, v, info):
-            if v is not None and v not in NO_OP_VALUES[info.field_name]:
-                raise ValueError(UNSUPPORTED_HINTS[info.field_name])
-            return v
 
     _models["chat"] = ChatCompletionRequest
     return ChatCompletionRequest

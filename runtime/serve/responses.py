@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from .jobs import Job
 
-__all__ = ["LOGPROB_FLOOR", "GenerationRequest", "Work", "Responses", "usage_block", "error_body"]
+__all__ = ["LOGPROB_FLOOR", "GenerationRequest", "Work", "Responses", "usage_block", "chat_message", "error_body"]
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token of probability 0 is reported with this (as vLLM)
 
@@ -50,6 +50,8 @@ class Work:
         stream: server-sent events. include_usage: ``stream_options.include_usage``.
         top_n: logprob alternatives shown per token, or None when logprobs are not shown.
         prompt_tokens: prompt tokens of the request (each prompt counted once).
+        tools: the chat request's :class:`~specrt.runtime.serve.tools.ToolCalling` (its
+            output is read back into ``tool_calls``), or None.
     """
 
     chat: bool
@@ -60,6 +62,7 @@ class Work:
     include_usage: bool
     top_n: int | None
     prompt_tokens: int
+    tools: Any = None
 
 
 def _finite(x: float | None) -> float | None:
@@ -97,6 +100,7 @@ def usage_block(results: Sequence, prompt_tokens: int | None = None) -> dict:
             "tokens_per_pass": _finite(after_first / passes if passes else math.nan),
             "passes": passes,
             "draft_calls": sum(s.draft_calls for s in st),
+            "forced": sum(s.forced for s in st),
             "accepted_hist": hist,
             "prefill_seconds": _finite(sum(s.prefill_seconds for s in st)),
             "draft_seconds": _finite(sum(s.draft_seconds for s in st)),
@@ -191,15 +195,8 @@ class Responses:
             if work.chat:
                 if work.top_n is not None:
                     lp = self.chat_logprobs(res.logprobs, work.top_n)
-                choices.append(
-                    {
-                        "index": k,
-                        "message": {"role": "assistant", "content": res.text, "refusal": None},
-                        "logprobs": lp,
-                        "finish_reason": res.finish_reason,
-                        "stop_reason": res.stop_reason,
-                    }
-                )
+                message, finish = chat_message(work, res)
+                choices.append({"index": k, "message": message, "logprobs": lp, "finish_reason": finish, "stop_reason": res.stop_reason})
                 continue
             text = res.text
             if g.echo_text is not None:
@@ -234,11 +231,15 @@ class Responses:
             return []
         return [SimpleNamespace(token=ids[0], logprob=None, top=())] + list(prompt_lps[1:])
 
-    def chunk(self, work: Work, cid: str, created: int, index: int, text: str | None = None, finish_reason=None, logprobs=None, role: bool = False) -> str:
+    def chunk(
+        self, work: Work, cid: str, created: int, index: int, text: str | None = None, finish_reason=None, logprobs=None, role: bool = False, delta=None
+    ) -> str:
         """One server-sent event with a ``text_completion`` or ``chat.completion.chunk``
-        for choice ``index`` (``usage: null`` when the client asked for usage)."""
+        for choice ``index`` (``usage: null`` when the client asked for usage); ``delta``:
+        a chat delta given whole (tool-call deltas, :class:`~specrt.runtime.serve.tools.ToolStream`)."""
         if work.chat:
-            delta: dict = {}
+            if delta is None:
+                delta = {}
             if role:
                 delta = {"role": "assistant", "content": ""}
             elif text:
@@ -295,6 +296,23 @@ class Responses:
             "usage": usage_block(results, work.prompt_tokens),
         }
         return f"data: {json.dumps(body)}\n\n"
+
+
+def chat_message(work: Work, res) -> tuple[dict, str]:
+    """The ``message`` of a chat choice and its ``finish_reason``: with tools, the calls read
+    from the text (:func:`~specrt.runtime.serve.tools.parse_tool_calls`) go to
+    ``tool_calls`` (``content`` null when nothing else is left) and a choice that stopped
+    after calling ends with ``"tool_calls"``, as OpenAI answers."""
+    if work.tools is None:
+        return {"role": "assistant", "content": res.text, "refusal": None}, res.finish_reason
+    from .tools import parse_tool_calls
+
+    content, calls = parse_tool_calls(work.tools.format, res.text)
+    message = {"role": "assistant", "content": content, "refusal": None}
+    if not calls:
+        return message, res.finish_reason
+    message["tool_calls"] = calls
+    return message, "tool_calls" if res.finish_reason == "stop" else res.finish_reason
 
 
 def error_body(message: str, param: str | None = None, err_type: str = "invalid_request_error", code: str | None = None) -> dict:

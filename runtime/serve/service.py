@@ -17,8 +17,9 @@ from dataclasses import replace
 
 from ..errors import InputError, SpecRTError
 from .jobs import Job
-from .protocol import DEFAULT_MAX_TOKENS
+from .protocol import CONSTRAINT_FIELDS, DEFAULT_MAX_TOKENS
 from .responses import GenerationRequest, Responses, Work
+from .tools import ToolCalling
 
 __all__ = ["RequestError", "CompletionService"]
 
@@ -83,10 +84,16 @@ class CompletionService:
                 f"The model {model!r} does not exist: this server serves {self.model_name!r} (GET /v1/models)", "model", 404, code="model_not_found"
             )
 
-    def _base_config(self, req, max_new_tokens: int, logprobs: int | None):
-        """The request's resolved GenerationConfig (seed of choice 0)."""
+    def _base_config(self, req, max_new_tokens: int, logprobs: int | None, constraint=None):
+        """The request's resolved GenerationConfig (seed of choice 0), its constraint compiled
+        (``constraint``, else the one the request's fields ask for)."""
         from ..config import GenerationConfig
+        from .structured import request_constraint
 
+        try:
+            constraint = constraint or request_constraint(req)
+        except InputError as e:
+            raise _request_error(e) from None
         stop = req.stop
         if isinstance(stop, str):
             stop = (stop,)
@@ -101,6 +108,8 @@ class CompletionService:
             seed=req.seed,
             stop=tuple(stop or ()),
             logprobs=logprobs,
+            constraint=constraint,
+            logit_bias=req.logit_bias or (),
         )
         try:
             return self.engine.resolve(cfg)
@@ -149,16 +158,41 @@ class CompletionService:
         prompt = req.prompt
         prompts = [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else list(prompt)
         self._check_total(len(prompts) * best_of, "n" if req.best_of is None else "best_of")
+        fim = self._fim(req, prompts, echo)
         logprobs = req.logprobs
         cfg = self._base_config(req, max(max_tokens, 1), logprobs if logprobs is not None else (0 if best_of > n else None))
         gens, prompt_tokens = [], 0
         for p, pr in enumerate(prompts):
-            ids = self._prompt_ids(pr, "prompt" if len(prompts) == 1 else f"prompt[{p}]")
+            where = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
+            ids = self._prompt_ids(pr if fim is None else fim.ids(self.engine.codec, pr, req.suffix), where)
             prompt_tokens += len(ids)
             echo_text = (pr if isinstance(pr, str) else self.engine.codec.decode(ids)) if echo else None
             for j in range(best_of):
                 gens.append(GenerationRequest(p, ids, _choice_config(cfg, j), echo_text, logprobs if echo else None, max_tokens > 0))
         return Work(False, gens, n, best_of, stream, _include_usage(req), logprobs, prompt_tokens)
+
+    def _fim(self, req, prompts: list, echo: bool):
+        """The model's FIM tokens when the request has a ``suffix`` (None without one).
+
+        Raises:
+            RequestError: a suffix with token-id prompts or ``echo``, or a model without FIM tokens.
+        """
+        if not req.suffix:
+            return None
+        from .structured import fim_tokens
+
+        if not all(isinstance(p, str) for p in prompts):
+            raise RequestError("suffix needs text prompts (fill-in-the-middle lays out prefix, suffix and the model's FIM tokens); got token ids", "suffix")
+        if echo:
+            raise RequestError("suffix cannot be combined with echo", "suffix")
+        fim = fim_tokens(self.engine.codec)
+        if fim is None:
+            raise RequestError(
+                f"suffix: model {self.model_name!r} has no fill-in-the-middle tokens in its tokenizer (such as <|fim_prefix|>, <|fim_suffix|>, "
+                "<|fim_middle|>); send the prompt without suffix",
+                "suffix",
+            )
+        return fim
 
     def prepare_chat(self, req) -> Work:
         """The :class:`Work` of a validated ``/v1/chat/completions`` body: the conversation
@@ -187,10 +221,17 @@ class CompletionService:
         n = req.n or 1
         self._check_total(n, "n")
         try:
+            tools = ToolCalling.build(self.chat_template.source, req.tools, req.tool_choice, req.parallel_tool_calls, self.engine.codec.tokenizer.token_to_id)
+            if tools is not None and tools.constraint is not None and any(getattr(req, f) is not None for f in CONSTRAINT_FIELDS):
+                raise InputError(
+                    f"tool_choice {tools.mode!r} constrains the output to tool calls; it cannot be combined with response_format or a guided_* field",
+                    "tool_choice",
+                )
             text = self.chat_template.render(
                 normalize_messages([m.model_dump(exclude_none=True) for m in req.messages]),
                 add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
                 continue_final_message=bool(req.continue_final_message),
+                tools=tools.openai_tools() if tools is not None else None,
             )
         except InputError as e:
             raise _request_error(e) from None
@@ -202,9 +243,9 @@ class CompletionService:
             raise RequestError(f"the rendered conversation: {e}", "messages") from None
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens or (self.engine.manifest.max_ctx - len(ids))
-        cfg = self._base_config(req, max_tokens, top_n)
+        cfg = self._base_config(req, max_tokens, top_n, tools.constraint if tools is not None else None)
         gens = [GenerationRequest(0, ids, _choice_config(cfg, j)) for j in range(n)]
-        return Work(True, gens, n, n, stream, _include_usage(req), top_n, len(ids))
+        return Work(True, gens, n, n, stream, _include_usage(req), top_n, len(ids), tools)
 
     # -- ids, queue --
     def new_id(self, chat: bool = False) -> str:
