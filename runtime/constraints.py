@@ -242,24 +242,30 @@ class GrammarTokenizer:
         m = llguidance.LLMatcher(self.tok, grammar, log_level=0)
         if m.is_error():
             raise InputError(f"{name}: {short_error(m.get_error())}", name)
-        mask = np.frombuffer(m.compute_bitmask(), np.uint8)
-        if not mask.any():
+        allowed = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), count=self.vocab, bitorder="little")
+        allowed[self.eos_ids] = 0
+        if m.is_error() or (not allowed.any() and not m.is_accepting()):
             raise InputError(f"{name}: no token of this vocabulary can start an output that matches it", name)
         return m
 
 
 class _CodecView:
-    """A :class:`~specrt.runtime.tokenizer.TextCodec` in the shape ``llguidance.TokenizerWrapper``
-    reads: token bytes per id, special ids, and an encode of text."""
+    """A vocabulary in the shape ``llguidance.TokenizerWrapper`` reads: token bytes per id
+    (the codec's), special ids, and a tokenize function: llguidance's own greedy longest
+    match over these bytes (a vocabulary llguidance cannot read from its JSON has no byte
+    fallback to encode arbitrary text with, e.g. a word-level one)."""
 
     def __init__(self, codec, vocab: int, eos_id: int):
-        self.codec = codec
+        import llguidance
+
         self.eos_token_id, self.bos_token_id = eos_id, codec.bos
         self.tokens = [codec.token_bytes(i) for i in range(vocab)]
         self.special_token_ids = sorted(codec.special_ids)
+        self._greedy = lambda text: []
+        self._greedy = llguidance.LLTokenizer(llguidance.TokenizerWrapper(self), n_vocab=vocab, eos_token=eos_id).greedy_tokenize
 
-    def __call__(self, text: str) -> list[int]:
-        return self.codec.encode(text, add_special_tokens=False)
+    def __call__(self, text) -> list[int]:
+        return self._greedy(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text)
 
 
 class ConstrainedAcceptor:
@@ -317,14 +323,22 @@ class ConstrainedAcceptor:
             self.consumed += 1
         return True
 
-    def _next_forced(self) -> int | None:
-        """The token the grammar forces at the matcher's state, or None when it leaves a
-        choice: the end of generation once the grammar is complete, else the first of
-        llguidance's fast-forward tokens (one at a time, so committing a forced run and
-        verifying it row by row give the same tokens)."""
+    def _dead(self) -> str | None:
+        """Why the matcher's state allows no continuation (an error, or stopped before the
+        grammar is complete), or None."""
         m = self.matcher
         if m.is_error():
-            return None
+            return short_error(m.get_error()) or "the grammar failed"
+        if m.is_stopped() and not m.is_accepting():
+            return "no token can continue the output the grammar asks for"
+        return None
+
+    def _next_forced(self) -> int | None:
+        """The token the grammar forces at the matcher's (live) state, or None when it
+        leaves a choice: the end of generation once the grammar is complete, else the first
+        of llguidance's fast-forward tokens (one at a time, so committing a forced run and
+        verifying it row by row give the same tokens)."""
+        m = self.matcher
         if m.is_stopped():
             return self.eos_id
         ff = m.compute_ff_tokens()
@@ -343,19 +357,18 @@ class ConstrainedAcceptor:
             if not self._advance(j):
                 return None
             pen = self.penalty[j]
-            f = self._next_forced()
+            self.dead[j] = self._dead() is not None
+            f = self.eos_id if self.dead[j] else self._next_forced()  # a dead state: the end alone, and the generation fails there
             self.force[j] = f
-            self.dead[j] = False
             if f is None:
                 fill_next_token_bitmask(self.matcher, self.bits, j)
                 allowed = np.unpackbits(self.bits[j].view(np.uint8), count=self.vocab, bitorder="little")
-                self.dead[j] = not allowed.any()
-                if not self.dead[j]:
+                if allowed.any() and self._dead() is None:  # computing the mask can reveal a dead end
                     np.copyto(pen, allowed)
                     with np.errstate(divide="ignore"):
                         np.log(pen, out=pen)  # 1 -> 0, 0 -> -inf: one add masks a row
                 else:
-                    f = self.eos_id  # nothing can follow: the end of generation alone, and the generation fails there
+                    self.dead[j], f = True, self.eos_id
             if f is not None:
                 pen.fill(-np.inf)
                 pen[f] = 0.0
@@ -388,7 +401,8 @@ class ConstrainedAcceptor:
         masks are dropped."""
         if self.matcher is not None:
             if self.dead[r] and r < self.ready:
-                self.failed = "the grammar allows no token after the output so far"
+                self._advance(r)
+                self.failed = self._dead() or "the grammar allows no token after the output so far"
             if self._advance(r) and token not in self.eos and not self.matcher.consume_token(token):
                 self.failed = self.matcher.get_error() or f"token {token} does not match the grammar"
         self.toks.clear()
@@ -424,17 +438,23 @@ class ConstrainedAcceptor:
     def forced(self, limit: int) -> list[int]:
         """Tokens the grammar forces after the last commit (at most ``limit``), consumed,
         one at a time (:meth:`_next_forced`); the end of generation once the grammar is
-        complete. [] without a grammar, or once it failed."""
+        complete, or where it can go no further (:attr:`failed` then says why). [] without a
+        grammar."""
         m = self.matcher
         out: list[int] = []
         if m is None or self.failed is not None:
             return out
         while len(out) < limit:
+            why = self._dead()
+            if why is not None:
+                self.failed = why
+                out.append(self.eos_id)
+                break
             f = self._next_forced()
             if f is None:
                 break
             out.append(f)
-            if f == self.eos_id and m.is_stopped():
+            if f == self.eos_id:
                 break
             m.consume_token(f)
         return out
