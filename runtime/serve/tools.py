@@ -55,7 +55,7 @@ def template_tool_format(source: str | None) -> str | None:
         return "hermes"
     if "[TOOL_CALLS]" in source:
         return "mistral"
-    if "<|python_tag|>" in source or ('"parameters"' in source and "ipython" in source):
+    if "<|python_tag|>" in source or (re.search(r'\\?"parameters\\?"', source) and "ipython" in source):
         return "llama3_json"
     return None
 

@@ -1,0 +1,362 @@
+"""Agents and editors against the server: tools (runtime/serve/tools.py), structured output
+(response_format, guided_*, logit_bias) and fill-in-the-middle, through the official
+``openai`` client on a real uvicorn serving the embedded default pair with Qwen2.5's chat
+template (tests/data). The small code model cannot call tools, so every call it makes is the
+grammar's doing: forced calls must parse and match their schemas (``jsonschema``), and
+greedy outputs must equal ``Engine.generate`` on the same rendered prompt and constraint.
+The real pair's round trip is in tests/test_real_pair.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specrt.runtime.serve.tools import ToolCalling, ToolStream, parse_tool_calls, template_tool_format
+
+QWEN_TEMPLATE = Path(__file__).parent / "data" / "qwen2.5-coder.chat_template.jinja"
+LLAMA3_TEMPLATE = '{%- if tools %}{{- "Respond in the format {\\"name\\": function name, \\"parameters\\": dictionary}" }}{%- endif %}<|start_header_id|>ipython<|end_header_id|>'
+MISTRAL_TEMPLATE = "{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{%- endif %}{%- for m in messages %}[TOOL_CALLS]{%- endfor %}"
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TESTS = {"type": "object", "properties": {"path": {"type": "string", "maxLength": 30}, "verbose": {"type": "boolean"}}, "required": ["path"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite", "parameters": TESTS}},
+]
+SCHEMAS = {"get_weather": WEATHER, "run_tests": TESTS}
+ASK = [{"role": "user", "content": "What is the weather in Paris? Then run the tests in tests/."}]
+
+
+# ---- formats, parsers, grammars (no model) ----------------------------------------------
+def test_the_format_is_read_from_the_template():
+    from helpers import TINY_CHAT_TEMPLATE
+
+    assert template_tool_format(QWEN_TEMPLATE.read_text()) == "hermes"
+    assert template_tool_format(LLAMA3_TEMPLATE) == "llama3_json"
+    assert template_tool_format(MISTRAL_TEMPLATE) == "mistral"
+    assert template_tool_format(TINY_CHAT_TEMPLATE) is None and template_tool_format(None) is None
+
+
+@pytest.mark.parametrize(
+    "fmt, text, content, calls",
+    [
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', None, [("f", {"a": 1})]),
+        (
+            "hermes",
+            'Let me check.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {"x": "y"}}\n</tool_call>',
+            "Let me check.",
+            [("f", {}), ("g", {"x": "y"})],
+        ),
+        ("hermes", "<tool_call>\n{broken\n</tool_call> and text", "<tool_call>\n{broken\n</tool_call> and text", []),
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a"', '<tool_call>\n{"name": "f", "arguments": {"a"', []),  # cut by the length
+        ("llama3_json", '{"name": "f", "parameters": {"a": [1, 2]}}', None, [("f", {"a": [1, 2]})]),
+        ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"b": true}}', None, [("f", {}), ("g", {"b": True})]),
+        ("llama3_json", "The answer is 4.", "The answer is 4.", []),
+        ("mistral", '[{"name": "f", "arguments": {"a": "b"}}, {"name": "g", "arguments": {}}]', None, [("f", {"a": "b"}), ("g", {})]),
+        ("mistral", "Plain answer.", "Plain answer.", []),
+    ],
+)
+def test_parse_tool_calls(fmt, text, content, calls):
+    got_content, got = parse_tool_calls(fmt, text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got)
+
+
+def _reassemble(deltas):
+    content, calls = "", {}
+    for d in deltas:
+        content += d.get("content", "")
+        for tc in d.get("tool_calls", []):
+            e = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            e["name"] += tc.get("function", {}).get("name", "")
+            e["arguments"] += tc.get("function", {}).get("arguments", "")
+            if "id" in tc:
+                assert tc["type"] == "function" and tc["id"].startswith("call_")
+    return content or None, [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+
+
+HERMES_TEXTS = [
+    ' \nI will call two tools.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "run_tests", "arguments": {"path": "tests/"}}\n</tool_call>\n',
+    'No call here, just < and <tool and </tool_call> text.  ',
+    '<tool_call>\n{"name": "run_tests", "arguments": {"path": "a"}}\n</tool_call>trailing <tool_c',
+    '<tool_call>\nnot json\n</tool_call>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(idx=st.integers(0, len(HERMES_TEXTS) - 1), cuts=st.lists(st.integers(1, 12), min_size=1, max_size=60))
+def test_streamed_deltas_reassemble_to_the_message(idx, cuts):
+    """Whatever the piece boundaries, the streamed deltas concatenate to the content and the
+    calls of the non-streamed parse (ids aside)."""
+    text = HERMES_TEXTS[idx]
+    pieces, at = [], 0
+    for c in cuts * 8:
+        if at >= len(text):
+            break
+        pieces.append(text[at : at + c])
+        at += c
+    pieces.append(text[at:])
+    s = ToolStream("hermes")
+    deltas = [d for p in pieces for d in s.push(p)] + s.finish()
+    content, calls = parse_tool_calls("hermes", text)
+    assert _reassemble(deltas) == (content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+
+
+def test_tool_choice_validation():
+    src = QWEN_TEMPLATE.read_text()
+    vocab = lambda t: None  # noqa: E731
+    with pytest.raises(Exception, match="not in tools"):
+        ToolCalling.build(src, TOOLS, {"type": "function", "function": {"name": "deploy"}}, None, vocab)
+    with pytest.raises(Exception, match="no tool-call format"):
+        ToolCalling.build("{{ messages }}", TOOLS, "auto", None, vocab)
+    with pytest.raises(Exception, match="given twice"):
+        ToolCalling.build(src, TOOLS + TOOLS[:1], "auto", None, vocab)
+    with pytest.raises(Exception, match="needs tools"):
+        ToolCalling.build(src, [], "required", None, vocab)
+    assert ToolCalling.build(src, TOOLS, "none", None, vocab) is None
+    auto = ToolCalling.build(src, TOOLS, None, None, vocab)
+    assert auto.mode == "auto" and auto.constraint is None  # no strict tool: the model is free
+    strict = [dict(TOOLS[0], function=dict(TOOLS[0]["function"], strict=True))]
+    assert ToolCalling.build(src, strict, "auto", None, vocab).constraint is not None
+
+
+# ---- the server ------------------------------------------------------------------------
+openai = pytest.importorskip("openai", reason="the openai client is not installed (in [dev])")
+
+
+ENGINES = Path(__file__).resolve().parents[1] / "engines" / "default"
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+    if not (ENGINES / "manifest.json").is_file():
+        pytest.skip("engines/default not exported: run `make export`")
+    from serving import Server
+
+    s = Server(ENGINES, "--workers", "1", "--model-name", "tiny", "--chat-template", str(QWEN_TEMPLATE))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(tool_server):
+    return openai.OpenAI(base_url=tool_server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine(tool_server):
+    from specrt import Engine
+
+    return Engine(ENGINES)
+
+
+def _valid_calls(message, names=None):
+    assert message.tool_calls, message
+    for tc in message.tool_calls:
+        assert tc.type == "function" and tc.id.startswith("call_")
+        assert names is None or tc.function.name in names
+        jsonschema.validate(json.loads(tc.function.arguments), SCHEMAS[tc.function.name])
+    return [(tc.function.name, tc.function.arguments) for tc in message.tool_calls]
+
+
+def test_required_and_named_calls_parse_and_match_their_schemas(client, engine):
+    """tool_choice required / named / parallel_tool_calls=false on a model that cannot call
+    tools by itself: the grammar writes the calls, their arguments validate, finish_reason is
+    tool_calls, and the output equals Engine.generate with the same constraint on the prompt
+    the template renders with the tools."""
+    from specrt import GenerationConfig
+    from specrt.runtime.serve.chat import ChatTemplate
+
+    for choice, parallel, names in [
+        ("required", None, None),
+        ({"type": "function", "function": {"name": "run_tests"}}, None, {"run_tests"}),
+        ("required", False, None),
+    ]:
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel, max_tokens=120, temperature=0)
+        ch = r.choices[0]
+        calls = _valid_calls(ch.message, names)
+        if parallel is False or names:
+            assert len(calls) == 1 and ch.finish_reason == "tool_calls", ch
+        else:  # this model keeps calling while the grammar lets it: the last call may be cut by the length
+            assert ch.finish_reason in ("tool_calls", "length")
+        assert r.usage.model_extra["speculative"]["forced"] > 5  # the call's syntax was forced, not generated
+    # the same request through the Engine: equal tokens, so the server adds nothing but the parse
+    tc = ToolCalling.build(QWEN_TEMPLATE.read_text(), TOOLS, "required", None, engine.codec.tokenizer.token_to_id)
+    prompt = ChatTemplate(QWEN_TEMPLATE.read_text(), "qwen").render(ASK, tools=tc.openai_tools())
+    ids = engine.codec.encode(prompt, add_special_tokens=False)
+    want = engine.generate(ids, GenerationConfig(max_new_tokens=120, constraint=tc.constraint))
+    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want.tokens)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parse_tool_calls("hermes", want.text)[1]
+    ]
+
+
+def test_streamed_tool_calls_reassemble_to_the_non_streamed_message(client):
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    content, calls, finish, roles = "", {}, None, 0
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        ch = chunk.choices[0]
+        roles += ch.delta.role == "assistant"
+        content += ch.delta.content or ""
+        for tc in ch.delta.tool_calls or []:
+            e = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            e["name"] += (tc.function.name or "") if tc.function else ""
+            e["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = ch.finish_reason or finish
+    assert roles == 1 and finish == whole.finish_reason and whole.message.tool_calls
+    assert (content or None) == whole.message.content
+    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+def test_three_step_tool_loop(client):
+    """call -> tool result -> answer, as an agent drives it: the assistant's tool_calls and the
+    tool's result go back in the history (arguments as JSON text, as the client sends them),
+    the template renders them, and the answer is plain content."""
+    r1 = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80, temperature=0)
+    call = r1.choices[0].message.tool_calls[0]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
+    ]
+    r2 = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none", max_tokens=16, temperature=0)
+    assert r2.choices[0].message.tool_calls is None and r2.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(r2.choices[0].message.content, str)
+    r3 = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="auto", max_tokens=16, temperature=0)
+    assert r3.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the oracle of the rendering: transformers' apply_chat_template with the same template,
+    # the call's arguments as an object (what templates expect); "none" renders no tools
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ENGINES.parents[1] / "models" / "target"), local_files_only=True)
+    hist = [dict(m) for m in history]
+    hist[1]["tool_calls"] = [dict(hist[1]["tool_calls"][0], function={"name": call.function.name, "arguments": json.loads(call.function.arguments)})]
+    hist[1]["content"] = ""
+    src = QWEN_TEMPLATE.read_text()
+    for r, tools in ((r2, None), (r3, TOOLS)):
+        text = tok.apply_chat_template(hist, tools=tools, chat_template=src, add_generation_prompt=True, tokenize=False)
+        assert "<tool_response>" in text and call.function.name in text
+        assert r.usage.prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_structured_output_fields(client, tool_server):
+    """response_format json_schema / json_object (chat), guided_json, guided_choice,
+    guided_regex (completions, vLLM's names), llama.cpp's json_schema: every output parses
+    and matches."""
+    import re
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}, "why": {"type": "string", "maxLength": 30}}, "required": ["answer", "why"]}
+    r = client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=80, temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=80, temperature=0.8, seed=3, response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    for extra, check in [
+        ({"guided_json": schema}, lambda t: jsonschema.validate(json.loads(t), schema)),
+        ({"json_schema": schema}, lambda t: jsonschema.validate(json.loads(t), schema)),
+        ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no") or pytest.fail(t)),
+        ({"guided_regex": r"v[0-9]\.[0-9]{1,2}"}, lambda t: re.fullmatch(r"v[0-9]\.[0-9]{1,2}", t) or pytest.fail(t)),
+    ]:
+        r = client.completions.create(model="tiny", prompt="version = ", max_tokens=60, temperature=0, extra_body=extra)
+        assert r.choices[0].finish_reason == "stop", (extra, r)
+        check(r.choices[0].text)
+
+
+@pytest.mark.parametrize(
+    "route, body, param, needle",
+    [
+        ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "nope"}}}}, "response_format", "Unknown format: nope"),
+        ("chat", {"response_format": {"type": "yaml"}}, "response_format", "allowed"),
+        ("completions", {"guided_grammar": "root ::= [a-"}, "guided_grammar", "grammar"),
+        ("completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "send one of them"),
+        ("chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "deploy"}}}, "tool_choice", "not in tools"),
+        ("chat", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+        ("completions", {"suffix": "\n    return x\n"}, "suffix", "no fill-in-the-middle tokens"),
+        ("completions", {"logit_bias": {"5": 300}}, "logit_bias", "[-100, 100]"),
+        ("completions", {"logit_bias": {"99999": 1}}, "logit_bias", "not a token id"),
+    ],
+)
+def test_bad_requests_get_one_line_400(tool_server, route, body, param, needle):
+    from serving import post
+
+    base = {"model": "tiny", "max_tokens": 8}
+    if route == "chat":
+        path, base["messages"] = "/v1/chat/completions", ASK
+    else:
+        path, base["prompt"] = "/v1/completions", "x = "
+    status, out, _ = post(tool_server.port, dict(base, **body), path=path)
+    assert status == 400, out
+    err = out["error"]
+    assert err["param"] == param and needle in err["message"] and "\n" not in err["message"], err
+
+
+def test_tools_with_a_template_without_tool_support_are_refused(tiny_server):
+    """The tiny pair's own template has no tool-call format: 400 naming what is supported."""
+    from serving import post
+
+    status, out, _ = post(tiny_server.port, {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 4}, path="/v1/chat/completions")
+    assert status == 400 and out["error"]["param"] == "tools" and "<tool_call>" in out["error"]["message"], out
+
+
+def test_logit_bias_through_the_server(client, engine):
+    from specrt import GenerationConfig
+
+    plain = client.completions.create(model="tiny", prompt="def f(x):\n", max_tokens=12, temperature=0)
+    ids = engine.prompt_ids("def f(x):\n")
+    banned = {str(t): -100 for t in engine.generate(ids, GenerationConfig(max_new_tokens=12)).tokens[:3]}
+    r = client.completions.create(model="tiny", prompt="def f(x):\n", max_tokens=12, temperature=0, logit_bias=banned)
+    want = engine.generate(ids, GenerationConfig(max_new_tokens=12, logit_bias=banned))
+    assert r.choices[0].text == want.text != plain.choices[0].text
+
+
+def test_fim_prompt_layout_and_suffix_lookup():
+    """Fill-in-the-middle: the FIM tokens are read from the tokenizer (Qwen2.5-Coder's and
+    StarCoder's names), the prompt is laid out prefix-suffix-middle, and the n-gram drafter
+    proposes the code that follows a match in the suffix (an edit that copies from below)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from specrt.runtime.drafters import NgramDrafter
+    from specrt.runtime.serve.structured import fim_tokens
+    from specrt.runtime.speculative import GreedyAcceptor
+
+    class Codec:
+        bos = None
+
+        def __init__(self, names):
+            vocab = {w: i for i, w in enumerate(["<eos>", *names, "a", "b", "c", "d", "e"])}
+            self.tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+            self.tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+            self.tokenizer.add_special_tokens(["<eos>", *names])
+
+        def encode(self, text, add_special_tokens=False):
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    for names in (["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>"], ["<fim_prefix>", "<fim_middle>", "<fim_suffix>"]):
+        codec = Codec(names)
+        fim = fim_tokens(codec)
+        tid = codec.tokenizer.token_to_id
+        assert (fim.prefix, fim.suffix, fim.middle) == (tid(names[0]), tid(names[2]), tid(names[1]))
+        ids = fim.ids(codec, "a b", "c d e")
+        assert ids == [fim.prefix, tid("a"), tid("b"), fim.suffix, tid("c"), tid("d"), tid("e"), fim.middle]
+        # the gap is being filled with "c d ...": the suffix's own continuation is proposed
+        seq = ids + [tid("c"), tid("d")]
+        drafter = NgramDrafter(16, 4)
+        assert drafter.proposal(seq, GreedyAcceptor(16, 16)) == [tid("e"), fim.middle, tid("c"), tid("d")]
+    assert fim_tokens(Codec(["<x>"])) is None
