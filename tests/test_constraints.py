@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from specrt import Engine, GenerationConfig
-from specrt.runtime.constraints import Constraint, ConstrainedAcceptor, check_logit_bias
+from specrt.runtime.constraints import ConstrainedAcceptor, Constraint, check_logit_bias
 from specrt.runtime.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +60,14 @@ SCHEMAS = {
     "any_object": {"type": "object"},
 }
 # (k_max, threshold, drafter, strategy): every drafter, k 1..8, with and without a threshold
-GRID = [(1, 0.0, "model", "full"), (4, 0.7, "model", "full"), (8, 0.0, "model", "chunked"), (8, 0.7, "ngram", "full"), (4, 0.0, "hybrid", "full"), (8, 0.5, "hybrid", "full")]
+GRID = [
+    (1, 0.0, "model", "full"),
+    (4, 0.7, "model", "full"),
+    (8, 0.0, "model", "chunked"),
+    (8, 0.7, "ngram", "full"),
+    (4, 0.0, "hybrid", "full"),
+    (8, 0.5, "hybrid", "full"),
+]
 NEW = 48
 
 
@@ -255,7 +262,9 @@ def test_trace_with_a_constraint_is_refused(engine, tmp_path):
     from specrt.runtime.lab.trace import TraceWriter
 
     with pytest.raises(InputError, match="trace"):
-        engine.start(engine.prompt_ids("x = "), engine.resolve(GenerationConfig(constraint=Constraint.regex("[0-9]+"))), trace=TraceWriter(tmp_path / "t.jsonl", engine))
+        engine.start(
+            engine.prompt_ids("x = "), engine.resolve(GenerationConfig(constraint=Constraint.regex("[0-9]+"))), trace=TraceWriter(tmp_path / "t.jsonl", engine)
+        )
 
 
 # ---- the small word-level pair (test_sampling's): a grammar that dead-ends ---------------

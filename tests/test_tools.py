@@ -90,7 +90,7 @@ def _reassemble(deltas):
 HERMES_TEXTS = [
     ' \nI will call two tools.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "run_tests", "arguments": {"path": "tests/"}}\n</tool_call>\n',
-    'No call here, just < and <tool and </tool_call> text.  ',
+    "No call here, just < and <tool and </tool_call> text.  ",
     '<tool_call>\n{"name": "run_tests", "arguments": {"path": "a"}}\n</tool_call>trailing <tool_c',
     '<tool_call>\nnot json\n</tool_call>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
 ]
@@ -186,7 +186,9 @@ def test_required_and_named_calls_parse_and_match_their_schemas(client, engine):
         ({"type": "function", "function": {"name": "run_tests"}}, None, {"run_tests"}),
         ("required", False, None),
     ]:
-        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel, max_tokens=120, temperature=0)
+        r = client.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel, max_tokens=120, temperature=0
+        )
         ch = r.choices[0]
         calls = _valid_calls(ch.message, names)
         if parallel is False or names:
@@ -228,10 +230,16 @@ def test_three_step_tool_loop(client):
     """call -> tool result -> answer, as an agent drives it: the assistant's tool_calls and the
     tool's result go back in the history (arguments as JSON text, as the client sends them),
     the template renders them, and the answer is plain content."""
-    r1 = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80, temperature=0)
+    r1 = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80, temperature=0
+    )
     call = r1.choices[0].message.tool_calls[0]
     history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}],
+        },
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
     ]
     r2 = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none", max_tokens=16, temperature=0)
@@ -262,7 +270,11 @@ def test_structured_output_fields(client, tool_server):
 
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}, "why": {"type": "string", "maxLength": 30}}, "required": ["answer", "why"]}
     r = client.chat.completions.create(
-        model="tiny", messages=ASK, max_tokens=80, temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+        model="tiny",
+        messages=ASK,
+        max_tokens=80,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}},
     )
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=80, temperature=0.8, seed=3, response_format={"type": "json_object"})
@@ -282,7 +294,12 @@ def test_structured_output_fields(client, tool_server):
 @pytest.mark.parametrize(
     "route, body, param, needle",
     [
-        ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "nope"}}}}, "response_format", "Unknown format: nope"),
+        (
+            "chat",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "nope"}}}},
+            "response_format",
+            "Unknown format: nope",
+        ),
         ("chat", {"response_format": {"type": "yaml"}}, "response_format", "allowed"),
         ("completions", {"guided_grammar": "root ::= [a-"}, "guided_grammar", "grammar"),
         ("completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "send one of them"),
