@@ -440,3 +440,43 @@ def test_serve_max_batch_chat_logprobs_and_metrics_equal_a_worker_server(int4_pa
             assert any(line.startswith(name + "{") and 'model_name="tiny4"' in line for line in text.splitlines()), name
     finally:
         srv.stop()
+
+
+def test_constrained_rows_under_batching(int4):
+    """Constraints in the batch scheduler (one Generation per row, its own matcher): under
+    policy speculate every row equals its request alone; under batched steps every output
+    still matches its constraint (a row with forced tokens not yet in its KV takes its own
+    round: the catch-up), and forced tokens are counted."""
+    import re
+
+    from specrt.runtime.constraints import Constraint
+
+    regex = r"[a-f]{2,6}\((x|y), [0-9]{1,3}\)"
+    cons = [
+        Constraint.regex(regex),
+        Constraint.choice(["import os", "import sys", "pass"]),
+        Constraint.regex(regex),
+        Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}),
+    ]
+    for policy in ("speculate", "batched"):
+        pool = BatchPool(int4, 4, policy=policy, costs=flat_costs(4))
+        try:
+            cfgs = [dict(max_new_tokens=24, k_max=3, constraint=c) for c in cons]
+            jobs = [submit(pool, int4, p, **c) for p, c in zip(PROMPTS, cfgs)]
+            results = [ev.result() for _, ev in jobs]
+            assert (pool.steps["batched"] > 0) == (policy == "batched"), pool.steps
+        finally:
+            pool.close()
+        for p, c, r in zip(PROMPTS, cfgs, results):
+            if policy == "speculate":
+                alone = int4.generate(p, GenerationConfig(**c))
+                assert r.tokens == alone.tokens and r.finish_reason == alone.finish_reason
+            if r.finish_reason == "stop":
+                con = c["constraint"]
+                if con.kind == "regex":
+                    assert re.fullmatch(regex, r.text), r.text
+                elif con.kind == "choice":
+                    assert r.text in ("import os", "import sys", "pass")
+                else:
+                    assert isinstance(json.loads(r.text)["n"], int)
+            assert r.stats.forced > 0
