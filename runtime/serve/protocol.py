@@ -1,7 +1,7 @@
 """The request bodies of the OpenAI-compatible routes (pydantic models) and their error text.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` take OpenAI's fields plus
-specrt's ``top_k``, ``k_max``, ``threshold`` and ``speculative``. Every optional field may
+specrt's ``top_k``, ``k_max``, ``threshold``, ``speculative`` and ``drafter``. Every optional field may
 be sent as ``null``, which means its default (the OpenAI API allows null for all of them).
 Unknown fields are refused (400, naming the allowed ones); the OpenAI fields this server
 does not implement (presence and frequency penalties) are accepted only at the values that
@@ -93,6 +93,7 @@ def _common_fields():
         k_max: Optional[StrictInt] = Field(None, description="specrt extension: most draft candidates per verification")
         threshold: Optional[StrictFloat] = Field(None, description="specrt extension: draft confidence threshold in [0, 1]")
         speculative: Optional[StrictBool] = Field(None, description="specrt extension: false runs the target alone")
+        drafter: Optional[StrictStr] = Field(None, description="specrt extension: model, ngram or hybrid (default: the engine's)")
         response_format: Optional[dict[str, Any]] = Field(
             None, description='{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}'
         )

@@ -110,6 +110,7 @@ class CompletionService:
             logprobs=logprobs,
             constraint=constraint,
             logit_bias=req.logit_bias or (),
+            drafter=req.drafter,
         )
         try:
             return self.engine.resolve(cfg)
