@@ -11,8 +11,8 @@ Face assisted generation's ``assistant_confidence_threshold``)::
               (verify) reads them left to right and stops at the first rejection, so no
               block after it is computed
     commit    c_1..c_m and the target's token (correction or bonus), cut after EOS
-    rollback  target KV length = len(S) - 1, draft KV length = min(draft_len, that)
-              (speculative.rollback_lengths): rows beyond are never read again
+    rollback  target KV length = len(S) - 1, the drafter's KV length = min(its length, that)
+              (speculative.rollback_lengths, Drafter.rollback): rows beyond are never read again
 
 Verification strategies only change how the blocks are made (:func:`target_blocks`):
 ``full`` one target pass; ``chunked`` one pass per chunk of candidates; ``lazy-head`` one
@@ -51,7 +51,7 @@ import numpy as np
 from .adaptive import AdaptiveK
 from .backends.base import Model
 from .chunks import call_start, chunk_bounds, feed
-from .drafters import Drafter, ModelDrafter, make_drafter
+from .drafters import Drafter, make_drafter
 from .speculative import chunk_passes, chunk_sizes, commit, draft_limit, head_blocks, propose, rollback_lengths
 
 __all__ = [
@@ -164,10 +164,10 @@ class Plan:
 
 @dataclass
 class KVLengths:
-    """Rows each model's KV cache holds for the committed sequence (the only state that rolls back)."""
+    """Rows the target's KV cache holds for the committed sequence (with the drafter's
+    ``kv``, the only state that rolls back)."""
 
     target: int = 0
-    draft: int = 0
 
 
 @dataclass
@@ -288,27 +288,24 @@ def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, c
         yield lo, split.head(h, e - h)[off + lo - h :]
 
 
-def one_round(
-    target: Model, draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter | None = None, policy=None
-) -> Round:
+def one_round(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter, policy=None) -> Round:
     """One round on ``seq`` (prompt + committed tokens; extended in place); see the module
-    docstring. ``drafter``: where the candidates come from (:mod:`specrt.runtime.drafters`;
-    None: the draft model); ``policy``: an :class:`~specrt.runtime.adaptive.AdaptiveK`
+    docstring. ``drafter``: the draft side (:mod:`specrt.runtime.drafters`: candidates, the
+    draft model and its KV length); ``policy``: an :class:`~specrt.runtime.adaptive.AdaptiveK`
     choosing how many candidates this round may propose (None: up to ``k_max``)."""
     clock = time.perf_counter
     seq_len = len(seq)
     calls: list = []
     t0 = clock()
-    room = catch_up(target, seq, kv, plan, calls)
+    room = catch_up(target, seq, n_prompt, kv, plan, calls)
     n_max = min(room, draft_limit(plan.k_max, plan.budget - (seq_len - n_prompt), seq_len, plan.max_ctx)) if plan.speculative else 0
     if policy is not None:
         n_max = policy.choose(n_max)
     steps: list = []
     pre: list | None = [] if plan.observe and acc.greedy else None
     t1 = clock()
-    drafter = drafter if drafter is not None else ModelDrafter(draft)
     drafter.model_calls = 0
-    cands, confs = propose(drafter.steps(seq, kv, acc, steps, pre), n_max, plan.threshold, plan.eos, acc.propose_below)
+    cands, confs = propose(drafter.steps(seq, acc, steps, pre), n_max, plan.threshold, plan.eos, acc.propose_below)
     t2 = clock()
     m, token = verify(cands, target_blocks(target, seq, cands, kv.target, confs, plan, calls), acc)
     t3 = clock()
@@ -316,7 +313,8 @@ def one_round(
         policy.update(len(cands), m)
     new, ended, forced = commit_forced(commit(cands, m, token, plan.eos), seq_len, n_prompt, plan, acc)
     seq.extend(new)
-    kv.target, kv.draft = rollback_lengths(seq_len, kv.draft, m)
+    kv.target, kept = rollback_lengths(seq_len, drafter.kv, m)
+    drafter.rollback(kept)
     finish = "stop" if ended else length_finish(seq, n_prompt, plan)
     return Round(
         pos=seq_len - n_prompt,
@@ -334,28 +332,30 @@ def one_round(
     )
 
 
-def catch_up(target: Model, seq: list[int], kv: KVLengths, plan: Plan, calls: list) -> int:
-    """Bring the target's KV up to the pending token when committed tokens are missing from
-    it (forced tokens, jump-forward; or a prompt shorter than ``min_q``), and return how many
+def catch_up(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, calls: list) -> int:
+    """Bring the target's KV up to the pending token when output tokens were committed
+    without a model call (a constraint's forced tokens, jump-forward), and return how many
     candidates this round's verification call may still carry.
 
     The missing tokens ride in the verification call, which must stay within the widths
     measured bit-identical (``plan.tail_q``, else the target's widest call): when they alone
     would not fit, they are fed first in chunks (:func:`~specrt.runtime.chunks.chunk_bounds`,
     the prefill's rule: the last chunk within the measured widths), each call appended to
-    ``calls``. Speculative and target-only decoding meet the same missing tokens at the
-    same positions, so both make the same calls for them.
+    ``calls``. Speculative and target-only decoding meet the same forced tokens at the same
+    positions, so both make the same calls for them. (A prompt shorter than ``min_q`` also
+    leaves rows to the first round, as before: :func:`prefill`; those do not count here.)
     """
     pend = len(seq) - 1
     widest = plan.tail_q or target.max_q
-    behind = pend - kv.target
-    if behind + 1 > widest:
+    if pend - max(kv.target, n_prompt) <= 0:  # no forced token is missing
+        return widest - 1
+    if pend - kv.target + 1 > widest:
         at = kv.target
-        for lo, hi in chunk_bounds(behind, target.max_q, plan.min_q, plan.tail_q):
+        for lo, hi in chunk_bounds(pend - at, target.max_q, plan.min_q, plan.tail_q):
             target.run(seq[at + lo : at + hi], at + lo)
             calls.append((hi - lo, at + lo, hi - lo))
-        kv.target, behind = pend, 0
-    return max(0, widest - 1 - behind)
+        kv.target = pend
+    return widest - 1 - (pend - kv.target)
 
 
 def commit_forced(committed: tuple[list[int], bool], seq_len: int, n_prompt: int, plan: Plan, acc: Acceptor) -> tuple[list[int], bool, int]:
@@ -422,11 +422,11 @@ def bonus_round(seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: A
     return Round(pos, [], 0, 0, new, finish, target_s=seconds, calls=[(1, kv.target - 1, 1)], forced=forced)
 
 
-def observe_tail(rec: Round, draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor) -> Round:
+def observe_tail(rec: Round, drafter: Drafter, seq: list[int], n_prompt: int, plan: Plan, acc: Acceptor) -> Round:
     """``rec`` with its ``tail`` set when it ends the generation and ``plan.observe`` asks
-    for it (greedy only; :func:`_draft_tail`)."""
-    if rec.finish is not None and plan.observe and acc.greedy:
-        rec.tail = _draft_tail(draft, seq, n_prompt, kv, acc)
+    for it (greedy, a drafter with a draft model; :func:`_draft_tail`)."""
+    if rec.finish is not None and plan.observe and acc.greedy and drafter.draft is not None:
+        rec.tail = _draft_tail(drafter.draft, seq, n_prompt, drafter.kv, acc)
     return rec
 
 
@@ -449,18 +449,18 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max)
     policy = adaptive_policy(plan)
     while True:
-        yield observe_tail(rec, draft, seq, n_prompt, kv, plan, acc)
+        yield observe_tail(rec, drafter, seq, n_prompt, plan, acc)
         if rec.finish is not None:
             return
-        rec = one_round(target, draft, seq, n_prompt, kv, plan, acc, drafter, policy)
+        rec = one_round(target, seq, n_prompt, kv, plan, acc, drafter, policy)
 
 
-def _draft_tail(draft: Model, seq: list[int], n_prompt: int, kv: KVLengths, acc: Acceptor) -> tuple | None:
+def _draft_tail(draft: Model, seq: list[int], n_prompt: int, draft_kv: int, acc: Acceptor) -> tuple | None:
     """(observe) After the last round: the draft's (top-1, confidence) of the committed
     tokens it has not seen (one extra draft call, in no statistic), so a replay knows every
     on-trajectory position (specrt.runtime.lab.replay). None when there are none or they
     do not fit one call."""
-    if not (0 < kv.draft < len(seq) - 1 <= kv.draft + draft.max_q):
+    if not (0 < draft_kv < len(seq) - 1 <= draft_kv + draft.max_q):
         return None
-    rows = feed(draft, seq[kv.draft : -1], kv.draft)
-    return kv.draft + 1 - n_prompt, [acc.draft(r, 0) for r in rows]
+    rows = feed(draft, seq[draft_kv:-1], draft_kv)
+    return draft_kv + 1 - n_prompt, [acc.draft(r, 0) for r in rows]

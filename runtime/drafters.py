@@ -42,26 +42,40 @@ NGRAM_MIN, NGRAM_MAX = 2, 4  # suffix lengths tried, longest first (HF's default
 
 
 class Drafter(Protocol):
-    """A source of candidates for one generation (see the module docstring).
+    """The draft side of one generation, as one object (llama.cpp's ``common_speculative``,
+    vLLM's proposers): where candidates come from, the draft model and its KV length when
+    there is one, and what the round cost it in model calls. The mask a constraint puts on
+    each draft step comes through the acceptor (``acc.draft`` masks the row, ``acc.forced_at``
+    names a forced step, ``acc.valid_prefix`` cuts a proposal): draft step r and target row r
+    share one grammar state, so one owner computes its mask once for both.
 
     Attributes:
+        draft: the draft :class:`~specrt.runtime.backends.base.Model` (None for a drafter
+            without one).
+        kv: rows the draft model's KV cache holds for the committed sequence (0 without a
+            model); only :meth:`steps` advances it, only :meth:`rollback` shortens it.
         model_calls: draft model calls made for the steps pulled since the caller last
             set it to 0 (one per model step, the feed of unseen tokens included in the
             first; n-gram steps cost none).
     """
 
+    draft: Model | None
+    kv: int
     model_calls: int
 
-    def steps(self, seq: list[int], kv, acc, steps: list, pre: list | None) -> Iterator[tuple[int, float]]:
+    def steps(self, seq: list[int], acc, steps: list, pre: list | None) -> Iterator[tuple[int, float]]:
         """The round's draft steps over ``seq`` (prompt + committed, pending last).
 
         Args:
-            kv: the generation's :class:`~specrt.runtime.decode.KVLengths` (a drafter that
-                runs the draft model advances ``kv.draft``).
             acc: the :class:`~specrt.runtime.decode.Acceptor` (turns a row into a step).
             steps: every step pulled is appended here.
             pre: (observe) a list for the draft's top-1 of the pending token, or None.
         """
+        ...
+
+    def rollback(self, committed: int) -> None:
+        """Keep only the KV rows of the first ``committed`` positions (rows beyond are
+        stale and never read: :func:`~specrt.runtime.speculative.rollback_lengths`)."""
         ...
 
 
@@ -71,22 +85,26 @@ class ModelDrafter:
 
     def __init__(self, draft: Model):
         self.draft = draft
+        self.kv = 0
         self.model_calls = 0
         self.row = np.full(draft.vocab, -1e9, np.float32)  # a forced step's one-hot row, reused
 
-    def steps(self, seq, kv, acc, steps, pre) -> Iterator[tuple[int, float]]:
+    def rollback(self, committed: int) -> None:
+        self.kv = min(self.kv, committed)
+
+    def steps(self, seq, acc, steps, pre) -> Iterator[tuple[int, float]]:
         from .chunks import feed
 
         draft = self.draft
-        unseen = seq[kv.draft :]  # tokens the draft's KV lacks (the first call feeds them)
+        unseen = seq[self.kv :]  # tokens the draft's KV lacks (the first call feeds them)
         i = 0
         while True:
             f = acc.forced_at(i)
             if f is None:
-                rows = feed(draft, unseen, kv.draft)
+                rows = feed(draft, unseen, self.kv)
                 if pre is not None and i == 0 and len(rows) > 1:
                     pre.append(acc.draft(rows[-2], 0))
-                kv.draft += len(unseen)
+                self.kv += len(unseen)
                 unseen = []
                 step = acc.draft(rows[-1], i)
                 self.model_calls += 1
@@ -145,6 +163,9 @@ class NgramDrafter:
     """Prompt lookup decoding (module docstring): no model call; a round with no match
     proposes nothing (a plain target step)."""
 
+    draft = None  # no model: no KV to keep
+    kv = 0
+
     def __init__(self, vocab: int, k_max: int, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX):
         self.index = NgramIndex(min_n, max_n)
         self.k_max = k_max
@@ -159,7 +180,10 @@ class NgramDrafter:
         toks = self.index.continuation(seq, self.k_max)
         return toks[: acc.valid_prefix(toks)] if toks else toks
 
-    def steps(self, seq, kv, acc, steps, pre) -> Iterator[tuple[int, float]]:
+    def rollback(self, committed: int) -> None:
+        pass
+
+    def steps(self, seq, acc, steps, pre) -> Iterator[tuple[int, float]]:
         return self._one_hot(self.proposal(seq, acc), acc, steps)
 
     def _one_hot(self, tokens: list[int], acc, steps: list) -> Iterator[tuple[int, float]]:
@@ -184,9 +208,20 @@ class HybridDrafter(NgramDrafter):
     def model_calls(self, n: int) -> None:
         self.model.model_calls = n
 
-    def steps(self, seq, kv, acc, steps, pre) -> Iterator[tuple[int, float]]:
+    @property
+    def draft(self) -> Model:
+        return self.model.draft
+
+    @property
+    def kv(self) -> int:
+        return self.model.kv
+
+    def rollback(self, committed: int) -> None:
+        self.model.rollback(committed)
+
+    def steps(self, seq, acc, steps, pre) -> Iterator[tuple[int, float]]:
         toks = self.proposal(seq, acc)
-        return self._one_hot(toks, acc, steps) if toks else self.model.steps(seq, kv, acc, steps, pre)
+        return self._one_hot(toks, acc, steps) if toks else self.model.steps(seq, acc, steps, pre)
 
 
 def make_drafter(name: str, draft: Model, vocab: int, k_max: int) -> Drafter:

@@ -3,9 +3,10 @@ steps (``Engine.generate``/``stream``, the server's worker pool through them, an
 continuous-batching scheduler).
 
 A generation owns what one request needs between rounds: the sequence (prompt + output),
-the KV lengths of both models, the :class:`~specrt.runtime.decode.Plan`, the acceptor (a
-:class:`~specrt.runtime.logprobs.LogprobRecorder` around it when logprobs are asked for),
-its drafter and adaptive-k policy, the :class:`~specrt.runtime.stats.Stats`, the completion
+the target's KV length, the :class:`~specrt.runtime.decode.Plan`, the acceptor (a
+:class:`~specrt.runtime.logprobs.LogprobRecorder` around it when logprobs are asked for; a
+:class:`~specrt.runtime.constraints.ConstrainedAcceptor` inside it under a constraint), its
+drafter (the draft side: the draft model's KV length included) and adaptive-k policy, the :class:`~specrt.runtime.stats.Stats`, the completion
 text (:class:`~specrt.runtime.textstream.CompletionText`, stop strings included) and the
 output logprob entries. It does not own the target model: each call names the target it
 runs on (the Engine's, or a batch slot), so a scheduler may move a generation between
@@ -134,7 +135,7 @@ class Generation:
     def step(self, target: Model) -> str:
         """One round on ``target`` (:func:`~specrt.runtime.decode.one_round`: draft,
         verify, commit, roll back); returns the text released."""
-        rec = one_round(target, self.draft, self.seq, self.n_prompt, self.kv, self.plan, self.acc, self.drafter, self.policy)
+        rec = one_round(target, self.seq, self.n_prompt, self.kv, self.plan, self.acc, self.drafter, self.policy)
         return self.push(self._observed(rec))
 
     def push_row(self, row: np.ndarray, seconds: float) -> str:
@@ -192,4 +193,4 @@ class Generation:
         return res
 
     def _observed(self, rec: Round) -> Round:
-        return observe_tail(rec, self.draft, self.seq, self.n_prompt, self.kv, self.plan, self.acc)
+        return observe_tail(rec, self.drafter, self.seq, self.n_prompt, self.plan, self.acc)
