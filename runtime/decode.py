@@ -192,6 +192,9 @@ class Round:
             committed tokens the draft had not seen.
         forced: of ``commit``, the tokens a constraint forced after the target's token
             (jump-forward: no model call made them; :func:`commit_forced`).
+        forced_accepted: of the m accepted candidates, those a constraint forced (the
+            drafter proposed them without a draft call; the target's masked row allowed
+            them alone).
     """
 
     pos: int
@@ -207,6 +210,7 @@ class Round:
     pre: tuple | None = None
     tail: tuple | None = None
     forced: int = 0
+    forced_accepted: int = 0
 
 
 def verify(cands: Sequence[int], blocks, acc: Acceptor) -> tuple[int, int]:
@@ -305,6 +309,7 @@ def one_round(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan:
     pre: list | None = [] if plan.observe and acc.greedy else None
     t1 = clock()
     drafter.model_calls = 0
+    drafter.forced_steps.clear()
     cands, confs = propose(drafter.steps(seq, acc, steps, pre), n_max, plan.threshold, plan.eos, acc.propose_below)
     t2 = clock()
     m, token = verify(cands, target_blocks(target, seq, cands, kv.target, confs, plan, calls), acc)
@@ -329,6 +334,7 @@ def one_round(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan:
         calls=calls,
         pre=pre[0] if pre else None,
         forced=forced,
+        forced_accepted=sum(1 for i in drafter.forced_steps if i < m),
     )
 
 

@@ -57,11 +57,14 @@ class Drafter(Protocol):
         model_calls: draft model calls made for the steps pulled since the caller last
             set it to 0 (one per model step, the feed of unseen tokens included in the
             first; n-gram steps cost none).
+        forced_steps: indices of the steps pulled since the caller last cleared it that a
+            constraint forced (proposed without a model call).
     """
 
     draft: Model | None
     kv: int
     model_calls: int
+    forced_steps: list
 
     def steps(self, seq: list[int], acc, steps: list, pre: list | None) -> Iterator[tuple[int, float]]:
         """The round's draft steps over ``seq`` (prompt + committed, pending last).
@@ -87,6 +90,7 @@ class ModelDrafter:
         self.draft = draft
         self.kv = 0
         self.model_calls = 0
+        self.forced_steps: list[int] = []
         self.row = np.full(draft.vocab, -1e9, np.float32)  # a forced step's one-hot row, reused
 
     def rollback(self, committed: int) -> None:
@@ -110,6 +114,7 @@ class ModelDrafter:
                 self.model_calls += 1
             else:
                 step = one_hot_step(self.row, f, acc, i)
+                self.forced_steps.append(i)
             steps.append(step)
             yield step
             unseen.append(step[0])
@@ -170,6 +175,7 @@ class NgramDrafter:
         self.index = NgramIndex(min_n, max_n)
         self.k_max = k_max
         self.model_calls = 0
+        self.forced_steps: list[int] = []  # n-gram steps are free anyway: none is counted here
         self.row = np.full(vocab, -1e9, np.float32)  # the one-hot draft distribution, reused
 
     def proposal(self, seq: list[int], acc) -> list[int]:
@@ -211,6 +217,14 @@ class HybridDrafter(NgramDrafter):
     @property
     def draft(self) -> Model:
         return self.model.draft
+
+    @property
+    def forced_steps(self) -> list:
+        return self.model.forced_steps
+
+    @forced_steps.setter
+    def forced_steps(self, v: list) -> None:
+        pass  # NgramDrafter.__init__ sets its own: the model's list is the one counted
 
     @property
     def kv(self) -> int:

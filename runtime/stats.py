@@ -27,7 +27,8 @@ class Stats:
 
     ``forced`` counts the output tokens a constraint forced (jump-forward: committed without
     a model call, :mod:`specrt.runtime.constraints`); they are in ``new_tokens`` but never in
-    ``proposed``/``accepted``.
+    ``proposed``/``accepted``. ``forced_accepted``: of ``accepted``, the candidates a
+    constraint forced inside a round (no draft call made them; acceptance is certain).
     """
 
     prompt_tokens: int = 0
@@ -50,6 +51,7 @@ class Stats:
     target_flops: int = 0
     prefill_flops: int = 0
     forced: int = 0
+    forced_accepted: int = 0
 
     def add(self, rec: Round, fc: FlopCoefficients) -> None:
         """Count one :class:`~specrt.runtime.decode.Round` record (the prefill's included).
@@ -75,6 +77,7 @@ class Stats:
         self.proposed_hist[n] += 1
         self.accepted_hist[m] += 1
         self.draft_calls += rec.draft_calls
+        self.forced_accepted += rec.forced_accepted
         self.draft_seconds += rec.draft_s
         self.target_seconds += rec.target_s
         for q, _, rows in rec.calls:

@@ -130,6 +130,10 @@ def test_json_schema_speculative_equals_constrained_target_only_and_validates(en
             tokens, n = replay_rounds(engine, engine.prompt_ids(prompt), cfg)
             assert tokens == base.tokens, (name, prompt[:20], k, th, drafter, strategy)
             checked += n
+        spec = engine.generate(prompt, GenerationConfig(max_new_tokens=NEW, constraint=c, k_max=8, drafter="model"))
+        # forced tokens committed after a round, or proposed inside one without a draft call
+        assert name == "any_object" or spec.stats.forced + spec.stats.forced_accepted >= 2, spec.stats
+        assert spec.stats.forced_accepted <= spec.stats.accepted
     assert checked >= 10  # the draft did propose, and every proposal was inside the grammar
 
 

@@ -122,7 +122,7 @@ def test_constrained_speculative_equals_constrained_target_only(engine):
 
 def test_openai_tool_loop_and_fim_on_the_real_pair(tmp_path):
     """The official openai client against `specrt serve` on the real pair: a forced call
-    (arguments valid), its result sent back, the model's answer; the streamed call
+    (arguments valid), its result sent back with the user's follow-up, the model's answer; the streamed call
     reassembles to the non-streamed one; a fill-in-the-middle completion (suffix) through
     Qwen2.5-Coder's own FIM tokens fills the gap with the line the suffix needs."""
     openai = pytest.importorskip("openai")
@@ -154,9 +154,11 @@ def test_openai_tool_loop_and_fim_on_the_real_pair(tmp_path):
                 "tool_calls": [{"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}],
             },
             {"role": "tool", "tool_call_id": call.id, "content": "class LRUCache:\n    def get(self, key):\n        return self._data[key]\n"},
+            {"role": "user", "content": "Explain in one sentence what get does."},
         ]
         r2 = c.chat.completions.create(model="real", messages=history, tools=task["tools"], max_tokens=96, temperature=0)
-        assert r2.choices[0].message.content and "get" in r2.choices[0].message.content, r2.choices[0].message
+        assert r2.choices[0].finish_reason == "stop" and r2.choices[0].message.tool_calls is None, r2.choices[0]
+        assert "get" in r2.choices[0].message.content and "key" in r2.choices[0].message.content, r2.choices[0].message
         prefix = "def area(width, height):\n    "
         suffix = "\n    return result\n\n\nprint(area(3, 4))\n"
         fim = c.completions.create(model="real", prompt=prefix, suffix=suffix, max_tokens=24, temperature=0)

@@ -101,6 +101,7 @@ def usage_block(results: Sequence, prompt_tokens: int | None = None) -> dict:
             "passes": passes,
             "draft_calls": sum(s.draft_calls for s in st),
             "forced": sum(s.forced for s in st),
+            "forced_accepted": sum(s.forced_accepted for s in st),
             "accepted_hist": hist,
             "prefill_seconds": _finite(sum(s.prefill_seconds for s in st)),
             "draft_seconds": _finite(sum(s.draft_seconds for s in st)),
