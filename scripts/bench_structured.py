@@ -157,64 +157,59 @@ def rows_def(has_llama: bool) -> list[dict]:
 
 
 def summarize(rows: list[dict], records: list[dict], tasks: list[dict]) -> list[dict]:
-    base = {}  # per (task, repeat): specrt target-only free tok/s
-    for r in records:
-        if r["row"] == rows[0]["label"] and r["ok_http"]:
-            base[(r["task"], r["repeat"])] = r["tok_s"]
+    """Per row, overall and per kind (json, tool): tok/s (tokens / seconds), the median
+    seconds per request, valid outputs, and two ratios to specrt target-only free on the
+    same task and repeat (medians): tok/s, and time per request (baseline seconds / row
+    seconds: the time to the answer, whatever its length)."""
+    base = {(r["task"], r["repeat"]): r for r in records if r["row"] == rows[0]["label"] and r["ok_http"]}
+
+    def block(recs: list[dict], constrained: bool) -> dict:
+        if not recs:
+            return {}
+        pairs = [(r, base[(r["task"], r["repeat"])]) for r in recs if (r["task"], r["repeat"]) in base]
+        tok_s = [r["tok_s"] for r in recs]
+        q = statistics.quantiles(tok_s, n=4, method="inclusive") if len(tok_s) > 1 else [tok_s[0]] * 3
+        decode = [r["decode_tok_s"] for r in recs if r["decode_tok_s"]]
+        return dict(
+            n=len(recs),
+            tokens=sum(r["tokens"] for r in recs),
+            tok_s=sum(r["tokens"] for r in recs) / sum(r["seconds"] for r in recs),
+            tok_s_median=statistics.median(tok_s),
+            tok_s_q25_q75=[q[0], q[2]],
+            seconds_per_request=statistics.median(r["seconds"] for r in recs),
+            prefill_seconds=statistics.median(r["prefill_seconds"] for r in recs) if all(r["prefill_seconds"] is not None for r in recs) else None,
+            decode_tok_s_median=statistics.median(decode) if decode else None,
+            valid=sum(r["valid"] for r in recs) / len(recs) if constrained else None,
+            tok_s_vs_base=statistics.median(r["tok_s"] / b["tok_s"] for r, b in pairs) if pairs else None,
+            time_vs_base=statistics.median(b["seconds"] / r["seconds"] for r, b in pairs) if pairs else None,
+            forced=sum(r.get("forced", 0) for r in recs),
+        )
+
     out = []
     for row in rows:
         recs = [r for r in records if r["row"] == row["label"] and r["ok_http"]]
-        if not recs:
-            out.append(dict(label=row["label"], n=0))
-            continue
-        tok = sum(r["tokens"] for r in recs)
-        sec = sum(r["seconds"] for r in recs)
-        by_kind = {}
-        for kind in ("json", "tool"):
-            rk = [r for r in recs if r["kind"] == kind]
-            if rk:
-                by_kind[kind] = dict(
-                    tok_s=sum(r["tokens"] for r in rk) / sum(r["seconds"] for r in rk), seconds_per_request=statistics.median(r["seconds"] for r in rk)
-                )
-        ratios = [r["tok_s"] / base[(r["task"], r["repeat"])] for r in recs if (r["task"], r["repeat"]) in base]
-        q = statistics.quantiles([r["tok_s"] for r in recs], n=4) if len(recs) > 1 else [recs[0]["tok_s"]] * 3
-        out.append(
-            dict(
-                label=row["label"],
-                n=len(recs),
-                tok_s=tok / sec,
-                tok_s_median=statistics.median(r["tok_s"] for r in recs),
-                tok_s_q25_q75=[q[0], q[2]],
-                seconds_per_request=statistics.median(r["seconds"] for r in recs),
-                valid=sum(r["valid"] for r in recs) / len(recs) if row["constrained"] else None,
-                vs_specrt_target_only_free=statistics.median(ratios) if ratios else None,
-                by_kind=by_kind,
-                forced=sum(r.get("forced", 0) for r in recs),
-                prefill_seconds=statistics.median(r["prefill_seconds"] for r in recs) if all(r["prefill_seconds"] is not None for r in recs) else None,
-                decode_tok_s_median=statistics.median(r["decode_tok_s"] for r in recs) if all(r["decode_tok_s"] for r in recs) else None,
-                tokens=tok,
-            )
-        )
+        d = dict(label=row["label"], **block(recs, row["constrained"]))
+        d["by_kind"] = {k: block([r for r in recs if r["kind"] == k], row["constrained"]) for k in ("json", "tool")}
+        out.append(d)
     return out
 
 
 def table(summary: list[dict]) -> str:
     lines = [
-        "| row | tok/s (all) | median [q25, q75] per request | JSON tok/s | tool-call tok/s | s/request | prefill s | decode tok/s | valid | vs specrt target-only free (median per request) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| row | kind | s/request | tok/s | decode tok/s | valid | time vs specrt target-only free | tok/s vs specrt target-only free |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
-        if not s.get("n"):
-            lines.append(f"| {s['label']} | - | - | - | - | - | - | - | - | - |")
-            continue
-        k = s["by_kind"]
-        v = "-" if s["valid"] is None else f"{100 * s['valid']:.0f}%"
-        lines.append(
-            f"| {s['label']} | {s['tok_s']:.2f} | {s['tok_s_median']:.2f} [{s['tok_s_q25_q75'][0]:.2f}, {s['tok_s_q25_q75'][1]:.2f}] | "
-            f"{k.get('json', {}).get('tok_s', float('nan')):.2f} | {k.get('tool', {}).get('tok_s', float('nan')):.2f} | {s['seconds_per_request']:.2f} | "
-            f"{_f(s['prefill_seconds'])} | {_f(s['decode_tok_s_median'])} | {v} | "
-            f"{(s['vs_specrt_target_only_free'] or float('nan')):.2f}x |"
-        )
+        for kind in ("json", "tool"):
+            k = s["by_kind"].get(kind) or {}
+            if not k:
+                lines.append(f"| {s['label']} | {kind} | - | - | - | - | - | - |")
+                continue
+            v = "-" if k["valid"] is None else f"{100 * k['valid']:.0f}%"
+            lines.append(
+                f"| {s['label']} | {kind} | {k['seconds_per_request']:.2f} | {k['tok_s']:.2f} | {_f(k['decode_tok_s_median'])} | {v} | "
+                f"{_f(k['time_vs_base'])}x | {_f(k['tok_s_vs_base'])}x |"
+            )
     return "\n".join(lines)
 
 
