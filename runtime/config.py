@@ -125,7 +125,7 @@ class GenerationConfig:
             (:meth:`~specrt.runtime.engine.Engine.resolve`).
         logit_bias: ``((token id, bias), ...)`` added to every draft and target logits row
             before anything else reads it (OpenAI's ``logit_bias``: biases in [-100, 100];
-            -100 bans a token); a dict is accepted and sorted into pairs. Exact under
+            -100 bans a token: it becomes -inf); a dict is accepted and sorted into pairs. Exact under
             speculation: draft and target rows get the same offsets.
     """
 

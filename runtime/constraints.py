@@ -27,6 +27,10 @@ How a constraint meets the loop (:class:`ConstrainedAcceptor`, an
   decoding alike (so the two still agree token for token); the target's KV catches them
   up in its next call (:mod:`specrt.runtime.decode`), and they are counted apart
   (``Round.forced``, ``Stats.forced``).
+* ``logit_bias`` is added to every free row (-100 bans: -inf); a token it pushes down (a
+  negative bias) is never forced: where the grammar would force it, the masked, biased row
+  decides. llguidance allows forced text in its canonical tokens only, so a banned forced
+  token leaves that state without a token: the generation ends there ("constraint").
 * an n-gram proposal is cut to its longest prefix the grammar accepts
   (:meth:`ConstrainedAcceptor.valid_prefix`) before it is proposed.
 * a state where no token is allowed (the grammar cannot be completed) ends the
@@ -126,8 +130,10 @@ class Constraint:
                 schema = json.loads(spec)
             except ValueError as e:
                 raise InputError(f"{name}: the JSON schema is not valid JSON ({e})", name) from None
-            if not isinstance(schema, (dict, bool)):
-                raise InputError(f"{name}: a JSON schema is an object (or true/false), got {type(schema).__name__}", name)
+            if schema is True:  # the schema that accepts any JSON value
+                spec = "{}"
+            elif not isinstance(schema, dict):
+                raise InputError(f"{name}: a JSON schema is an object (or true: any JSON value), got {json.dumps(schema)[:40]}", name)
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
             except ValueError as e:
@@ -139,7 +145,9 @@ class Constraint:
                 options = None
             if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
                 raise InputError(f"{name}: choices must be a non-empty list of non-empty strings", name)
-            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+            # one lexeme (a terminal), not parser alternatives: the parser caps items per row
+            # (about 2,000), a lexeme holds any number of options
+            return llguidance.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(o) for o in options))
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
         if kind == "lark":
@@ -181,14 +189,16 @@ def check_logit_bias(bias: Any, vocab: int) -> tuple[tuple[int, float], ...]:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise InputError(f"logit_bias entry {pair!r}; logit_bias maps token ids to numbers in [-100, 100]", "logit_bias")
         k, v = pair
-        try:
-            tid = int(k) if not isinstance(k, bool) and str(k).strip().lstrip("-").isdigit() else None
-        except ValueError:
+        if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+            tid = int(k)
+        elif isinstance(k, str) and k.isascii() and k.isdigit():  # decimal ASCII digits only (no sign, space, other scripts)
+            tid = int(k)
+        else:
             tid = None
         if tid is None or not 0 <= tid < vocab:
             raise InputError(f"logit_bias: key {k!r} is not a token id in 0..{vocab - 1}", "logit_bias")
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not -100.0 <= float(v) <= 100.0:
-            raise InputError(f"logit_bias[{k!r}]={v!r}; a bias is a number in [-100, 100]", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not -100 <= v <= 100:
+            raise InputError(f"logit_bias[{k!r}]={str(v)[:40]}; a bias is a number in [-100, 100]", "logit_bias")
         out[tid] = float(v)
     return tuple(sorted(out.items()))
 
@@ -279,7 +289,8 @@ class ConstrainedAcceptor:
         vocab: the tokenizer's vocabulary size (rows are read up to it).
         k_max: most candidates per round (sizes the per-row masks: k_max + 2 rows).
         eos: the end-of-generation ids; eos_id: the one a complete grammar commits.
-        bias: ``((token id, bias), ...)`` added to every row (:func:`check_logit_bias`).
+        bias: ``((token id, bias), ...)`` added to every row (:func:`check_logit_bias`);
+            -100 bans the token (-inf), as OpenAI documents it.
 
     Attributes:
         greedy, propose_below: ``inner``'s.
@@ -294,8 +305,13 @@ class ConstrainedAcceptor:
         self.inner, self.matcher, self.vocab = inner, matcher, vocab
         self.greedy, self.propose_below = inner.greedy, inner.propose_below
         self.eos, self.eos_id = eos, eos_id
-        self.bias_ids = np.array([t for t, _ in bias], np.int64)
-        self.bias_vals = np.array([b for _, b in bias], np.float32)
+        self.bias_row = None  # the static bias as a row (-100 bans: -inf, as OpenAI documents it), or None
+        if bias:
+            self.bias_row = np.zeros(vocab, np.float32)
+            for t, b in bias:
+                self.bias_row[t] = -np.inf if b <= -100 else b
+        self.banned = np.array([t for t, b in bias if b <= -100], np.int64)
+        self.negative = frozenset(t for t, b in bias if b < 0)  # never forced (jump-forward skips them)
         rows = k_max + 2
         self.bits = np.zeros((rows, (vocab + 31) // 32), np.int32)  # llguidance's bitmask per row
         self.penalty = np.zeros((rows, vocab), np.float32)  # 0 / -inf per row, from bits
@@ -342,14 +358,16 @@ class ConstrainedAcceptor:
         if m.is_stopped():
             return self.eos_id
         ff = m.compute_ff_tokens()
-        return ff[0] if ff else None
+        if not ff or ff[0] in self.negative:  # a token the bias pushes down: the masked, biased row decides
+            return None
+        return ff[0]
 
     def _penalty(self, r: int) -> np.ndarray | None:
         """Row r's penalty row (computed once per round and state), or None: no mask. A
         state with a forced token allows that token alone; one that allows nothing (the
         grammar failed) allows the end of generation alone and is marked dead."""
         if self.matcher is None:
-            return None
+            return self.bias_row
         from llguidance.numpy import fill_next_token_bitmask
 
         while self.ready <= r:  # rows are asked for in order; fill any skipped one too
@@ -363,10 +381,13 @@ class ConstrainedAcceptor:
             if f is None:
                 fill_next_token_bitmask(self.matcher, self.bits, j)
                 allowed = np.unpackbits(self.bits[j].view(np.uint8), count=self.vocab, bitorder="little")
+                allowed[self.banned] = 0
                 if allowed.any() and self._dead() is None:  # computing the mask can reveal a dead end
                     np.copyto(pen, allowed)
                     with np.errstate(divide="ignore"):
                         np.log(pen, out=pen)  # 1 -> 0, 0 -> -inf: one add masks a row
+                    if self.bias_row is not None:
+                        pen += self.bias_row
                 else:
                     self.dead[j], f = True, self.eos_id
             if f is not None:
@@ -383,17 +404,12 @@ class ConstrainedAcceptor:
         return self.force[i]
 
     def _row(self, row: np.ndarray, pen: np.ndarray | None, buf: int) -> np.ndarray:
-        """``row`` with the logit bias added and the penalty applied (a work row), or
-        ``row`` itself when there is neither."""
-        if pen is None and not self.bias_ids.size:
+        """``row`` plus its penalty row (the mask and the logit bias; a forced or dead state's
+        one-hot row carries no bias), in a work row; ``row`` itself without one."""
+        if pen is None:
             return row
         out = self.work[buf]
-        if pen is None:
-            np.copyto(out, row[: self.vocab])
-        else:
-            np.add(row[: self.vocab], pen, out=out)
-        if self.bias_ids.size:
-            out[self.bias_ids] += self.bias_vals
+        np.add(row[: self.vocab], pen, out=out)
         return out
 
     def _settle(self, r: int, token: int) -> None:

@@ -118,26 +118,38 @@ class LogprobRecorder:
 
     def accept(self, r: int, x: int, row: np.ndarray) -> bool:
         """Forwarded; an accepted candidate's entry is recorded from ``row`` now."""
+        forced = self.inner.forced_at(r)
         ok = self.inner.accept(r, x, row)
         if ok:
-            self._entries.append(token_logprob(row, self.vocab, x, self.top_n))
+            self._entries.append(self._entry(row, x, forced))
         return ok
 
     def correction(self, r: int, row: np.ndarray) -> int:
         """Forwarded; the correction token's entry is recorded from ``row``."""
+        forced = self.inner.forced_at(r)  # before the call: the round's grammar state ends with it
         t = self.inner.correction(r, row)
-        self._entries.append(token_logprob(row, self.vocab, t, self.top_n))
+        self._entries.append(self._entry(row, t, forced))
         return t
 
     def bonus(self, r: int, row: np.ndarray) -> int:
         """Forwarded; the bonus (or first) token's entry is recorded from ``row``."""
+        forced = self.inner.forced_at(r)
         t = self.inner.bonus(r, row)
-        self._entries.append(token_logprob(row, self.vocab, t, self.top_n))
+        self._entries.append(self._entry(row, t, forced))
         return t
+
+    def _entry(self, row: np.ndarray, t: int, forced: int | None) -> TokenLogprob:
+        """A token's entry: from ``row``, or, where a constraint forced it, the forced entry
+        (the same as :meth:`forced` records, so speculative and target-only runs list the
+        same logprobs)."""
+        if forced is not None and forced == t:
+            return TokenLogprob(int(t), 0.0, ((int(t), 0.0),) if self.top_n else ())
+        return token_logprob(row, self.vocab, t, self.top_n)
 
     def forced(self, limit: int) -> list[int]:
         """Forwarded; a forced token's entry is log-probability 0 (probability 1 under the
-        constraint: no model row chose it), listed alone among its alternatives."""
+        constraint: no model row chose it, or the masked row allowed it alone), listed alone
+        among its alternatives."""
         toks = self.inner.forced(limit)
         for t in toks:
             self._entries.append(TokenLogprob(int(t), 0.0, ((int(t), 0.0),) if self.top_n else ()))

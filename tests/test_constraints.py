@@ -330,3 +330,46 @@ def test_constrained_acceptor_masks_rows_once_per_state_and_rolls_back():
     assert acc.correction(0, target) == 4  # the masked argmax
     assert acc.forced(10) == [6, 0]  # after 4: 6 is forced, then the end of generation
     assert acc.failed is None
+
+
+@needs_default
+def test_logprobs_under_a_constraint_are_the_same_in_both_modes(engine):
+    """A token the grammar forces is listed with logprob 0 (alone among its alternatives)
+    whether it was committed by jump-forward (target-only) or proposed and verified inside a
+    round (speculative); every other entry is the target's raw distribution, equal in both."""
+    c = Constraint.json_schema(SCHEMAS["person"])
+    base = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=NEW, constraint=c, speculative=False, logprobs=2))
+    assert any(e.logprob == 0.0 and e.top == ((e.token, 0.0),) for e in base.logprobs)
+    for drafter in ("model", "ngram", "hybrid"):
+        spec = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=NEW, constraint=c, k_max=8, drafter=drafter, logprobs=2))
+        assert spec.tokens == base.tokens
+        assert [(e.token, e.logprob, e.top) for e in spec.logprobs] == [(e.token, e.logprob, e.top) for e in base.logprobs], drafter
+
+
+@needs_default
+def test_a_choice_of_many_options_and_a_banned_forced_token(engine):
+    """20,000 options are one lexeme (the parser's per-row item cap does not apply); a
+    forced token that logit_bias bans is not committed: the generation ends with
+    finish_reason "constraint" where the grammar has no other token, in both modes."""
+    import random
+    import string
+
+    rng = random.Random(0)
+    opts = sorted({"".join(rng.choice(string.ascii_lowercase) for _ in range(6)) for _ in range(20_000)})
+    r = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=12, constraint=Constraint.choice(opts)))
+    assert r.finish_reason == "stop" and r.text in opts
+    text = "import numpy as np"
+    c = Constraint.choice([text])
+    free = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=20, constraint=c))
+    banned = {str(free.tokens[0]): -100}
+    outs = [engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=20, constraint=c, logit_bias=banned, speculative=s)) for s in (False, True)]
+    # llguidance allows forced text in its canonical tokens only: with the first one banned,
+    # nothing can start the output, and the generation ends there, the same in both modes
+    assert outs[0].tokens == outs[1].tokens == [engine.manifest.eos_token_id] and outs[0].finish_reason == outs[1].finish_reason == "constraint"
+    assert engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=20, constraint=Constraint.json_schema(True))).finish_reason in ("stop", "length")
+
+
+def test_logit_bias_keys_and_values_are_strict():
+    for bad in ({" 5": 1}, {"٣": 1}, {"-1": 1}, {"5": 10**400}, {"5": float("nan")}):
+        with pytest.raises(InputError, match="logit_bias"):
+            check_logit_bias(bad, 10)

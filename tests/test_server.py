@@ -207,7 +207,7 @@ def test_32_concurrent_clients(server, engine):
         (json.dumps(dict(prompt="x", max_tokens=0)).encode(), 400, "max_tokens", "max_tokens=0 is allowed only with echo=true"),
         (json.dumps(dict(prompt="x", logprobs=6)).encode(), 400, "logprobs", "logprobs: Input should be less than or equal to 5 (got 6)"),
         (json.dumps(dict(prompt="x", presence_penalty=0.5)).encode(), 400, "presence_penalty", "only presence_penalty=0 (or null) is supported"),
-        (json.dumps(dict(prompt="x", suffix="y")).encode(), 400, "suffix", "suffix is not supported"),
+        (json.dumps(dict(prompt="x", suffix="y")).encode(), 400, "suffix", "has no fill-in-the-middle tokens"),
         (json.dumps(dict(prompt="x" * 7000)).encode(), 400, "prompt", "prompt has 7000 characters; the context holds at most 255 prompt tokens"),
         (json.dumps(dict(prompt="x", stop=["a", "b", "c", "d", "e"])).encode(), 400, "stop", "at most 4 stop strings"),
         (json.dumps(dict(prompt="x", k_max=99)).encode(), 400, "k_max", "k_max=99; k_max must be an integer in 1..8"),

@@ -59,6 +59,8 @@ def test_the_format_is_read_from_the_template():
             [("f", {}), ("g", {"x": "y"})],
         ),
         ("hermes", "<tool_call>\n{broken\n</tool_call> and text", "<tool_call>\n{broken\n</tool_call> and text", []),
+        # the closing tag inside a string argument is text: the JSON object is decoded whole
+        ("hermes", '<tool_call>\n{"name": "w", "arguments": {"t": "a </tool_call> b"}}\n</tool_call>', None, [("w", {"t": "a </tool_call> b"})]),
         ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a"', '<tool_call>\n{"name": "f", "arguments": {"a"', []),  # cut by the length
         ("llama3_json", '{"name": "f", "parameters": {"a": [1, 2]}}', None, [("f", {"a": [1, 2]})]),
         ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"b": true}}', None, [("f", {}), ("g", {"b": True})]),
@@ -93,6 +95,7 @@ HERMES_TEXTS = [
     "No call here, just < and <tool and </tool_call> text.  ",
     '<tool_call>\n{"name": "run_tests", "arguments": {"path": "a"}}\n</tool_call>trailing <tool_c',
     '<tool_call>\nnot json\n</tool_call>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+    'x <tool_call>\n{"name": "w", "arguments": {"t": "<tool_call> and </tool_call>"}}\n</tool_call> y',
 ]
 
 
@@ -308,6 +311,25 @@ def test_structured_output_fields(client, tool_server):
         ("completions", {"suffix": "\n    return x\n"}, "suffix", "no fill-in-the-middle tokens"),
         ("completions", {"logit_bias": {"5": 300}}, "logit_bias", "[-100, 100]"),
         ("completions", {"logit_bias": {"99999": 1}}, "logit_bias", "not a token id"),
+        ("completions", {"logit_bias": {"5": 10**400}}, "logit_bias", "[-100, 100]"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools", "must be a JSON schema of an object"),
+        (
+            "chat",
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string", "format": "nope"}}}}}
+                ]
+            },
+            "tools",
+            "tools[0].function.parameters (f)",
+        ),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": "x"}]},
+            "messages",
+            "messages[1].tool_calls must be a list",
+        ),
+        ("chat", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "1"}]}]}, "messages", "messages[1].tool_calls[0]"),
     ],
 )
 def test_bad_requests_get_one_line_400(tool_server, route, body, param, needle):
@@ -316,12 +338,30 @@ def test_bad_requests_get_one_line_400(tool_server, route, body, param, needle):
     base = {"model": "tiny", "max_tokens": 8}
     if route == "chat":
         path, base["messages"] = "/v1/chat/completions", ASK
+        if "messages" in body:
+            body = dict(body, tools=TOOLS)
     else:
         path, base["prompt"] = "/v1/completions", "x = "
     status, out, _ = post(tool_server.port, dict(base, **body), path=path)
     assert status == 400, out
     err = out["error"]
     assert err["param"] == param and needle in err["message"] and "\n" not in err["message"], err
+
+
+def test_a_no_op_response_format_goes_with_forced_calls(client):
+    """response_format {"type": "text"} (some clients always send it) constrains nothing:
+    it goes with tool_choice required."""
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        response_format={"type": "text"},
+        max_tokens=120,
+        temperature=0,
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
 
 
 def test_tools_with_a_template_without_tool_support_are_refused(tiny_server):

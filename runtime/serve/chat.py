@@ -125,8 +125,8 @@ class ChatTemplate:
             messages[-1] = dict(messages[-1], content=final + _CONTINUE_TAG)
         try:
             text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None, **self.special_tokens)
-        except self._errors as e:
-            raise InputError(f"messages: the chat template refused the conversation: {e}", "messages") from None
+        except (*self._errors, TypeError, ValueError) as e:  # a template tripping over a value (e.g. tojson of an undefined field) is the request's fault
+            raise InputError(f"messages: the chat template refused the conversation: {type(e).__name__}: {e}", "messages") from None
         return text if final is None else _cut_at_tag(text, final)
 
 
@@ -222,10 +222,28 @@ def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
                 texts.append(part["text"])
             content = "\n".join(texts)
         d["content"] = "" if content is None else content
-        if isinstance(d.get("tool_calls"), list):
-            d["tool_calls"] = [_parsed_arguments(c) for c in d["tool_calls"]]
+        if "tool_calls" in d:
+            d["tool_calls"] = [_parsed_arguments(c) for c in _checked_tool_calls(d["tool_calls"], i)]
         out.append(d)
     return out
+
+
+def _checked_tool_calls(calls: Any, i: int) -> list:
+    """An assistant message's ``tool_calls`` as OpenAI defines them: a list of
+    ``{"id", "type": "function", "function": {"name": str, "arguments": str or object}}``.
+
+    Raises:
+        InputError: (param ``messages``) another shape, naming the message and the call.
+    """
+    if not isinstance(calls, list):
+        raise InputError(f"messages[{i}].tool_calls must be a list of tool calls, got {type(calls).__name__}", "messages")
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            raise InputError(
+                f'messages[{i}].tool_calls[{j}]: a tool call is {{"id", "type": "function", "function": {{"name": str, "arguments": str}}}}', "messages"
+            )
+    return calls
 
 
 def _parsed_arguments(call: Any) -> Any:

@@ -17,8 +17,9 @@ from dataclasses import replace
 
 from ..errors import InputError, SpecRTError
 from .jobs import Job
-from .protocol import CONSTRAINT_FIELDS, DEFAULT_MAX_TOKENS
+from .protocol import DEFAULT_MAX_TOKENS
 from .responses import GenerationRequest, Responses, Work
+from .structured import request_constraint
 from .tools import ToolCalling
 
 __all__ = ["RequestError", "CompletionService"]
@@ -88,7 +89,6 @@ class CompletionService:
         """The request's resolved GenerationConfig (seed of choice 0), its constraint compiled
         (``constraint``, else the one the request's fields ask for)."""
         from ..config import GenerationConfig
-        from .structured import request_constraint
 
         try:
             constraint = constraint or request_constraint(req)
@@ -195,6 +195,22 @@ class CompletionService:
             )
         return fim
 
+    def _check_tool_schemas(self, tools) -> None:
+        """Each tool's parameters compile as a JSON-schema constraint (whatever the
+        tool_choice: a schema the engine cannot enforce is refused up front, naming the tool).
+
+        Raises:
+            InputError: (param ``tools``) the first schema that does not compile.
+        """
+        from ..constraints import Constraint
+
+        gt = self.engine.grammar_tokenizer()
+        for i, spec in enumerate(tools.tools):
+            try:
+                gt.matcher(Constraint.json_schema(spec.parameters, f"tools[{i}].function.parameters ({spec.name})"))
+            except InputError as e:
+                raise InputError(str(e), "tools") from None
+
     def prepare_chat(self, req) -> Work:
         """The :class:`Work` of a validated ``/v1/chat/completions`` body: the conversation
         rendered with the chat template (:mod:`specrt.runtime.serve.chat`), tokenized without
@@ -223,11 +239,15 @@ class CompletionService:
         self._check_total(n, "n")
         try:
             tools = ToolCalling.build(self.chat_template.source, req.tools, req.tool_choice, req.parallel_tool_calls, self.engine.codec.tokenizer.token_to_id)
-            if tools is not None and tools.constraint is not None and any(getattr(req, f) is not None for f in CONSTRAINT_FIELDS):
-                raise InputError(
-                    f"tool_choice {tools.mode!r} constrains the output to tool calls; it cannot be combined with response_format or a guided_* field",
-                    "tool_choice",
-                )
+            if tools is not None:
+                self._check_tool_schemas(tools)
+                if tools.constraint is not None and request_constraint(req) is not None:
+                    what = {"required": 'tool_choice "required"', "named": f"tool_choice naming {tools.name!r}"}.get(
+                        tools.mode, 'a strict tool under tool_choice "auto"'
+                    )
+                    raise InputError(
+                        f"{what} constrains the output to tool calls (a grammar); it cannot be combined with response_format or a guided_* field", "tool_choice"
+                    )
             text = self.chat_template.render(
                 normalize_messages([m.model_dump(exclude_none=True) for m in req.messages]),
                 add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,

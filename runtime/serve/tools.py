@@ -98,8 +98,10 @@ def parse_tools(tools: list) -> list[ToolSpec]:
             raise InputError(f"tools[{i}].function.name={name!r} is given twice; function names must be unique", "tools")
         seen.add(name)
         params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise InputError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise InputError(
+                f"tools[{i}].function.parameters must be a JSON schema of an object (arguments are a JSON object), got {json.dumps(params)[:80]}", "tools"
+            )
         desc = fn.get("description") or ""
         out.append(ToolSpec(name, params, desc if isinstance(desc, str) else "", bool(fn.get("strict"))))
     return out
@@ -252,7 +254,42 @@ def _as_call(obj: Any, key: str) -> dict | None:
     return _call(obj["name"], args) if isinstance(args, dict) else None
 
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_DECODER = json.JSONDecoder()
+
+
+def _hermes_call(text: str, at: int) -> tuple[dict | None, int]:
+    """The call whose ``<tool_call>`` starts at ``at``: ``(call, end)`` when a JSON object
+    follows (decoded whole, so a ``</tool_call>`` inside a string argument is text) and then
+    ``</tool_call>``; ``(None, -1)`` when the text cannot be one (yet)."""
+    i = at + len(_OPEN)
+    while i < len(text) and text[i].isspace():
+        i += 1
+    try:
+        obj, j = _DECODER.raw_decode(text, i)
+    except ValueError:
+        return None, -1
+    while j < len(text) and text[j].isspace():
+        j += 1
+    if not text.startswith(_CLOSE, j):
+        return None, -1
+    return _as_call(obj, "arguments"), j + len(_CLOSE)
+
+
+def _hermes(text: str) -> tuple[list[str], list[dict]]:
+    """The text outside the calls (parts) and the calls, left to right; a ``<tool_call>``
+    that does not open a well-formed call stays text."""
+    parts, calls, at, scan = [], [], 0, 0
+    while (k := text.find(_OPEN, scan)) >= 0:
+        call, end = _hermes_call(text, k)
+        if call is None:
+            scan = k + len(_OPEN)
+            continue
+        parts.append(text[at:k])
+        calls.append(call)
+        at = scan = end
+    parts.append(text[at:])
+    return parts, calls
 
 
 def parse_tool_calls(fmt: str, text: str) -> tuple[str | None, list[dict]]:
@@ -265,18 +302,7 @@ def parse_tool_calls(fmt: str, text: str) -> tuple[str | None, list[dict]]:
     """
     calls: list[dict] = []
     if fmt == "hermes":
-        parts, at = [], 0
-        for m in _HERMES.finditer(text):
-            try:
-                call = _as_call(json.loads(m.group(1)), "arguments")
-            except ValueError:
-                call = None
-            if call is None:
-                continue
-            parts.append(text[at : m.start()])
-            calls.append(call)
-            at = m.end()
-        parts.append(text[at:])
+        parts, calls = _hermes(text)
         content = "".join(parts)
     else:
         body = text.strip().removeprefix("<|python_tag|>").removeprefix("[TOOL_CALLS]").strip()
@@ -307,7 +333,7 @@ class ToolStream:
     deltas out, whose concatenation equals the non-streamed message (content and calls).
 
     hermes: content streams until ``<tool_call>`` (a piece that may begin it is held back);
-    each call is sent once its ``</tool_call>`` arrives, as two deltas (``id``, ``type``,
+    each call is sent once its JSON object and ``</tool_call>`` are complete, as two deltas (``id``, ``type``,
     ``function.name`` with empty ``arguments``, then the ``arguments``), as OpenAI streams
     them. Leading and trailing whitespace of the content is held back as
     :func:`parse_tool_calls` strips it. Other formats: everything is held to the end.
@@ -329,38 +355,34 @@ class ToolStream:
         self.buf += piece
         out: list[dict] = []
         while True:
-            at = self.buf.find("<tool_call>")
+            at = self.buf.find(_OPEN)
             if at < 0:
-                keep = _partial_suffix(self.buf, "<tool_call>")
+                keep = _partial_suffix(self.buf, _OPEN)
                 self._content(self.buf[: len(self.buf) - keep], out)
                 self.buf = self.buf[len(self.buf) - keep :]
                 return out
-            m = _HERMES.match(self.buf, at)
-            if m is None:  # the call is not closed yet
-                self._content(self.buf[:at], out)
-                self.buf = self.buf[at:]
+            self._content(self.buf[:at], out)
+            self.buf = self.buf[at:]
+            call, end = _hermes_call(self.buf, 0)
+            if call is None:  # not (yet) a complete call: held; at the end it is read as parse_tool_calls reads it
                 return out
-            try:
-                call = _as_call(json.loads(m.group(1)), "arguments")
-            except ValueError:
-                call = None
-            if call is None:  # not a call: it stays content, as parse_tool_calls leaves it
-                self._content(self.buf[: m.end()], out)
-            else:
-                self._content(self.buf[:at], out)
-                out.extend(self._call_deltas(call))
-            self.buf = self.buf[m.end() :]
+            out.extend(self._call_deltas(call))
+            self.buf = self.buf[end:]
 
     def finish(self) -> list[dict]:
         """The deltas left at the end of the output."""
+        out: list[dict] = []
         if self.fmt != "hermes":
             content, calls = parse_tool_calls(self.fmt, self.all)
             out = [{"content": content}] if content else []
             for c in calls:
                 out.extend(self._call_deltas(c))
             return out
-        out: list[dict] = []
-        self._content(self.buf, out)
+        parts, calls = _hermes(self.buf)  # what was held: text and calls as the whole-text parse splits them
+        for text, call in zip(parts, [*calls, None]):
+            self._content(text, out)
+            if call is not None:
+                out.extend(self._call_deltas(call))
         self.buf = ""
         return out
 
