@@ -128,9 +128,12 @@ class PhaseMeter:
 
     def __init__(self, log=None):
         self.log = log
+        # with per-phase peaks the overall peak is the max over the phases, nothing from before
+        # the meter started (the process peak read here before the reset could exceed them all)
+        before = peak_rss_mib()
         self.resettable = reset_peak()
         self.phases: dict[str, dict] = {}
-        self.peak_mib = peak_rss_mib()
+        self.peak_mib = 0.0 if self.resettable else before
         self.peak_anon_mib = 0.0
         self._anon = _AnonSampler()
         self.total_peak_mib = self.peak_mib

@@ -138,6 +138,14 @@ def submit(pool, engine, prompt, stream=False, **cfg):
     return job, ev
 
 
+def submit_together(pool, engine, prompts, cfgs):
+    """Queue one job per (prompt, config) in one call (admitted in the same iteration);
+    returns [(job, events)]."""
+    pairs = [(Job(ids=engine.prompt_ids(p), config=engine.resolve(GenerationConfig(**c)), emit=(ev := Events()), stream=False), ev) for p, c in zip(prompts, cfgs)]
+    pool.submit_all([job for job, _ in pairs])
+    return pairs
+
+
 def flat_costs(max_batch, s=1e-3):
     return BatchCosts([0.0] + [s] * max_batch)
 
@@ -462,7 +470,10 @@ def test_constrained_rows_under_batching(int4):
         pool = BatchPool(int4, 4, policy=policy, costs=flat_costs(4))
         try:
             cfgs = [dict(max_new_tokens=24, k_max=3, constraint=c) for c in cons]
-            jobs = [submit(pool, int4, p, **c) for p, c in zip(PROMPTS, cfgs)]
+            # queued at once, so they are admitted together: rows whose next token is forced
+            # are not ready for a batched step, and these rows are short, so rows arriving one
+            # by one (measured: 10 ms apart) can finish without ever sharing a step
+            jobs = submit_together(pool, int4, PROMPTS, cfgs)
             results = [ev.result() for _, ev in jobs]
             assert (pool.steps["batched"] > 0) == (policy == "batched"), pool.steps
         finally:
