@@ -141,7 +141,9 @@ def submit(pool, engine, prompt, stream=False, **cfg):
 def submit_together(pool, engine, prompts, cfgs):
     """Queue one job per (prompt, config) in one call (admitted in the same iteration);
     returns [(job, events)]."""
-    pairs = [(Job(ids=engine.prompt_ids(p), config=engine.resolve(GenerationConfig(**c)), emit=(ev := Events()), stream=False), ev) for p, c in zip(prompts, cfgs)]
+    pairs = [
+        (Job(ids=engine.prompt_ids(p), config=engine.resolve(GenerationConfig(**c)), emit=(ev := Events()), stream=False), ev) for p, c in zip(prompts, cfgs)
+    ]
     pool.submit_all([job for job, _ in pairs])
     return pairs
 
