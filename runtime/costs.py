@@ -54,6 +54,7 @@ def measure_call_times(
         raise InputError(f"cost repetitions {reps}; need >= 1")
     cases: list[tuple[tuple[str, str, int], object, list[int], int]] = []  # (case, model, tokens run, start)
     for label, eng in engines.items():
+        eng.cached = None  # these calls overwrite KV rows a prefix cache may hold
         manifest = eng.manifest
         min_q = manifest.min_q()
         for q in widths:

@@ -52,6 +52,7 @@ from .adaptive import AdaptiveK
 from .backends.base import Model
 from .chunks import call_start, chunk_bounds, feed
 from .drafters import Drafter, make_drafter
+from .prefix import KVPrefix, prefill_calls
 from .speculative import chunk_passes, chunk_sizes, commit, draft_limit, head_blocks, propose, rollback_lengths
 
 __all__ = [
@@ -165,9 +166,12 @@ class Plan:
 @dataclass
 class KVLengths:
     """Rows the target's KV cache holds for the committed sequence (with the drafter's
-    ``kv``, the only state that rolls back)."""
+    ``kv``, the only state that rolls back), and ``aligned``: rows ``[0, aligned)`` the
+    prefill computed in full aligned chunks, the ones a later request may reuse
+    (:mod:`specrt.runtime.prefix`; never rewritten after the prefill)."""
 
     target: int = 0
+    aligned: int = 0
 
 
 @dataclass
@@ -195,6 +199,8 @@ class Round:
         forced_accepted: of the m accepted candidates, those a constraint forced (the
             drafter proposed them without a draft call; the target's masked row allowed
             them alone).
+        cached: (prefill) prompt positions whose target KV rows came from an earlier
+            request (prefix reuse, :mod:`specrt.runtime.prefix`): not computed again.
     """
 
     pos: int
@@ -211,6 +217,7 @@ class Round:
     tail: tuple | None = None
     forced: int = 0
     forced_accepted: int = 0
+    cached: int = 0
 
 
 def verify(cands: Sequence[int], blocks, acc: Acceptor) -> tuple[int, int]:
@@ -390,13 +397,16 @@ def length_finish(seq: list[int], n_prompt: int, plan: Plan) -> str | None:
     return "length" if len(seq) - n_prompt >= plan.budget or len(seq) >= plan.max_ctx else None
 
 
-def prefill(target: Model, seq: list[int], plan: Plan, acc: Acceptor, kv: KVLengths) -> Round:
+def prefill(target: Model, seq: list[int], plan: Plan, acc: Acceptor, kv: KVLengths, cached: KVPrefix | None = None) -> Round:
     """Run the prompt ``seq`` through the target (chunked, :func:`chunk_bounds`), append the
-    first token (the acceptor's bonus at the last row) to ``seq`` and set ``kv.target``;
-    returns the prefill record (``pos`` 0). A prompt shorter than ``min_q`` is run narrower
-    and its rows are left to the first round to recompute (``kv.target`` stays at the last
-    chunk's start). Tokens a constraint forces before the first choice are output tokens
-    fed with the prompt (and when they end the output, no model call is made)."""
+    first token (the acceptor's bonus at the last row) to ``seq`` and set ``kv.target`` and
+    ``kv.aligned``; returns the prefill record (``pos`` 0). A prompt shorter than ``min_q``
+    is run narrower and its rows are left to the first round to recompute (``kv.target``
+    stays at the last chunk's start). Tokens a constraint forces before the first choice
+    are output tokens fed with the prompt (and when they end the output, no model call is
+    made). With ``cached`` (what the target's KV holds from an earlier request), the chunks
+    below :func:`~specrt.runtime.prefix.reuse_target` are not run: the rest are the chunks a
+    cold run makes, so every row and the output are the cold run's."""
     t0 = time.perf_counter()
     n_prompt = len(seq)
     head = acc.forced(min(plan.budget, plan.max_ctx - n_prompt))
@@ -404,14 +414,19 @@ def prefill(target: Model, seq: list[int], plan: Plan, acc: Acceptor, kv: KVLeng
     if head and (head[-1] in plan.eos or length_finish(seq, n_prompt, plan)):
         return Round(0, [], 0, 0, head, "stop" if head[-1] in plan.eos else "length", target_s=time.perf_counter() - t0, forced=len(head))
     n_fed = len(seq)
-    chunks = chunk_bounds(n_fed, target.max_q, plan.min_q, plan.tail_q)
-    first = acc.bonus(0, feed(target, seq, 0, plan.min_q, plan.tail_q)[-1])
+    reused, run, aligned = prefill_calls(cached, seq, target.max_q, plan.min_q, plan.tail_q)
+    for a, b in run:
+        rows = target.run(seq[a:b], a)
+    first = acc.bonus(0, rows[-1])
     new, ended, forced = commit_forced(([first], first in plan.eos), n_fed, n_prompt, plan, acc)
     seq.extend(new)
-    lo, hi = chunks[-1]
+    lo, hi = run[-1]
     kv.target = n_fed if hi - lo >= plan.min_q else lo
+    kv.aligned = aligned
     finish = "stop" if ended else length_finish(seq, n_prompt, plan)
-    return Round(0, [], 0, 0, head + new, finish, target_s=time.perf_counter() - t0, calls=[(b - a, a, b - a) for a, b in chunks], forced=len(head) + forced)
+    return Round(
+        0, [], 0, 0, head + new, finish, target_s=time.perf_counter() - t0, calls=[(b - a, a, b - a) for a, b in run], forced=len(head) + forced, cached=reused
+    )
 
 
 def bonus_round(seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, row: np.ndarray, seconds: float) -> Round:

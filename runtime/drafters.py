@@ -59,10 +59,14 @@ class Drafter(Protocol):
             first; n-gram steps cost none).
         forced_steps: indices of the steps pulled since the caller last cleared it that a
             constraint forced (proposed without a model call).
+        aligned: draft KV rows ``[0, aligned)`` computed in full aligned chunks of the
+            draft's widest call, the ones a later request may reuse
+            (:mod:`specrt.runtime.prefix`); a multiple of ``draft.max_q``.
     """
 
     draft: Model | None
     kv: int
+    aligned: int
     model_calls: int
     forced_steps: list
 
@@ -84,11 +88,17 @@ class Drafter(Protocol):
 
 class ModelDrafter:
     """The draft model proposes (one call per step, as pulled). A step a constraint forces
-    (``acc.forced_at``) is proposed without a call; the draft sees it with the next call."""
+    (``acc.forced_at``) is proposed without a call; the draft sees it with the next call.
 
-    def __init__(self, draft: Model):
+    Args:
+        draft: the draft model. kv: rows its KV already holds for the sequence (prefix
+            reuse: a multiple of ``draft.max_q``, :func:`~specrt.runtime.prefix.reuse_draft`).
+    """
+
+    def __init__(self, draft: Model, kv: int = 0):
         self.draft = draft
-        self.kv = 0
+        self.kv = self.aligned = kv
+        self._fed = False
         self.model_calls = 0
         self.forced_steps: list[int] = []
         self.row = np.full(draft.vocab, -1e9, np.float32)  # a forced step's one-hot row, reused
@@ -106,6 +116,10 @@ class ModelDrafter:
             f = acc.forced_at(i)
             if f is None:
                 rows = feed(draft, unseen, self.kv)
+                if not self._fed:
+                    # the first feed runs from an aligned length in max_q chunks, as a cold
+                    # run's does: its full chunks over committed tokens are reusable
+                    self._fed, self.aligned = True, (len(seq) // draft.max_q) * draft.max_q
                 if pre is not None and i == 0 and len(rows) > 1:
                     pre.append(acc.draft(rows[-2], 0))
                 self.kv += len(unseen)
@@ -168,10 +182,10 @@ class NgramDrafter:
     """Prompt lookup decoding (module docstring): no model call; a round with no match
     proposes nothing (a plain target step)."""
 
-    draft = None  # no model: no KV to keep
-    kv = 0
+    draft = None  # no model: the draft's KV is left as it is
 
-    def __init__(self, vocab: int, k_max: int, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX):
+    def __init__(self, vocab: int, k_max: int, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX, kv: int = 0):
+        self.kv = self.aligned = kv  # the draft KV's reusable rows stay reusable
         self.index = NgramIndex(min_n, max_n)
         self.k_max = k_max
         self.model_calls = 0
@@ -202,8 +216,8 @@ class NgramDrafter:
 class HybridDrafter(NgramDrafter):
     """The n-gram proposal when the sequence has one, else the draft model."""
 
-    def __init__(self, draft: Model, vocab: int, k_max: int, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX):
-        self.model = ModelDrafter(draft)  # first: NgramDrafter.__init__ sets model_calls
+    def __init__(self, draft: Model, vocab: int, k_max: int, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX, kv: int = 0):
+        self.model = ModelDrafter(draft, kv)  # first: NgramDrafter.__init__ sets model_calls
         super().__init__(vocab, k_max, min_n, max_n)
 
     @property
@@ -230,6 +244,18 @@ class HybridDrafter(NgramDrafter):
     def kv(self) -> int:
         return self.model.kv
 
+    @kv.setter
+    def kv(self, n: int) -> None:
+        pass  # NgramDrafter.__init__ sets its own: the model drafter's is the one kept
+
+    @property
+    def aligned(self) -> int:
+        return self.model.aligned
+
+    @aligned.setter
+    def aligned(self, n: int) -> None:
+        pass
+
     def rollback(self, committed: int) -> None:
         self.model.rollback(committed)
 
@@ -238,16 +264,17 @@ class HybridDrafter(NgramDrafter):
         return self._one_hot(toks, acc, steps) if toks else self.model.steps(seq, acc, steps, pre)
 
 
-def make_drafter(name: str, draft: Model, vocab: int, k_max: int) -> Drafter:
-    """The drafter ``name`` (one of :data:`DRAFTERS`) of one generation.
+def make_drafter(name: str, draft: Model, vocab: int, k_max: int, kv: int = 0) -> Drafter:
+    """The drafter ``name`` (one of :data:`DRAFTERS`) of one generation; ``kv``: rows the
+    draft's KV already holds for its prompt (prefix reuse, a multiple of ``draft.max_q``).
 
     Raises:
         ValueError: an unknown name.
     """
     if name == "model":
-        return ModelDrafter(draft)
+        return ModelDrafter(draft, kv)
     if name == "ngram":
-        return NgramDrafter(vocab, k_max)
+        return NgramDrafter(vocab, k_max, kv=kv)
     if name == "hybrid":
-        return HybridDrafter(draft, vocab, k_max)
+        return HybridDrafter(draft, vocab, k_max, kv=kv)
     raise ValueError(f"drafter={name!r}; choose one of {', '.join(DRAFTERS)}")

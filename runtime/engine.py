@@ -31,6 +31,7 @@ from .generation import Generation, GenerationResult
 from .integrity import Verification
 from .logprobs import TokenLogprob, token_logprob
 from .manifest import GRAPH_BUILDER, LAZY_HEAD_HINT, LAZY_HEAD_KEY, REEXPORT_HINT, Manifest, check_files, load_manifest
+from .prefix import KVPrefix
 from .sampling import SampledAcceptor
 from .speculative import GreedyAcceptor
 from .tokenizer import TextCodec
@@ -114,6 +115,11 @@ class Engine:
             False checks only that they exist (the lazy-head graphs: when first used).
         backend: ``"ort-cpu"`` (the default), ``"ort-cuda"`` or ``"tensorrt"``
             (:mod:`specrt.runtime.backends`; the GPU backends are unverified on a GPU).
+        prefix_cache: keep the KV rows of the last generation's prompt and reuse them when
+            the next prompt starts with the same tokens (a chat's growing history): only
+            rows :mod:`specrt.runtime.prefix` proves equal to a cold run's, so the output
+            is the same with or without it. ``GenerationResult.stats.cached_tokens`` says
+            how many prompt tokens were not computed again.
 
     Attributes:
         folder, manifest, codec (the tokenizer), backend (its name), target, draft (the
@@ -129,8 +135,12 @@ class Engine:
             available ones).
     """
 
-    def __init__(self, folder: str | Path, threads: ThreadConfig | None = None, verify_hashes: bool = True, backend: str | None = None):
+    def __init__(
+        self, folder: str | Path, threads: ThreadConfig | None = None, verify_hashes: bool = True, backend: str | None = None, prefix_cache: bool = True
+    ):
         self.folder = Path(folder)
+        self.prefix_cache = prefix_cache
+        self.cached: KVPrefix | None = None  # what this Engine's KV buffers hold for reuse
         self.manifest: Manifest = load_manifest(self.folder, verify_hashes=False)  # validated whole; files present
         manifest = self.manifest
         self.backend = resolve_backend(backend, manifest)
@@ -171,6 +181,7 @@ class Engine:
         new = copy.copy(self)
         new.target, new.draft = self.target.fork(), self.draft.fork()
         new._lock, new._owner = threading.Lock(), None
+        new.cached = None
         return new
 
     def close(self) -> None:
@@ -428,32 +439,42 @@ class Engine:
         one "" per round) and returns the :class:`GenerationResult`. ``out`` (and ``lps``
         with ``cfg.logprobs``) become the generation's live output lists. Closing the
         iterator early releases the lock (the result is then never made)."""
-        gen = self.start(ids, cfg, trace)
+        gen = self.start(ids, cfg, trace)  # before the lock: a first plan may measure costs (dropping the cache)
         if out is not None:
             gen.tokens = out
         if lps is not None and gen.logprobs is not None:
             gen.logprobs = lps
-        with self._locked():
-            piece = gen.prefill(self.target)
-            while True:
-                yield piece if streaming else ""
-                if gen.done:
-                    break
-                piece = gen.step(self.target)
+        with self._locked() as own:
+            if self.prefix_cache and trace is None:  # a trace's replay counts every prefill call
+                gen.reuse(own.held)
+            try:
+                piece = gen.prefill(self.target)
+                while True:
+                    yield piece if streaming else ""
+                    if gen.done:
+                        break
+                    piece = gen.step(self.target)
+            finally:
+                # also when the caller closes the stream early: the rows the prefill (and
+                # the draft's first feed) proved reusable are never rewritten after them
+                self.cached = gen.prefix() if self.prefix_cache else None
         return gen.result()
 
 
 class _Owned:
     """Holds an Engine's lock and records the owning thread (see :meth:`Engine._locked`)."""
 
-    __slots__ = ("engine", "me")
+    __slots__ = ("engine", "me", "held")
 
     def __init__(self, engine: Engine, me: int):
-        self.engine, self.me = engine, me
+        self.engine, self.me, self.held = engine, me, None
 
     def __enter__(self):
         self.engine._lock.acquire()
         self.engine._owner = self.me
+        # whoever holds the lock may write any KV row: the record is handed to the holder
+        # (a generation puts back what it leaves; any other use drops it)
+        self.held, self.engine.cached = self.engine.cached, None
         return self
 
     def __exit__(self, *exc):

@@ -29,6 +29,10 @@ class Stats:
     a model call, :mod:`specrt.runtime.constraints`); they are in ``new_tokens`` but never in
     ``proposed``/``accepted``. ``forced_accepted``: of ``accepted``, the candidates a
     constraint forced inside a round (no draft call made them; acceptance is certain).
+
+    ``cached_tokens``: prompt tokens whose target KV rows came from an earlier request
+    (prefix reuse, :mod:`specrt.runtime.prefix`; OpenAI's ``prompt_tokens_details.cached_tokens``);
+    the prefill computed only the others.
     """
 
     prompt_tokens: int = 0
@@ -52,6 +56,7 @@ class Stats:
     prefill_flops: int = 0
     forced: int = 0
     forced_accepted: int = 0
+    cached_tokens: int = 0
 
     def add(self, rec: Round, fc: FlopCoefficients) -> None:
         """Count one :class:`~specrt.runtime.decode.Round` record (the prefill's included).
@@ -63,6 +68,7 @@ class Stats:
         self.new_tokens += len(rec.commit)
         self.forced += rec.forced
         if rec.pos == 0:
+            self.cached_tokens = rec.cached
             self.prefill_seconds = self.ttft_seconds = rec.target_s
             self.prefill_flops = flops
             return

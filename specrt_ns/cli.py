@@ -887,6 +887,12 @@ def _print_tune_report(result: dict, out: Path) -> None:
     help="with --max-batch: auto = batched steps vs speculative rounds by measured cost; speculate = exact, per-row rounds only",
 )
 @click.option("--max-tokens-in-flight", type=click.IntRange(1), default=None, help="with --max-batch: most prompt + max_tokens summed over the active requests")
+@click.option(
+    "--prefix-cache-tokens",
+    type=click.IntRange(0),
+    default=None,
+    help="prefix cache budget in tokens over all workers (default: each worker keeps its last prompt's reusable KV rows; 0: off); output is the same with or without it",
+)
 @_threads_option
 @_backend_option
 @_clean_errors
@@ -906,6 +912,7 @@ def serve(
     max_batch,
     batch_policy,
     max_tokens_in_flight,
+    prefix_cache_tokens,
     threads,
     spinning,
     backend,
@@ -935,6 +942,7 @@ def serve(
             max_batch=max_batch,
             batch_policy=batch_policy,
             max_tokens_in_flight=max_tokens_in_flight,
+            prefix_cache_tokens=prefix_cache_tokens,
         )
     )
 

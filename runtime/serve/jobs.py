@@ -174,17 +174,27 @@ class WorkerPool:
             :class:`ServerBusy` beyond it.
         round_delay: test hook: seconds to sleep after each piece (simulates a slow model
             so that a disconnect lands mid-generation); 0 in production.
+        prefix_cache_tokens: the prefix cache's budget in tokens over all workers (each
+            Engine keeps the reusable KV rows of its last prompt, :mod:`specrt.runtime.prefix`;
+            a worker's record is cut to its share, ``budget // workers`` tokens, after each
+            job); None: no limit but the KV buffers; 0: no prefix cache.
 
     Raises:
-        ServeError: no engines, or ``max_queue < 1``.
+        ServeError: no engines, ``max_queue < 1`` or a negative ``prefix_cache_tokens``.
     """
 
-    def __init__(self, engines: Sequence, max_queue: int = 64, round_delay: float = 0.0):
+    def __init__(self, engines: Sequence, max_queue: int = 64, round_delay: float = 0.0, prefix_cache_tokens: int | None = None):
         if not engines:
             raise ServeError("a worker pool needs at least one engine")
         if max_queue < 1:
             raise ServeError(f"max_queue={max_queue}; it must be >= 1")
+        if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
+            raise ServeError(f"prefix_cache_tokens={prefix_cache_tokens}; it must be >= 0 (0: no prefix cache)")
         self.engines = list(engines)
+        self.share = None if prefix_cache_tokens is None else prefix_cache_tokens // len(self.engines)
+        for e in self.engines:
+            e.prefix_cache = prefix_cache_tokens != 0
+        self.metrics = None
         self.max_queue = max_queue
         self.round_delay = round_delay
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
@@ -197,7 +207,14 @@ class WorkerPool:
 
     @classmethod
     def load(
-        cls, folder: str | Path, workers: int = 1, max_queue: int = 64, threads=None, backend: str | None = None, round_delay: float = 0.0
+        cls,
+        folder: str | Path,
+        workers: int = 1,
+        max_queue: int = 64,
+        threads=None,
+        backend: str | None = None,
+        round_delay: float = 0.0,
+        prefix_cache_tokens: int | None = None,
     ) -> "WorkerPool":
         """Load the engine folder once and give each of ``workers`` threads its own Engine:
         :meth:`Engine.fork` where the backend can (shared onnxruntime sessions, own KV and
@@ -218,7 +235,7 @@ class WorkerPool:
                 engines.append(first.fork())
             except BackendError:
                 engines.append(Engine(folder, threads=threads, backend=first.backend, verify_hashes=False))
-        return cls(engines, max_queue=max_queue, round_delay=round_delay)
+        return cls(engines, max_queue=max_queue, round_delay=round_delay, prefix_cache_tokens=prefix_cache_tokens)
 
     @property
     def workers(self) -> int:
@@ -236,7 +253,9 @@ class WorkerPool:
         return self._queue.qsize()
 
     def attach_metrics(self, server_metrics) -> None:
-        """Nothing to register: the server's own gauges cover the workers."""
+        """Keep ``server_metrics`` to count prefix-cache evictions (the server's own gauges
+        cover the workers)."""
+        self.metrics = server_metrics
 
     def submit(self, job: Job) -> None:
         """Queue ``job`` without waiting.
@@ -289,8 +308,19 @@ class WorkerPool:
             try:
                 self._run(engine, job)
             finally:
+                self._fit_cache(engine)
                 with self._lock:
                     self._busy -= 1
+
+    def _fit_cache(self, engine) -> None:
+        """Cut ``engine``'s prefix-cache record to this worker's share of the budget (only
+        its own thread touches its record between jobs)."""
+        rec = engine.cached
+        if self.share is None or rec is None or rec.size <= self.share:
+            return
+        engine.cached = rec.trimmed(self.share, engine.target.max_q, engine.draft.max_q)
+        if self.metrics is not None:
+            self.metrics.prefix_evicted(rec.size - (engine.cached.size if engine.cached is not None else 0))
 
     def _run(self, engine, job: Job) -> None:
         """Run one job: :func:`run_prompt`, then :meth:`Engine.stream`, checking

@@ -79,6 +79,11 @@ class ServerMetrics:
         self._prop = counter("specrt_draft_tokens_proposed", "Draft candidates proposed to the target.").labels(name)
         self._acc = counter("specrt_draft_tokens_accepted", "Draft candidates the target accepted.").labels(name)
         self._pass = counter("specrt_verify_passes", "Target passes after prefill (verification or plain decode).").labels(name)
+        self._hits = counter("specrt_prefix_cache_hits", "Generations whose prefill reused KV rows of an earlier request (prefix cache).").labels(name)
+        self._cached = counter("specrt_prefix_cache_cached_tokens", "Prompt tokens whose KV rows came from the prefix cache (not computed again).").labels(name)
+        self._evicted = counter("specrt_prefix_cache_evictions", "Prefix-cache records cut or dropped to stay within --prefix-cache-tokens.", ["reason"])
+        self._evicted_tokens = counter("specrt_prefix_cache_evicted_tokens", "Cached tokens given up to stay within --prefix-cache-tokens.").labels(name)
+        self._evicted.labels(name, "budget")
         self._prop_pos = counter(
             "specrt_draft_tokens_proposed_by_position", "Verification passes that proposed a candidate at draft position i (0-based).", ["position"]
         )
@@ -122,6 +127,9 @@ class ServerMetrics:
         (per draft position too, from ``stats.proposed_hist``/``accepted_hist``),
         finish reason, queue time and time per output token (seconds)."""
         self._prompt.inc(stats.prompt_tokens)
+        if stats.cached_tokens:
+            self._hits.inc()
+            self._cached.inc(stats.cached_tokens)
         self._gen.inc(stats.new_tokens)
         self._prop.inc(stats.proposed)
         self._acc.inc(stats.accepted)
@@ -143,6 +151,11 @@ class ServerMetrics:
             self.queue.observe(queue_time)
         if tpot is not None:
             self.tpot.observe(tpot)
+
+    def prefix_evicted(self, tokens: int) -> None:
+        """Count one prefix-cache record cut or dropped for the token budget, giving up ``tokens``."""
+        self._evicted.labels(self.model_name, "budget").inc()
+        self._evicted_tokens.inc(tokens)
 
     def request_done(self, latency: float, ttft: float | None) -> None:
         """Count one ok request and observe its latency and time to first text (seconds)."""

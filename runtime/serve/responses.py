@@ -92,6 +92,8 @@ def usage_block(results: Sequence, prompt_tokens: int | None = None) -> dict:
         "prompt_tokens": prompt,
         "completion_tokens": new,
         "total_tokens": prompt + new,
+        # as OpenAI reports prompt caching: prompt tokens whose KV came from an earlier request
+        "prompt_tokens_details": {"cached_tokens": max(s.cached_tokens for s in st)},
         "speculative": {
             "proposed": proposed,
             "accepted": accepted,

@@ -75,6 +75,9 @@ class ServeConfig:
         max_batch: > 0: continuous batching of up to this many requests in one scheduler
             (:class:`~specrt.runtime.serve.batching.BatchPool`; ``workers`` is ignored).
         batch_policy, max_tokens_in_flight: the BatchPool's ``policy`` and ``max_tokens``.
+        prefix_cache_tokens: the workers' prefix-cache budget in tokens
+            (:class:`~specrt.runtime.serve.jobs.WorkerPool`); None: no limit but the KV
+            buffers; 0: off. Not used with ``max_batch`` (the scheduler keeps no prefix).
     """
 
     engines: str | Path
@@ -94,6 +97,7 @@ class ServeConfig:
     max_batch: int = 0
     batch_policy: str = "auto"
     max_tokens_in_flight: int | None = None
+    prefix_cache_tokens: int | None = None
 
 
 def _load_pool(cfg: ServeConfig) -> Pool:
@@ -111,7 +115,15 @@ def _load_pool(cfg: ServeConfig) -> Pool:
             policy=cfg.batch_policy,
             round_delay=cfg.round_delay,
         )
-    return WorkerPool.load(cfg.engines, workers=cfg.workers, max_queue=cfg.max_queue, threads=cfg.threads, backend=cfg.backend, round_delay=cfg.round_delay)
+    return WorkerPool.load(
+        cfg.engines,
+        workers=cfg.workers,
+        max_queue=cfg.max_queue,
+        threads=cfg.threads,
+        backend=cfg.backend,
+        round_delay=cfg.round_delay,
+        prefix_cache_tokens=cfg.prefix_cache_tokens,
+    )
 
 
 def build_service(cfg: ServeConfig | str | Path, **kw) -> CompletionService:

@@ -1,0 +1,125 @@
+"""Prefix reuse (prefix caching) that never changes the output: which KV rows a finished
+generation leaves that a later request may keep, and the rule that makes a cache hit give
+the bits of a cold run.
+
+Why a rule at all: a kernel may round a row differently by the width and offset of the call
+that computed it (onnxruntime's 1-row GEMV path against its GEMM path; a 257-row call
+splits into 256 + 1 inside the GEMM; :mod:`specrt.runtime.decode`, "Exactness by
+construction"). A cold prefill of prompt ``P`` runs the chunks
+:func:`~specrt.runtime.chunks.chunk_bounds` gives for ``len(P)``: full chunks of
+``step`` rows at absolute multiples of ``step`` from position 0, then a short last part
+(the tail rule). A cached row is the row a cold run would compute only if the cached
+request computed it in the *same call* (same start, same width, same tokens before it).
+The full aligned chunks are such calls for every prompt that contains them, so:
+
+* a generation leaves ``rows``: the end of the leading run of full aligned chunks of its
+  prefill (:func:`aligned_rows`), for the target and for the draft (whose first feed is
+  chunked the same way from its reused length);
+* a new request keeps ``min(rows, common prefix)`` rounded down to a multiple of the call
+  width, and never beyond the aligned part of its own cold layout (:func:`reuse_target`, :func:`reuse_draft`);
+  its prefill then runs exactly the cold layout's chunks from there.
+
+Rows the old request computed in its short last chunk, in its rounds (the reply) or in a
+batched step are recomputed: they came from calls a cold run of the new prompt does not
+make. llama.cpp's ``cache_prompt`` and vLLM's prefix caching reuse them and document that a
+hit may change the output; this rule gives up at most ``step - 1`` rows per request to keep
+it unchanged, greedy and sampled (the draft's rows too: seeded sampling reads the draft's
+distribution).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .chunks import chunk_bounds
+
+__all__ = ["KVPrefix", "aligned_rows", "common_prefix", "reuse_target", "reuse_draft", "prefill_calls"]
+
+
+@dataclass(frozen=True)
+class KVPrefix:
+    """What a pair of KV buffers (a target's and its draft's) holds for reuse.
+
+    Attributes:
+        tokens: the token ids at positions ``[0, max(target_rows, draft_rows))``.
+        target_rows: rows ``[0, target_rows)`` of the target's KV equal a cold prefill's
+            (a multiple of the target's call width, or 0).
+        draft_rows: the same for the draft's KV (a multiple of the draft's call width).
+    """
+
+    tokens: tuple[int, ...]
+    target_rows: int
+    draft_rows: int
+
+    @property
+    def size(self) -> int:
+        """Cached tokens this record keeps (its longest run of reusable rows)."""
+        return max(self.target_rows, self.draft_rows)
+
+    def trimmed(self, budget: int, t_step: int, d_step: int) -> "KVPrefix | None":
+        """This record cut to at most ``budget`` tokens (rows rounded down to the call widths
+        ``t_step`` / ``d_step``: a shorter aligned run is still reusable), None when
+        nothing is left."""
+        t, d = (min(self.target_rows, budget) // t_step) * t_step, (min(self.draft_rows, budget) // d_step) * d_step
+        if t == 0 and d == 0:
+            return None
+        return KVPrefix(self.tokens[: max(t, d)], t, d)
+
+
+def aligned_rows(chunks: Sequence[tuple[int, int]], step: int) -> int:
+    """End of the leading run of ``[lo, hi)`` chunks that are full ``step``-row calls at
+    multiples of ``step`` (``[0, step), [step, 2 * step), ...``); 0 when the first is not."""
+    end = 0
+    for lo, hi in chunks:
+        if lo != end or hi - lo != step:
+            break
+        end = hi
+    return end
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x, y = np.asarray(a[:n], dtype=np.int64), np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+def reuse_target(cached: KVPrefix | None, seq: Sequence[int], cold_chunks: Sequence[tuple[int, int]], step: int) -> int:
+    """Target KV rows a request whose prefill feeds ``seq`` keeps from ``cached`` (module
+    docstring): a boundary of ``cold_chunks`` (the prefill's chunks on a cold run,
+    :func:`~specrt.runtime.chunks.chunk_bounds`) below which every chunk is a full aligned
+    ``step``-row call, so the prefill runs the cold chunks from there. 0 without ``cached``."""
+    if cached is None:
+        return 0
+    # the last chunk always runs: its last row gives the first token
+    return min(cached.target_rows, (common_prefix(cached.tokens, seq) // step) * step, aligned_rows(cold_chunks[:-1], step))
+
+
+def reuse_draft(cached: KVPrefix | None, prompt: Sequence[int], step: int) -> int:
+    """Draft KV rows a request for ``prompt`` keeps from ``cached``: a multiple of the draft's
+    widest call ``step`` within the common prefix, so the draft's first feed (chunked by
+    ``step`` from there) makes the calls a cold run makes. 0 without ``cached``."""
+    if cached is None:
+        return 0
+    return min(cached.draft_rows, (common_prefix(cached.tokens, prompt) // step) * step)
+
+
+def prefill_calls(cached: KVPrefix | None, seq: Sequence[int], step: int, min_q: int, tail_q: int) -> tuple[int, list[tuple[int, int]], int]:
+    """The target calls of a prefill that feeds ``seq`` over what ``cached`` holds.
+
+    Returns:
+        ``(reused, calls, aligned)``: rows kept from ``cached`` (:func:`reuse_target`), the
+        ``[lo, hi)`` calls to make (the cold run's chunks from ``reused`` on,
+        :func:`~specrt.runtime.chunks.chunk_bounds`; the last one always), and the rows this
+        prefill leaves reusable (its leading full aligned chunks, the last chunk left out:
+        a round may recompute its rows at another width).
+    """
+    chunks = chunk_bounds(len(seq), step, min_q, tail_q)
+    reused = reuse_target(cached, seq, chunks, step)
+    return reused, [(a, b) for a, b in chunks if a >= reused], aligned_rows(chunks[:-1], step)
