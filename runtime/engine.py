@@ -29,7 +29,7 @@ from .errors import BackendError, InputError
 from .flops import flop_coefficients
 from .generation import Generation, GenerationResult
 from .integrity import Verification
-from .logprobs import TokenLogprob, token_logprob
+from .logprobs import TokenLogprob, score_prompt
 from .manifest import GRAPH_BUILDER, LAZY_HEAD_HINT, LAZY_HEAD_KEY, REEXPORT_HINT, Manifest, check_files, load_manifest
 from .prefix import KVPrefix
 from .sampling import SampledAcceptor
@@ -115,11 +115,9 @@ class Engine:
             False checks only that they exist (the lazy-head graphs: when first used).
         backend: ``"ort-cpu"`` (the default), ``"ort-cuda"`` or ``"tensorrt"``
             (:mod:`specrt.runtime.backends`; the GPU backends are unverified on a GPU).
-        prefix_cache: keep the KV rows of the last generation's prompt and reuse them when
-            the next prompt starts with the same tokens (a chat's growing history): only
-            rows :mod:`specrt.runtime.prefix` proves equal to a cold run's, so the output
-            is the same with or without it. ``GenerationResult.stats.cached_tokens`` says
-            how many prompt tokens were not computed again.
+        prefix_cache: reuse the KV rows of the last prompt when the next one starts with
+            the same tokens, only those :mod:`specrt.runtime.prefix` proves equal to a cold
+            run's (the output is the same either way; ``stats.cached_tokens`` counts them).
 
     Attributes:
         folder, manifest, codec (the tokenizer), backend (its name), target, draft (the
@@ -320,15 +318,8 @@ class Engine:
         ids = self.prompt_ids(prompt)
         top_n = check_logprobs(top_n) or 0
         vocab = self.manifest.vocab_size
-        out: list[TokenLogprob | None] = [None]
         with self._locked():
-            step = self.target.max_q
-            for lo in range(0, len(ids), step):
-                rows = self.target.run(ids[lo : lo + step], lo)  # rows are overwritten by the next call: read them now
-                for j in range(len(rows)):
-                    if lo + j + 1 < len(ids):
-                        out.append(token_logprob(rows[j], vocab, ids[lo + j + 1], top_n))
-        return out
+            return score_prompt(self.target, ids, vocab, top_n)
 
     def acceptor(self, cfg: GenerationConfig):
         """The acceptor of one generation with resolved settings ``cfg``: greedy
@@ -449,14 +440,11 @@ class Engine:
                 gen.reuse(own.held)
             try:
                 piece = gen.prefill(self.target)
-                while True:
+                while not gen.done:
                     yield piece if streaming else ""
-                    if gen.done:
-                        break
                     piece = gen.step(self.target)
-            finally:
-                # also when the caller closes the stream early: the rows the prefill (and
-                # the draft's first feed) proved reusable are never rewritten after them
+                yield piece if streaming else ""
+            finally:  # closed early too: rows proved reusable are never rewritten after
                 self.cached = gen.prefix() if self.prefix_cache else None
         return gen.result()
 

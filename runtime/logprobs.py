@@ -23,10 +23,11 @@ them as the round's commit is cut (after EOS), and again at a stop string.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
-__all__ = ["TokenLogprob", "log_softmax", "token_logprob", "LogprobRecorder"]
+__all__ = ["TokenLogprob", "log_softmax", "token_logprob", "LogprobRecorder", "score_prompt"]
 
 
 @dataclass(frozen=True)
@@ -167,3 +168,18 @@ class LogprobRecorder:
         """The entries recorded since the last call, in commit order."""
         out, self._entries = self._entries, []
         return out
+
+
+def score_prompt(target, ids: Sequence[int], vocab: int, top_n: int) -> list[TokenLogprob | None]:
+    """The prompt's own tokens scored by ``target`` (a
+    :class:`~specrt.runtime.backends.base.Model`, one pass over ``ids`` in chunks of its
+    widest call, from KV row 0): ``[None, entry of ids[1], ...]``, each entry from the raw
+    distribution at the position before it with the ``top_n`` most probable ids."""
+    out: list[TokenLogprob | None] = [None]
+    step = target.max_q
+    for lo in range(0, len(ids), step):
+        rows = target.run(ids[lo : lo + step], lo)  # rows are overwritten by the next call: read them now
+        for j in range(len(rows)):
+            if lo + j + 1 < len(ids):
+                out.append(token_logprob(rows[j], vocab, ids[lo + j + 1], top_n))
+    return out

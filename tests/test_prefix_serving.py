@@ -1,0 +1,69 @@
+"""Prefix reuse behind ``specrt serve``: a conversation's later requests report
+``usage.prompt_tokens_details.cached_tokens`` (as OpenAI does) and /metrics counts the hits,
+the cached tokens and the budget's evictions; every answer equals a cold Engine's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the [serve] extra is not installed: pip install -e '.[serve]'")
+
+from serving import Server, post, read_metrics  # noqa: E402
+
+from specrt import Engine, GenerationConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINES = REPO / "engines" / "default"
+PROMPTS = [json.loads(x)["prompt"] for x in (REPO / "data" / "humaneval_dev.jsonl").read_text().splitlines()[:5]]
+
+
+@pytest.fixture(scope="module")
+def cold():
+    return Engine(ENGINES, prefix_cache=False)
+
+
+@pytest.mark.parametrize("budget", [None, 300])
+def test_conversation_reuses_prefixes_and_reports_them(cold, budget):
+    """Five completions, each the last prompt + its answer + one more prompt. With a budget of
+    300 tokens the 512-row records are cut to 256 rows (an eviction each) and still hit."""
+    args = ("--workers", "1", "--model-name", "m") + (("--prefix-cache-tokens", str(budget)) if budget else ())
+    srv = Server(ENGINES, *args)
+    try:
+        before = read_metrics(srv.port)
+        text, cached = "", []
+        for p in PROMPTS:
+            text += p
+            status, out, _ = post(srv.port, dict(prompt=text, max_tokens=24, temperature=0))
+            assert status == 200, out
+            ref = cold.generate(text, GenerationConfig(max_new_tokens=24, temperature=0))
+            assert out["choices"][0]["text"] == ref.text
+            assert out["usage"]["prompt_tokens"] == ref.stats.prompt_tokens
+            cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+            text += out["choices"][0]["text"]
+        after = read_metrics(srv.port)
+    finally:
+        srv.stop()
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    # the prompts have 131, 262, 438, 571 and 750 tokens: records of 0, 0, 256, 512, ... rows
+    assert cached == ([0, 0, 0, 256, 512] if budget is None else [0, 0, 0, 256, 256]), cached
+    assert delta("specrt_prefix_cache_hits_total") == sum(c > 0 for c in cached)
+    assert delta("specrt_prefix_cache_cached_tokens_total") == sum(cached)
+    assert delta('specrt_prefix_cache_evictions_total{reason="budget"}') == (0 if budget is None else 2)
+    assert delta("specrt_prefix_cache_evicted_tokens_total") == (0 if budget is None else 256 + 256)
+
+
+def test_prefix_cache_off(cold):
+    srv = Server(ENGINES, "--workers", "1", "--prefix-cache-tokens", "0")
+    try:
+        text = PROMPTS[0] + PROMPTS[1] + PROMPTS[2]
+        for _ in range(2):
+            status, out, _ = post(srv.port, dict(prompt=text, max_tokens=8, temperature=0))
+            assert status == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        srv.stop()
