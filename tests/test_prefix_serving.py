@@ -67,3 +67,31 @@ def test_prefix_cache_off(cold):
             assert status == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
         srv.stop()
+
+
+def test_worker_pool_routes_a_conversation_back_to_its_kv(cold):
+    """Two conversations take turns on a pool of two workers; each follow-up turn goes to the
+    idle worker holding its history (the longest reusable prefix), so every one hits, and each
+    output equals the cold Engine's."""
+    from test_batching import Events
+
+    from specrt.runtime.serve.jobs import Job, WorkerPool
+
+    first = Engine(ENGINES)
+    pool = WorkerPool([first, first.fork()])
+    try:
+        convs = [PROMPTS[0] + PROMPTS[1] + PROMPTS[2], PROMPTS[3] + PROMPTS[4] + PROMPTS[0]]
+        hits = []
+        for turn in range(3):
+            for c in range(2):
+                cfg = first.resolve(GenerationConfig(max_new_tokens=16))
+                ev = Events()
+                pool.submit(Job(ids=first.prompt_ids(convs[c]), config=cfg, emit=ev))
+                r = ev.result()
+                assert r.tokens == cold.generate(convs[c], GenerationConfig(max_new_tokens=16)).tokens
+                hits.append(r.stats.cached_tokens)
+                convs[c] += r.text + "\n# next\n"
+        assert hits[:2] == [0, 0] and all(h >= 256 for h in hits[2:]), hits
+        assert pool.queued == 0 and pool.busy == 0
+    finally:
+        pool.close()

@@ -17,15 +17,16 @@ No HTTP framework is imported here: the base runtime imports this module without
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from ..errors import BackendError, SpecRTError
 from ..generation import prompt_only_result
+from ..prefix import common_prefix
 
 __all__ = ["ServeError", "ServerBusy", "Job", "Pool", "WorkerPool", "run_prompt", "send_text", "finish", "fail"]
 
@@ -168,6 +169,11 @@ class WorkerPool:
     """A fixed number of generator threads, each owning one Engine, fed by a bounded queue
     (a :class:`Pool`).
 
+    Routing (llama-server's slot-similarity rule): a job that arrives while workers are idle
+    goes to the idle worker whose Engine holds the longest reusable prefix of its prompt
+    (:mod:`specrt.runtime.prefix`), so a conversation comes back to the KV it left; a job
+    that arrives while all are busy waits in arrival order for the first one free.
+
     Args:
         engines: one :class:`~specrt.runtime.engine.Engine` per worker (never shared).
         max_queue: jobs that may wait for a worker; :meth:`submit_all` raises
@@ -197,11 +203,13 @@ class WorkerPool:
         self.metrics = None
         self.max_queue = max_queue
         self.round_delay = round_delay
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._cond = threading.Condition()
+        self._waiting: deque = deque()  # (job, worker index it is routed to, or None: the first free)
+        self._idle: set[int] = set()  # workers waiting for a job, none routed to them yet
+        self._closed = False
         self._busy = 0
         self._lock = threading.Lock()
-        self._submit_lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._work, args=(e,), name=f"specrt-worker-{i}", daemon=True) for i, e in enumerate(self.engines)]
+        self._threads = [threading.Thread(target=self._work, args=(i,), name=f"specrt-worker-{i}", daemon=True) for i in range(len(self.engines))]
         for t in self._threads:
             t.start()
 
@@ -249,8 +257,8 @@ class WorkerPool:
 
     @property
     def queued(self) -> int:
-        """Jobs waiting for a worker (approximate, as ``queue.Queue.qsize``)."""
-        return self._queue.qsize()
+        """Jobs waiting for a worker."""
+        return len(self._waiting)
 
     def attach_metrics(self, server_metrics) -> None:
         """Keep ``server_metrics`` to count prefix-cache evictions (the server's own gauges
@@ -271,33 +279,61 @@ class WorkerPool:
         Raises:
             ServerBusy: fewer than ``len(jobs)`` places are free in the queue.
         """
-        with self._submit_lock:  # only submitters put; workers only take: the free room cannot shrink meanwhile
-            if self._queue.qsize() + len(jobs) > self.max_queue:
+        with self._cond:
+            if len(self._waiting) + len(jobs) > self.max_queue:
                 raise ServerBusy(
-                    f"server busy: {self._queue.qsize()} generations already queued for {self.workers} worker(s) (at most {self.max_queue}); retry later"
+                    f"server busy: {len(self._waiting)} generations already queued for {self.workers} worker(s) (at most {self.max_queue}); retry later"
                 )
             for j in jobs:
-                self._queue.put_nowait(j)
+                w = self._route(j)
+                self._idle.discard(w)
+                self._waiting.append((j, w))
+            self._cond.notify_all()
+
+    def _route(self, job: Job) -> int | None:
+        """The idle worker for ``job`` (with ``self._cond`` held): the longest reusable
+        prefix of its prompt, then the smallest record to lose; None when none is idle."""
+        best, key = None, None
+        for w in sorted(self._idle):
+            eng = self.engines[w]
+            rec = eng.cached  # an idle worker's record does not change meanwhile
+            step = eng.target.max_q  # rows are reused in whole aligned calls: a shorter match is none
+            k = (0, 0) if rec is None else (min(rec.target_rows, common_prefix(rec.tokens, job.ids) // step * step), -rec.size)
+            if key is None or k > key:
+                best, key = w, k
+        return best
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the workers after the jobs in hand (queued jobs are cancelled)."""
-        while True:
-            try:
-                j = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if j is not None:
-                j.cancelled.set()
-                j.emit(("cancelled", None))
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._cond:
+            self._closed = True
+            left, self._waiting = list(self._waiting), deque()
+            self._cond.notify_all()
+        for j, _ in left:
+            j.cancelled.set()
+            j.emit(("cancelled", None))
         for t in self._threads:
             t.join(timeout)
 
-    def _work(self, engine) -> None:
-        """Worker thread: take jobs until the ``None`` sentinel."""
+    def _take(self, w: int) -> Job | None:
+        """Worker ``w``'s next job: the first routed to it, else the first routed to no one;
+        None once the pool is closed."""
+        with self._cond:
+            while not self._closed:
+                for i, (job, to) in enumerate(self._waiting):
+                    if to == w or to is None:
+                        del self._waiting[i]
+                        self._idle.discard(w)
+                        return job
+                self._idle.add(w)
+                self._cond.wait()
+            return None
+
+    def _work(self, w: int) -> None:
+        """Worker thread ``w``: take jobs until the pool closes."""
+        engine = self.engines[w]
         while True:
-            job = self._queue.get()
+            job = self._take(w)
             if job is None:
                 return
             if job.cancelled.is_set():
