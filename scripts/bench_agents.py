@@ -1,0 +1,262 @@
+"""Coding-agent conversations on the real pair: per-turn time to first token and total time,
+specrt (prefix cache on and off; speculative, target-only, n-gram) against llama-server
+(its slot prompt cache on; target-only, draft model, ngram-simple) on the same GGUF target.
+
+The conversations (``data/agent_conversations.jsonl``, written for this benchmark from this
+repository's own files and test output) are scripted agent sessions: a system prompt, four
+tool schemas, a task, then assistant tool calls and tool results (file contents, search hits,
+test output). Each request is the whole history up to the next assistant message, as agents
+send it (one request per assistant turn and one after the last tool result), rendered with
+the engine's chat template (tools included) and sent to both servers as the same prompt
+text to ``/v1/completions`` (streamed, greedy, ``max_tokens`` new tokens), so both see the
+same tokens. The scripted history, not the generated reply, goes into the next request, so
+every row answers the same requests.
+
+Rows run a whole conversation each, in a shuffled order per conversation and repeat; before
+a row's conversation its server answers an unrelated short prompt, so its first turn starts
+cold. TTFT is the time to the first streamed text; total is the whole request. specrt's
+outputs with the cache on are compared with the cache off, turn by turn (text equal).
+Prints the table and writes JSON to ``--out``.
+
+    python scripts/bench_agents.py --engines engines/qwen2.5-coder --out bench_out/agents
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_structured import CACHE, free_port, machine, start  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FLUSH = "The quick brown fox jumps over the lazy dog. " * 4  # an unrelated prompt: each server's cache starts cold
+
+
+def stream(port: int, path: str, body: dict, timeout: float) -> dict:
+    """POST a streamed completion; ``{"ttft", "seconds", "text", "usage"}`` (times in s)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+    ttft, text, usage, extra = None, [], {}, {}
+    try:
+        conn.request("POST", path, json.dumps(dict(body, stream=True)), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            piece = ev["choices"][0].get("text", "") if ev.get("choices") else ""
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(piece)
+            usage = ev.get("usage") or usage
+            extra = ev.get("timings") or extra
+    finally:
+        conn.close()
+    dt = time.perf_counter() - t0
+    return dict(ttft=ttft if ttft is not None else dt, seconds=dt, text="".join(text), usage=usage, timings=extra)
+
+
+def requests_of(conv: dict, template) -> list[str]:
+    """The prompt text of each request of a conversation: the history before every assistant
+    message, and the whole history after the last tool result."""
+    from specrt.runtime.serve.chat import normalize_messages
+
+    msgs = conv["messages"]
+    ends = [i for i, m in enumerate(msgs) if m["role"] == "assistant"] + [len(msgs)]
+    return [template.render(normalize_messages(msgs[:e]), tools=conv["tools"]) for e in ends]
+
+
+ROWS = [
+    dict(label="specrt speculative, cache on", server="specrt", extra={}),
+    dict(label="specrt speculative, cache off", server="specrt-nocache", extra={}),
+    dict(label="specrt target-only, cache on", server="specrt", extra=dict(speculative=False)),
+    dict(label="specrt ngram, cache on", server="specrt", extra=dict(drafter="ngram")),
+    dict(label="llama-server target-only, cache on", server="llama", extra=dict(cache_prompt=True)),
+    dict(label="llama-server draft, cache on", server="llama-draft", extra=dict(cache_prompt=True)),
+    dict(label="llama-server ngram-simple, cache on", server="llama-ngram", extra=dict(cache_prompt=True)),
+]
+
+
+def summarize(records: list[dict], convs: list[str], labels: list[str]) -> list[dict]:
+    """Per row: total seconds per conversation (median over repeats, summed over the
+    conversations), median TTFT of the first turn and of the later turns, the later turns'
+    TTFT over the first's, and tokens."""
+    out = []
+    for lab in labels:
+        rs = [r for r in records if r["row"] == lab]
+        if not rs:
+            continue
+        per_conv = {
+            c: statistics.median([sum(r["seconds"] for r in rs if r["conv"] == c and r["repeat"] == k) for k in {r["repeat"] for r in rs}]) for c in convs
+        }
+        first = [r["ttft"] for r in rs if r["turn"] == 0]
+        later = [r["ttft"] for r in rs if r["turn"] > 0]
+        long_later = [r["ttft"] / r["cold_ttft"] for r in rs if r["turn"] > 0 and r["prompt_tokens"] >= 2000 and r.get("cold_ttft")]
+        out.append(
+            dict(
+                row=lab,
+                total_seconds=sum(per_conv.values()),
+                per_conversation=per_conv,
+                ttft_first_median=statistics.median(first),
+                ttft_later_median=statistics.median(later),
+                ttft_2000plus_over_cold_median=statistics.median(long_later) if long_later else None,
+                tokens=sum(r["tokens"] for r in rs),
+                cached_tokens=sum(r["cached_tokens"] or 0 for r in rs),
+            )
+        )
+    return out
+
+
+def table(summary: list[dict], ref: str) -> str:
+    base = next((s["total_seconds"] for s in summary if s["row"] == ref), None)
+    lines = [
+        "| row | total s (3 conversations) | vs " + ref + " | TTFT turn 1 (median s) | TTFT later turns (median s) | later TTFT / cold TTFT, 2000+ tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        ratio = f"{s['total_seconds'] / base:.2f}x" if base else "-"
+        r2k = f"{s['ttft_2000plus_over_cold_median']:.2f}" if s["ttft_2000plus_over_cold_median"] is not None else "-"
+        lines.append(f"| {s['row']} | {s['total_seconds']:.1f} | {ratio} | {s['ttft_first_median']:.2f} | {s['ttft_later_median']:.2f} | {r2k} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="engines/qwen2.5-coder")
+    ap.add_argument("--conversations", default="data/agent_conversations.jsonl")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--llama-server", default=".venv-llamacpp/bin/llama-server")
+    ap.add_argument("--target-gguf", default=str(CACHE / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))
+    ap.add_argument("--draft-gguf", default=str(CACHE / "qwen2.5-coder-0.5b-instruct.gguf"))
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--out", default="bench_out/agents")
+    a = ap.parse_args(argv)
+    from specrt.runtime.manifest import load_manifest
+    from specrt.runtime.serve.chat import load_chat_template
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    folder = Path(a.engines)
+    template = load_chat_template(folder / load_manifest(folder, verify_hashes=False).chat_template_file)
+    convs = [json.loads(x) for x in (ROOT / a.conversations).read_text().splitlines() if x.strip()]
+    prompts = {c["id"]: requests_of(c, template) for c in convs}
+    has_llama = Path(a.llama_server).is_file()
+    rows = [r for r in ROWS if has_llama or not r["server"].startswith("llama")]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    procs, ports = {}, {}
+    t_start, load_start = time.time(), os.getloadavg()
+    records: list[dict] = []
+    try:
+        for name, args in (("specrt", []), ("specrt-nocache", ["--prefix-cache-tokens", "0"])):
+            ports[name] = free_port()
+            cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", ports[name], "--threads", a.threads, "--log-level", "warning"]
+            procs[name] = start(cmd + args, ports[name], "/health", out / f"{name}.log", env)
+        if has_llama:
+            common = [a.llama_server, "-m", a.target_gguf, "-t", a.threads, "-tb", a.threads, "-c", a.ctx, "-np", 1, "--host", "127.0.0.1"]
+            for name, args in (
+                ("llama", []),
+                ("llama-draft", ["--spec-draft-model", a.draft_gguf, "--spec-draft-n-max", 16, "--spec-draft-p-min", 0.5, "--spec-draft-threads", a.threads]),
+                ("llama-ngram", ["--spec-type", "ngram-simple"]),
+            ):
+                ports[name] = free_port()
+                procs[name] = start(common + ["--port", ports[name], *args], ports[name], "/health", out / f"{name}.log", env)
+        rng = random.Random(0)
+        for rep in range(a.repeats):
+            for conv in convs:
+                order = list(rows)
+                rng.shuffle(order)
+                for row in order:
+                    port = ports[row["server"]]
+                    path = "/v1/completions"
+                    stream(port, path, dict(prompt=FLUSH, max_tokens=1, temperature=0), a.timeout)
+                    for turn, prompt in enumerate(prompts[conv["id"]]):
+                        body = dict(prompt=prompt, max_tokens=a.max_tokens, temperature=0, **row["extra"])
+                        if row["server"].startswith("specrt"):
+                            body["stream_options"] = {"include_usage": True}
+                        r = stream(port, path, body, a.timeout)
+                        u = r["usage"] or {}
+                        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+                        if cached is None and r["timings"]:
+                            cached = r["timings"].get("cache_n")
+                        rec = dict(
+                            row=row["label"],
+                            conv=conv["id"],
+                            turn=turn,
+                            repeat=rep,
+                            prompt_tokens=u.get("prompt_tokens") or (r["timings"] or {}).get("prompt_n", 0) + (cached or 0),
+                            cached_tokens=cached,
+                            tokens=u.get("completion_tokens") or (r["timings"] or {}).get("predicted_n", 0),
+                            ttft=r["ttft"],
+                            seconds=r["seconds"],
+                            text=r["text"],
+                        )
+                        records.append(rec)
+                        print(
+                            f"rep {rep} {conv['id']:<20} turn {turn} {row['label']:<38} prompt {rec['prompt_tokens']:5} cached {cached!s:>5} "
+                            f"ttft {r['ttft']:6.2f}s total {r['seconds']:6.2f}s",
+                            flush=True,
+                        )
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    cold = {(r["conv"], r["turn"], r["repeat"]): r["ttft"] for r in records if r["row"] == "specrt speculative, cache off"}
+    for r in records:
+        r["cold_ttft"] = cold.get((r["conv"], r["turn"], r["repeat"]))
+    same = {}
+    for r in records:
+        if r["row"] == "specrt speculative, cache on":
+            o = next(
+                (
+                    x
+                    for x in records
+                    if x["row"] == "specrt speculative, cache off" and (x["conv"], x["turn"], x["repeat"]) == (r["conv"], r["turn"], r["repeat"])
+                ),
+                None,
+            )
+            if o is not None:
+                same[f"{r['conv']}#{r['turn']}#{r['repeat']}"] = o["text"] == r["text"]
+    labels = [r["label"] for r in rows]
+    summary = summarize(records, [c["id"] for c in convs], labels)
+    ref = "llama-server draft, cache on" if has_llama else labels[0]
+    result = dict(
+        command=" ".join([Path(sys.executable).name] + sys.argv),
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
+        machine=dict(machine(), loadavg_start=load_start, loadavg_end=os.getloadavg()),
+        threads=a.threads,
+        repeats=a.repeats,
+        max_tokens=a.max_tokens,
+        conversations=[dict(id=c["id"], requests=len(prompts[c["id"]])) for c in convs],
+        cached_equals_cold=f"{sum(same.values())}/{len(same)}",
+        seconds=time.time() - t_start,
+        summary=summary,
+        records=records,
+    )
+    (out / "bench_agents.json").write_text(json.dumps(result, indent=1))
+    (out / "table.md").write_text(table(summary, ref) + "\n")
+    print(table(summary, ref))
+    print("specrt cache on == cache off, per turn:", result["cached_equals_cold"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

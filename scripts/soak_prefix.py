@@ -1,0 +1,135 @@
+"""Prefix-cache soak: random multi-turn chats against ``specrt serve`` with several workers
+and a prefix-cache budget, for a set time; samples the server's RSS and checks that no
+request is lost.
+
+``--clients`` threads each hold a conversation (a random code prompt, then each turn adds
+the reply and another prompt; a conversation restarts when it would not fit the context, or
+at random) and send it to ``/v1/completions`` (greedy or sampled, speculative or
+target-only, at random). Every 10 s the server process's RSS (``/proc/PID/status`` VmRSS)
+is sampled. Reports: requests sent and answered (200), the cache hits and evictions
+(``/metrics``), RSS after the warm-up and its peak after it, and the bound "RSS <= RSS after
+warm-up x 1.10" (the KV buffers are allocated once per worker: the budget bounds what is
+kept in them, not what is allocated). Prints JSON and writes it to ``--out``.
+
+    python scripts/soak_prefix.py --engines engines/default --workers 4 --minutes 30 --out bench_out/soak_prefix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_structured import free_port, machine, start  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from serving import post, read_metrics  # noqa: E402
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def client(port: int, prompts: list[str], seed: int, stop: float, max_chars: int, out: dict, lock: threading.Lock) -> None:
+    rng = random.Random(seed)
+    text = rng.choice(prompts)
+    while time.time() < stop:
+        body = dict(prompt=text, max_tokens=rng.choice([8, 16, 32]), temperature=rng.choice([0, 0, 0.8]), seed=rng.randrange(1000))
+        if rng.random() < 0.3:
+            body["speculative"] = False
+        try:
+            status, resp, _ = post(port, body, timeout=600)
+        except OSError as e:
+            status, resp = 0, {"error": str(e)}
+        with lock:
+            out["sent"] += 1
+            out["ok"] += status == 200
+            if status != 200:
+                out["errors"].append(str(resp)[:200])
+        if status == 200:
+            out_text = resp["choices"][0]["text"]
+            with lock:
+                out["cached"] += resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+            text += out_text + "\n" + rng.choice(prompts)
+        if status != 200 or len(text) > max_chars or rng.random() < 0.05:
+            text = rng.choice(prompts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="engines/default")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--budget", type=int, default=2048, help="--prefix-cache-tokens")
+    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--warmup-minutes", type=float, default=2)
+    ap.add_argument("--max-chars", type=int, default=2400, help="restart a conversation beyond this many characters")
+    ap.add_argument("--prompts", default="data/humaneval_dev.jsonl")
+    ap.add_argument("--out", default="bench_out/soak_prefix.json")
+    a = ap.parse_args(argv)
+    prompts = [json.loads(x)["prompt"] for x in (ROOT / a.prompts).read_text().splitlines() if x.strip()]
+    port = free_port()
+    out_path = Path(a.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", port, "--workers", a.workers, "--threads", a.threads]
+    cmd += ["--prefix-cache-tokens", a.budget, "--log-level", "warning", "--max-queue", 256]
+    proc = start(cmd, port, "/health", out_path.with_suffix(".log"), dict(os.environ))
+    t0 = time.time()
+    stop = t0 + 60 * a.minutes
+    stats = {"sent": 0, "ok": 0, "cached": 0, "errors": []}
+    lock = threading.Lock()
+    threads = [threading.Thread(target=client, args=(port, prompts, i, stop, a.max_chars, stats, lock), daemon=True) for i in range(a.clients)]
+    for t in threads:
+        t.start()
+    samples = []
+    try:
+        while any(t.is_alive() for t in threads):
+            time.sleep(10)
+            samples.append(dict(t=round(time.time() - t0, 1), rss_mib=round(rss_mib(proc.pid), 1), sent=stats["sent"]))
+            print(json.dumps(samples[-1]), flush=True)
+        metrics = read_metrics(port)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    warm = [s for s in samples if s["t"] >= 60 * a.warmup_minutes]
+    rss_warm = warm[0]["rss_mib"] if warm else float("nan")
+    peak = max(s["rss_mib"] for s in warm) if warm else float("nan")
+    result = dict(
+        command=" ".join([Path(sys.executable).name] + sys.argv),
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
+        machine=machine(),
+        settings=vars(a),
+        requests_sent=stats["sent"],
+        requests_ok=stats["ok"],
+        errors=stats["errors"][:10],
+        cached_tokens=stats["cached"],
+        prefix_cache_hits=metrics.get("specrt_prefix_cache_hits_total"),
+        prefix_cache_evictions=metrics.get('specrt_prefix_cache_evictions_total{reason="budget"}'),
+        rss_after_warmup_mib=rss_warm,
+        rss_peak_after_warmup_mib=peak,
+        peak_over_warm=peak / rss_warm if warm else None,
+        holds=bool(warm) and stats["sent"] == stats["ok"] and peak <= 1.10 * rss_warm,
+        samples=samples,
+    )
+    out_path.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+    return 0 if result["holds"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
