@@ -22,9 +22,9 @@ llama-server ngram-simple, constr.   ``--spec-type ngram-simple`` (its fastest m
 llama-server target-only, free       no constraint
 ==================================== ======================================================
 
-llama-server is asked with ``cache_prompt: false`` (specrt keeps no KV between requests
-either). Each output is checked: JSON against its schema (``jsonschema``), a call's name
-against the tools and its arguments against that tool's schema; specrt's speculative
+llama-server is asked with ``cache_prompt: false`` and specrt serves with
+``--prefix-cache-tokens 0``: every request runs cold (a task's prompt repeats across rows).
+Each output is checked: JSON against its schema (``jsonschema``), a call's name against the tools and its arguments against that tool's schema; specrt's speculative
 constrained outputs are compared with its target-only constrained ones token for token
 (``usage.completion_tokens`` and text). Prints the table and writes JSON to ``--out``.
 
@@ -241,7 +241,22 @@ def main(argv=None) -> int:
     try:
         ports["specrt"] = free_port()
         procs["specrt"] = start(
-            [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", ports["specrt"], "--threads", a.threads, "--log-level", "warning"],
+            [
+                sys.executable,
+                "-m",
+                "specrt.cli",
+                "serve",
+                "--engines",
+                a.engines,
+                "--port",
+                ports["specrt"],
+                "--threads",
+                a.threads,
+                "--log-level",
+                "warning",
+                "--prefix-cache-tokens",
+                0,
+            ],
             ports["specrt"],
             "/health",
             out / "specrt.log",

@@ -209,7 +209,17 @@ def prompt_tokens(engine: Engine, prompt: dict) -> list[int]:
 
 def _measure(engine: Engine, prompts, configs, repeats: int, progress, trace) -> dict[str, list[dict]]:
     """Every (repeat, prompt, config) generation, the config order rotated per prompt; per
-    config label, one dict of figures per generation."""
+    config label, one dict of figures per generation. Every generation runs cold: the
+    Engine's prefix cache is off meanwhile (the same prompt under the next config would
+    otherwise reuse the last one's rows; docs/PREFIX_CACHE.md)."""
+    was, engine.prefix_cache, engine.cached = engine.prefix_cache, False, None
+    try:
+        return _measure_cold(engine, prompts, configs, repeats, progress, trace)
+    finally:
+        engine.prefix_cache = was
+
+
+def _measure_cold(engine: Engine, prompts, configs, repeats: int, progress, trace) -> dict[str, list[dict]]:
     n = len(configs)
     runs: dict[str, list[dict]] = {c.label: [] for c in configs}
     total, done = len(prompts) * repeats * n, 0

@@ -31,7 +31,8 @@ def _load(init: dict):
     from specrt import Engine
     from specrt.runtime.backends.base import ThreadConfig
 
-    return Engine(init["engines"], threads=ThreadConfig(intra_op=int(init["threads"]), spinning=bool(init.get("spinning", False))))
+    # prefix cache off: every request of the bench runs cold, as the other runtimes' rows do
+    return Engine(init["engines"], threads=ThreadConfig(intra_op=int(init["threads"]), spinning=bool(init.get("spinning", False))), prefix_cache=False)
 
 
 def _config(init: dict, max_new_tokens: int):
