@@ -112,3 +112,11 @@ def test_short_prefix_soak_loses_nothing_and_holds_memory(tmp_path):
     assert rc == 0 and rep["holds"], {k: v for k, v in rep.items() if k != "samples"}
     assert rep["requests_sent"] == rep["requests_ok"] > 10
     assert rep["prefix_cache_hits"] >= 1 and rep["cached_tokens"] >= 256
+
+
+def test_a_budget_with_the_batch_scheduler_is_refused():
+    from specrt.runtime.serve.jobs import ServeError
+    from specrt.runtime.serve.server import ServeConfig, _load_pool
+
+    with pytest.raises(ServeError, match="--prefix-cache-tokens applies to --workers"):
+        _load_pool(ServeConfig(ENGINES, max_batch=4, prefix_cache_tokens=1024))

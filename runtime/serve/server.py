@@ -101,8 +101,14 @@ class ServeConfig:
 
 
 def _load_pool(cfg: ServeConfig) -> Pool:
-    """The worker pool, or the batch scheduler with ``max_batch``."""
+    """The worker pool, or the batch scheduler with ``max_batch``.
+
+    Raises:
+        ServeError: a prefix-cache budget with ``max_batch`` (the scheduler keeps no prefix).
+    """
     if cfg.max_batch > 0:
+        if cfg.prefix_cache_tokens:
+            raise ServeError("--prefix-cache-tokens applies to --workers; the --max-batch scheduler keeps no prefix between requests (drop one of them)")
         from .batching import BatchPool
 
         return BatchPool.load(
