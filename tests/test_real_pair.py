@@ -165,3 +165,30 @@ def test_openai_tool_loop_and_fim_on_the_real_pair(tmp_path):
         assert "result" in fim.choices[0].text and "width" in fim.choices[0].text, fim.choices[0].text
     finally:
         s.stop()
+
+
+def test_agent_turns_with_the_prefix_cache_equal_cold_runs(engine):
+    """The coding-agent conversations of the agent benchmark (data/agent_conversations.jsonl),
+    each request the whole history: with the prefix cache every turn equals a cold Engine's
+    (greedy speculative, greedy target-only, seeded sampling), and later turns reuse rows."""
+    from specrt.runtime.serve.chat import ChatTemplate, normalize_messages, special_token_strings
+
+    tpl = ChatTemplate(engine.chat_template, "chat_template.jinja", special_token_strings(engine))
+    cold = Engine(ENGINES, prefix_cache=False, verify_hashes=False)
+    for line in (REPO / "data" / "agent_conversations.jsonl").read_text().splitlines()[:2]:
+        conv = json.loads(line)
+        msgs = conv["messages"]
+        ends = [i for i, m in enumerate(msgs) if m["role"] == "assistant"][:4]
+        for cfg in (
+            GenerationConfig(max_new_tokens=24),
+            GenerationConfig(max_new_tokens=24, speculative=False),
+            GenerationConfig(max_new_tokens=24, temperature=0.7, seed=5),
+        ):
+            engine.cached = None
+            hits = []
+            for e in ends:
+                ids = engine.codec.encode(tpl.render(normalize_messages(msgs[:e]), tools=conv["tools"]), add_special_tokens=False)
+                a, b = engine.generate(ids, cfg), cold.generate(ids, cfg)
+                assert a.tokens == b.tokens, (conv["id"], e)
+                hits.append(a.stats.cached_tokens)
+            assert hits[0] == 0 and all(h >= 256 for h in hits[1:]), hits
