@@ -170,20 +170,17 @@ def test_openai_tool_loop_and_fim_on_the_real_pair(tmp_path):
 def test_agent_turns_with_the_prefix_cache_equal_cold_runs(engine):
     """The coding-agent conversations of the agent benchmark (data/agent_conversations.jsonl),
     each request the whole history: with the prefix cache every turn equals a cold Engine's
-    (greedy speculative, greedy target-only, seeded sampling), and later turns reuse rows."""
+    (greedy and seeded sampling, speculative), and later turns reuse rows (the benchmark
+    compares all 19 requests, greedy)."""
     from specrt.runtime.serve.chat import ChatTemplate, normalize_messages, special_token_strings
 
     tpl = ChatTemplate(engine.chat_template, "chat_template.jinja", special_token_strings(engine))
     cold = Engine(ENGINES, prefix_cache=False, verify_hashes=False)
-    for line in (REPO / "data" / "agent_conversations.jsonl").read_text().splitlines()[:2]:
+    for line in (REPO / "data" / "agent_conversations.jsonl").read_text().splitlines()[:1]:
         conv = json.loads(line)
         msgs = conv["messages"]
-        ends = [i for i, m in enumerate(msgs) if m["role"] == "assistant"][:4]
-        for cfg in (
-            GenerationConfig(max_new_tokens=24),
-            GenerationConfig(max_new_tokens=24, speculative=False),
-            GenerationConfig(max_new_tokens=24, temperature=0.7, seed=5),
-        ):
+        ends = [i for i, m in enumerate(msgs) if m["role"] == "assistant"][:3]  # 622, 988, 1520 tokens
+        for cfg in (GenerationConfig(max_new_tokens=24), GenerationConfig(max_new_tokens=24, temperature=0.7, seed=5)):
             engine.cached = None
             hits = []
             for e in ends:
