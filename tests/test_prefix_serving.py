@@ -110,7 +110,7 @@ def test_short_prefix_soak_loses_nothing_and_holds_memory(tmp_path):
     )
     rep = json.loads(out.read_text())
     assert rc == 0 and rep["holds"], {k: v for k, v in rep.items() if k != "samples"}
-    assert rep["requests_sent"] == rep["requests_ok"] > 10
+    assert rep["requests_lost"] == 0 and rep["requests_sent"] > 10
     assert rep["prefix_cache_hits"] >= 1 and rep["cached_tokens"] >= 256
 
 
