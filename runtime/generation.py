@@ -98,10 +98,6 @@ class Generation:
         vocab: the tokenizer's ids (logprob entries are over these).
         flops: the target's FLOP coefficients (:mod:`specrt.runtime.flops`) for the stats.
         trace: a :class:`~specrt.runtime.lab.trace.TraceWriter` recording every round, or None.
-        cached: what the target's and the draft's KV buffers hold from an earlier request
-            (:class:`~specrt.runtime.prefix.KVPrefix`), or None: the prefill and the draft's
-            first feed skip the rows :mod:`specrt.runtime.prefix` proves equal to a cold
-            run's, so the output is the cold run's.
 
     Attributes:
         seq: prompt + committed tokens (the target's tokens, uncut by stop strings).
@@ -114,14 +110,13 @@ class Generation:
         finish_reason, stop_reason: as :class:`GenerationResult`.
     """
 
-    def __init__(self, ids: Sequence[int], cfg, plan: Plan, acceptor, draft: Model, codec, vocab: int, flops, trace=None, cached: KVPrefix | None = None):
+    def __init__(self, ids: Sequence[int], cfg, plan: Plan, acceptor, draft: Model, codec, vocab: int, flops, trace=None):
         self.seq, self.n_prompt, self.kv = list(ids), len(ids), KVLengths()
-        self.cached = cached
         self.plan, self.draft, self.flops, self.trace = plan, draft, flops, trace
         self.constrained = acceptor if isinstance(acceptor, ConstrainedAcceptor) else None
         self.recorder = LogprobRecorder(acceptor, vocab, cfg.logprobs) if cfg.logprobs is not None else None
         self.acc = self.recorder if self.recorder is not None else acceptor
-        self.drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max, reuse_draft(cached, self.seq, draft.max_q))
+        self.reuse(None)  # the drafter, starting cold
         self.policy = adaptive_policy(plan)
         self.stats = Stats(prompt_tokens=self.n_prompt, accepted_hist=[0] * (cfg.k_max + 1), proposed_hist=[0] * (cfg.k_max + 1))
         self.text = CompletionText(codec, list(ids), cfg.stop)
@@ -139,8 +134,11 @@ class Generation:
         return self.push(self._observed(prefill(target, self.seq, self.plan, self.acc, self.kv, self.cached)))
 
     def reuse(self, cached: KVPrefix | None) -> None:
-        """Before :meth:`prefill`: let the prefill and the draft's first feed start from what
-        the KV buffers hold (``cached``, as the constructor's argument)."""
+        """Before :meth:`prefill`: let the prefill and the draft's first feed start from
+        ``cached``, what the target's and the draft's KV buffers hold from an earlier request
+        (:class:`~specrt.runtime.prefix.KVPrefix`, or None: cold). They skip only the rows
+        :mod:`specrt.runtime.prefix` proves equal to a cold run's, so the output is the
+        cold run's."""
         self.cached = cached
         plan = self.plan
         self.drafter = make_drafter(plan.drafter, self.draft, self.draft.vocab, plan.k_max, reuse_draft(cached, self.seq, self.draft.max_q))

@@ -36,7 +36,7 @@ import numpy as np
 
 from .chunks import chunk_bounds
 
-__all__ = ["KVPrefix", "aligned_rows", "common_prefix", "reuse_target", "reuse_draft", "prefill_calls"]
+__all__ = ["KVPrefix", "aligned_rows", "common_prefix", "aligned_match", "reuse_target", "reuse_draft", "prefill_calls"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
+def aligned_match(cached: KVPrefix, seq: Sequence[int], step: int) -> int:
+    """The common prefix of ``cached.tokens`` and ``seq`` rounded down to a multiple of the
+    call width ``step``: rows are reused in whole aligned calls, a shorter match is none."""
+    return common_prefix(cached.tokens, seq) // step * step
+
+
 def reuse_target(cached: KVPrefix | None, seq: Sequence[int], cold_chunks: Sequence[tuple[int, int]], step: int) -> int:
     """Target KV rows a request whose prefill feeds ``seq`` keeps from ``cached`` (module
     docstring): a boundary of ``cold_chunks`` (the prefill's chunks on a cold run,
@@ -98,7 +104,7 @@ def reuse_target(cached: KVPrefix | None, seq: Sequence[int], cold_chunks: Seque
     if cached is None:
         return 0
     # the last chunk always runs: its last row gives the first token
-    return min(cached.target_rows, (common_prefix(cached.tokens, seq) // step) * step, aligned_rows(cold_chunks[:-1], step))
+    return min(cached.target_rows, aligned_match(cached, seq, step), aligned_rows(cold_chunks[:-1], step))
 
 
 def reuse_draft(cached: KVPrefix | None, prompt: Sequence[int], step: int) -> int:
@@ -107,7 +113,7 @@ def reuse_draft(cached: KVPrefix | None, prompt: Sequence[int], step: int) -> in
     ``step`` from there) makes the calls a cold run makes. 0 without ``cached``."""
     if cached is None:
         return 0
-    return min(cached.draft_rows, (common_prefix(cached.tokens, prompt) // step) * step)
+    return min(cached.draft_rows, aligned_match(cached, prompt, step))
 
 
 def prefill_calls(cached: KVPrefix | None, seq: Sequence[int], step: int, min_q: int, tail_q: int) -> tuple[int, list[tuple[int, int]], int]:

@@ -29,13 +29,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_structured import CACHE, free_port, machine, start  # noqa: E402
+from bench_structured import CACHE, free_port, machine, start, stop_all  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLUSH = "The quick brown fox jumps over the lazy dog. " * 4  # an unrelated prompt: each server's cache starts cold
@@ -212,13 +211,7 @@ def main(argv=None) -> int:
                             flush=True,
                         )
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs.values())
     cold = {(r["conv"], r["turn"], r["repeat"]): r["ttft"] for r in records if r["row"] == "specrt speculative, cache off"}
     for r in records:
         r["cold_ttft"] = cold.get((r["conv"], r["turn"], r["repeat"]))

@@ -91,6 +91,18 @@ def start(cmd: list[str], port: int, health: str, log: Path, env: dict):
     return proc
 
 
+def stop_all(procs) -> None:
+    """Terminate the server processes, then wait for each (killed after 20 s)."""
+    procs = list(procs)
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def machine() -> dict:
     """CPU model, the ISA flags that matter to onnxruntime and llama.cpp, cores, load."""
     flags, model = set(), platform.processor()
@@ -312,13 +324,7 @@ def main(argv=None) -> int:
                         f"rep {rep} {task['id']:<18} {row['label']:<40} {r['tokens']:4d} tok {dt:6.2f}s {r['tok_s']:6.2f} tok/s valid={r['valid']}", flush=True
                     )
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs.values())
     summary = summarize(rows, records, tasks)
     # exactness: speculative constrained == target-only constrained, per task (first repeat)
     same = {}

@@ -20,14 +20,13 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_structured import free_port, machine, start  # noqa: E402
+from bench_structured import free_port, machine, start, stop_all  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -102,11 +101,7 @@ def main(argv=None) -> int:
             print(json.dumps(samples[-1]), flush=True)
         metrics = read_metrics(port)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_all([proc])
     warm = [s for s in samples if s["t"] >= 60 * a.warmup_minutes]
     rss_warm = warm[0]["rss_mib"] if warm else float("nan")
     peak = max(s["rss_mib"] for s in warm) if warm else float("nan")

@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from ..errors import BackendError, SpecRTError
 from ..generation import prompt_only_result
-from ..prefix import common_prefix
+from ..prefix import aligned_match
 
 __all__ = ["ServeError", "ServerBusy", "Job", "Pool", "WorkerPool", "run_prompt", "send_text", "finish", "fail"]
 
@@ -297,8 +297,7 @@ class WorkerPool:
         for w in sorted(self._idle):
             eng = self.engines[w]
             rec = eng.cached  # an idle worker's record does not change meanwhile
-            step = eng.target.max_q  # rows are reused in whole aligned calls: a shorter match is none
-            k = (0, 0) if rec is None else (min(rec.target_rows, common_prefix(rec.tokens, job.ids) // step * step), -rec.size)
+            k = (0, 0) if rec is None else (min(rec.target_rows, aligned_match(rec, job.ids, eng.target.max_q)), -rec.size)
             if key is None or k > key:
                 best, key = w, k
         return best
