@@ -19,8 +19,9 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from .errors import InputError
+from .machine import differs, this_machine
 
-__all__ = ["measure_call_times", "measure_costs", "BatchCosts", "measure_step_costs", "recorded_costs", "EMA"]
+__all__ = ["measure_call_times", "measure_costs", "BatchCosts", "measure_step_costs", "recorded_costs", "recorded_call_costs", "EMA"]
 
 EMA = 0.2  # weight of the newest observation in the batch scheduler's running means
 
@@ -90,7 +91,8 @@ def measure_costs(engine, widths: Sequence[int], past: int, reps: int = 50, seed
     from .lab.trace import Costs
 
     t = measure_call_times({"": engine}, widths, past, reps, seed, progress=progress)
-    return Costs(float(np.median(t[("", "draft", 1)])), {q: float(np.median(x)) for (_, role, q), x in t.items() if role == "target"}, past, "measured")
+    target = {q: float(np.median(x)) for (_, role, q), x in t.items() if role == "target"}
+    return Costs(float(np.median(t[("", "draft", 1)])), target, past, "measured", this_machine().to_json())
 
 
 @dataclass
@@ -134,11 +136,33 @@ def measure_step_costs(batched, length: int = 64, reps: int = 5, vocab: int | No
     return BatchCosts(step)
 
 
+def recorded_call_costs(manifest):
+    """The per-call :class:`~specrt.runtime.lab.trace.Costs` ``specrt tune`` recorded in the
+    manifest (``extra["tune"]["costs"]``) when they were measured on this kind of machine
+    (the record's own machine, else the tune's: :func:`specrt.runtime.machine.differs`);
+    else None (the caller measures them here).
+
+    Raises:
+        InputError: a malformed record.
+    """
+    from .lab.trace import Costs
+
+    tune = (manifest.extra or {}).get("tune") or {}
+    rec = tune.get("costs")
+    if not rec or differs(rec.get("machine") or tune.get("machine")) is not None:
+        return None
+    return Costs.from_json(rec, "manifest extra.tune.costs")
+
+
 def recorded_costs(manifest, max_batch: int) -> BatchCosts | None:
     """The batched step costs ``specrt tune --batch-costs N`` recorded in the manifest
-    (``extra["tune"]["batch_step_costs"]``, ``{"n": seconds}``), when they cover batch sizes
-    1..max_batch with positive numbers; else None."""
-    rec = ((manifest.extra or {}).get("tune") or {}).get("batch_step_costs") or {}
+    (``extra["tune"]["batch_step_costs"]``, ``{"n": seconds}``), when they were measured on
+    this kind of machine (:func:`specrt.runtime.machine.differs`) and cover batch sizes
+    1..max_batch with positive numbers; else None (the caller measures them here)."""
+    tune = (manifest.extra or {}).get("tune") or {}
+    if differs(tune.get("machine")) is not None:
+        return None
+    rec = tune.get("batch_step_costs") or {}
     try:
         step = [0.0] + [float(rec[str(n)]) for n in range(1, max_batch + 1)]
     except (KeyError, TypeError, ValueError):

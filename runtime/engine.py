@@ -13,6 +13,7 @@ output text for generate, stream, the CLI and the server) and statistics
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from .flops import flop_coefficients
 from .generation import Generation, GenerationResult
 from .integrity import Verification
 from .logprobs import TokenLogprob, score_prompt
+from .machine import tuned_elsewhere
 from .manifest import GRAPH_BUILDER, LAZY_HEAD_HINT, LAZY_HEAD_KEY, REEXPORT_HINT, Manifest, check_files, load_manifest
 from .prefix import KVPrefix
 from .sampling import SampledAcceptor
@@ -39,6 +41,8 @@ from .tokenizer import TextCodec
 __all__ = ["Engine", "GenerationResult", "Stream", "PREFILL_CHUNK"]
 
 PREFILL_CHUNK = 256  # widest prefill call; longer prompts are fed in chunks
+log = logging.getLogger("specrt")
+_TOLD: set[str] = set()  # folders whose tuned-elsewhere line this process printed
 
 
 class Stream:
@@ -97,6 +101,16 @@ class Stream:
         self.close()
 
 
+def _say_tuned_elsewhere(manifest: Manifest, folder: Path) -> str | None:
+    """:func:`specrt.runtime.machine.tuned_elsewhere`, logged on the ``specrt`` logger once
+    per folder and process: defaults tuned on another kind of CPU are used, never silently."""
+    line = tuned_elsewhere(manifest, folder)
+    if line and str(folder) not in _TOLD:
+        _TOLD.add(str(folder))
+        log.warning("specrt: %s", line)
+    return line
+
+
 class Engine:
     """A loaded engine folder: manifest, tokenizer, and both models on one backend.
 
@@ -123,7 +137,8 @@ class Engine:
         folder, manifest, codec (the tokenizer), backend (its name), target, draft (the
         :class:`~specrt.runtime.backends.base.Model` objects), integrity (``{"hashed":
         [...], "cached": [...]}``: the files this load hashed and those that passed on
-        their cached digest; None without ``verify_hashes``).
+        their cached digest; None without ``verify_hashes``), tuned_elsewhere (None, or
+        the line :func:`_say_tuned_elsewhere` logged).
 
     Raises:
         EngineError: missing/half-written folder, unknown manifest version, a manifest field
@@ -162,6 +177,7 @@ class Engine:
         )
         self._flops = flop_coefficients(manifest.target)
         self._adaptive: tuple | None = None  # per-call costs for adaptive k (adaptive_costs)
+        self.tuned_elsewhere: str | None = _say_tuned_elsewhere(manifest, self.folder)
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread holding _lock (deadlock check)
         self._grammar = {"lock": threading.Lock(), "tok": None}  # grammar_tokenizer(), shared by forks
@@ -360,19 +376,13 @@ class Engine:
         seconds of a target call of width q = 1..k_max+1 (q = 1 as the loop makes it) and
         of a draft step, and the acceptance to start from. From ``specrt tune``'s record in
         the manifest (``extra.tune.costs``, ``extra.calibration.acceptance``) when there is
-        one, else measured once on this Engine (5 interleaved repetitions, 256 rows of
-        past) and kept."""
+        one measured on this kind of machine (:func:`specrt.runtime.machine.differs`), else
+        measured once on this Engine (5 interleaved repetitions, 256 rows of past) and kept."""
         if self._adaptive is None:
-            from .lab.trace import Costs
+            from .costs import measure_costs, recorded_call_costs
 
             manifest = self.manifest
-            rec = (manifest.extra.get("tune") or {}).get("costs")
-            if rec:
-                costs = Costs.from_json(rec, "manifest extra.tune.costs")
-            else:
-                from .costs import measure_costs
-
-                costs = measure_costs(self, range(1, manifest.k_max + 2), min(256, manifest.max_ctx - manifest.k_max - 2), reps=5)
+            costs = recorded_call_costs(manifest) or measure_costs(self, range(1, manifest.k_max + 2), min(256, manifest.max_ctx - manifest.k_max - 2), reps=5)
             prior = float((manifest.extra.get("calibration") or {}).get("acceptance", 0.7))
             self._adaptive = (tuple(costs.target(q) for q in range(1, manifest.k_max + 2)), costs.draft_s_per_call, prior)
         return self._adaptive

@@ -34,7 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_structured import CACHE, free_port, machine, start, stop_all  # noqa: E402
+from bench_structured import CACHE, free_port, start, stop_all  # noqa: E402
+
+from specrt.runtime.machine import machine_record, this_machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLUSH = "The quick brown fox jumps over the lazy dog. " * 4  # an unrelated prompt: each server's cache starts cold
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default="bench_out/agents")
     a = ap.parse_args(argv)
+    print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)  # every figure below holds on this kind of CPU
     from specrt.runtime.manifest import load_manifest
     from specrt.runtime.serve.chat import load_chat_template
 
@@ -234,7 +237,7 @@ def main(argv=None) -> int:
     result = dict(
         command=" ".join([Path(sys.executable).name] + sys.argv),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
-        machine=dict(machine(), loadavg_start=load_start, loadavg_end=os.getloadavg()),
+        machine=dict(machine_record(), loadavg_start=load_start, loadavg_end=os.getloadavg()),
         threads=a.threads,
         repeats=a.repeats,
         max_tokens=a.max_tokens,

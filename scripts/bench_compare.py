@@ -49,7 +49,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import select
 import shutil
 import subprocess
@@ -59,6 +58,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+
+from specrt.runtime.machine import machine_record, this_machine
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "bench_workers"
@@ -735,7 +736,7 @@ def _settings(c) -> dict:
         fixed_k=c.fixed_k,
         systems=sorted(c.systems),
         command=" ".join([Path(sys.executable).name] + sys.argv),
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_start=os.getloadavg()),
+        machine=machine_record(),
         prompt_tokens=quart([len(x) for x in c.ids]),
     )
 
@@ -1001,6 +1002,7 @@ def main(argv=None) -> int:
     """Define the rows, build, start the workers, interleave every prompt over them, analyse
     on the specrt baseline, then write compare.json, table.md and the plots."""
     a = parse_args(argv)
+    print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)  # every figure below holds on this kind of CPU
     sys.path.insert(0, str(ROOT))
     c = _context(a)
     rows = define_rows(c)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -40,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_compare  # noqa: E402
 from bench_compare import WORKERS, Worker, run_record, summarize, venv_python  # noqa: E402
+
+from specrt.runtime.machine import machine_record, this_machine  # noqa: E402
 
 BASE = "specrt target-only (exact width)"
 bench_compare.BASE = BASE  # summarize() compares every row with this one
@@ -148,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--call-timeout", type=float, default=900)
     ap.add_argument("--out", default="bench_out/real_pair")
     a = ap.parse_args(argv)
+    print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)  # every figure below holds on this kind of CPU
     from specrt.runtime.manifest import load_manifest
 
     out = Path(a.out)
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
             threads=a.threads,
             spec_defaults=dict(k_max=k, threshold=th),
             command=" ".join([Path(sys.executable).name] + sys.argv),
-            machine=dict(platform=platform.platform(), cpus=os.cpu_count(), loadavg_start=os.getloadavg()),
+            machine=machine_record(),
         )
     )
 

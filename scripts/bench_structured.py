@@ -37,7 +37,6 @@ import argparse
 import http.client
 import json
 import os
-import platform
 import random
 import socket
 import statistics
@@ -45,6 +44,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from specrt.runtime.machine import machine_record, this_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "specrt" / "gguf"
@@ -101,21 +102,6 @@ def stop_all(procs) -> None:
             p.wait(20)
         except subprocess.TimeoutExpired:
             p.kill()
-
-
-def machine() -> dict:
-    """CPU model, the ISA flags that matter to onnxruntime and llama.cpp, cores, load."""
-    flags, model = set(), platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if f in flags]
-    return dict(cpu=model, isa=isa, cores=os.cpu_count(), platform=platform.platform())
 
 
 def body_for(task: dict, constrained: bool, extra: dict) -> dict:
@@ -242,6 +228,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default="bench_out/structured")
     a = ap.parse_args(argv)
+    print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)  # every figure below holds on this kind of CPU
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tasks = [json.loads(x) for x in (ROOT / a.tasks).read_text().splitlines() if x.strip()]
@@ -339,7 +326,7 @@ def main(argv=None) -> int:
     result = dict(
         command=" ".join([Path(sys.executable).name] + sys.argv),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
-        machine=dict(machine(), loadavg_start=load_start, loadavg_end=os.getloadavg()),
+        machine=dict(machine_record(), loadavg_start=load_start, loadavg_end=os.getloadavg()),
         threads=a.threads,
         repeats=a.repeats,
         tasks=len(tasks),

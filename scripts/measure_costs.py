@@ -25,6 +25,7 @@ import numpy as np
 from specrt import Engine
 from specrt.runtime.backends.base import ThreadConfig
 from specrt.runtime.costs import measure_call_times
+from specrt.runtime.machine import machine_record, this_machine
 
 
 def overhead_us(model, q: int, past: int, calls: int = 2000) -> float:
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spinning", action="store_true", help="let idle pool threads spin (default off, as the runtime)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)  # every figure below holds on this kind of CPU
     folders = a.engines or ["engines/default"]
     threads = [int(t) for t in a.threads.split(",")]
     load0 = os.getloadavg()
@@ -79,7 +81,16 @@ def main(argv=None) -> int:
     if a.out:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         command = "python scripts/measure_costs.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        rec = dict(command=command, past=a.past, reps=a.reps, spinning=a.spinning, loadavg_before=load0, loadavg_after=load1, cpus=os.cpu_count())
+        rec = dict(
+            command=command,
+            machine=machine_record(),
+            past=a.past,
+            reps=a.reps,
+            spinning=a.spinning,
+            loadavg_before=load0,
+            loadavg_after=load1,
+            cpus=os.cpu_count(),
+        )
         with open(a.out, "w") as fh:
             json.dump(dict(rec, rows=rows, overhead=overhead), fh, indent=1)
     return 0

@@ -287,6 +287,9 @@ def main(argv=None) -> dict:
     from specrt import Engine
     from specrt.runtime.backends.base import ThreadConfig
     from specrt.runtime.backends.ort_gqa_batch import BatchedGqaModel
+    from specrt.runtime.machine import machine_record, this_machine
+
+    print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)  # every figure below holds on this kind of CPU
 
     ks = [int(k) for k in a.k.split(",")]
     tc = ThreadConfig()  # the runtime's defaults (target 2 threads, draft 1, no spinning)
@@ -322,6 +325,7 @@ def main(argv=None) -> dict:
         command="python scripts/speculation_ceiling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         when=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         cpus=os.cpu_count(),
+        machine=machine_record(),
         load_avg_1min=[load0[0], load1[0]],
         past=a.past,
         rounds=a.rounds,

@@ -22,6 +22,7 @@ from .runtime.backends.base import ThreadConfig
 from .runtime.config import STRATEGIES, check_threshold, field_default
 from .runtime.drafters import DRAFTERS
 from .runtime.errors import InputError, SpecRTError
+from .runtime.machine import this_machine
 from .runtime.manifest import PRECISIONS
 
 __all__ = ["cli", "main"]
@@ -102,6 +103,7 @@ def _strategy_options(f, multiple: bool = False):
 
 
 def _engine(path: str, threads: int | None, spinning: bool, backend: str | None = None):
+    """An Engine with the CLI's thread settings."""
     from .runtime.engine import Engine
 
     tc = ThreadConfig(intra_op=threads or ThreadConfig().intra_op, spinning=spinning)
@@ -163,6 +165,27 @@ def fetch(name, cache, list_):
             raise click.UsageError("give a NAME (one of the above)")
         return
     click.echo(fetch_gguf(name, cache, log=lambda m: click.echo(m, err=True)))
+
+
+def _defaults_file(path: str, k_max: int) -> tuple[dict, dict | None]:
+    """``(validated defaults, machine they were tuned on or None)`` of a ``--defaults`` file.
+    Its optional "machine" (a :meth:`~specrt.runtime.machine.Machine.to_json` record) is
+    kept so that the engine can say when it runs on another kind of CPU.
+
+    Raises:
+        click.ClickException: unreadable JSON, or defaults outside their ranges (one line).
+    """
+    from .runtime.config import check_defaults
+
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"--defaults {path}: not a readable JSON file ({e})") from None
+    tuned_on = raw.pop("machine", None) if isinstance(raw, dict) else None
+    try:
+        return check_defaults(raw, k_max, where=f"--defaults {path}"), tuned_on
+    except InputError as e:
+        raise click.ClickException(str(e)) from None
 
 
 @cli.command()
@@ -274,18 +297,7 @@ def export(
         from .export.quality import QualityConfig
 
         quality_cfg = QualityConfig()
-    chosen = None
-    if defaults_file:  # checked before the (minutes-long) export
-        from .runtime.config import check_defaults
-
-        try:
-            raw = json.loads(Path(defaults_file).read_text())
-        except (OSError, ValueError) as e:
-            raise click.ClickException(f"--defaults {defaults_file}: not a readable JSON file ({e})") from None
-        try:
-            chosen = check_defaults(raw, k_max, where=f"--defaults {defaults_file}")
-        except InputError as e:
-            raise click.ClickException(str(e)) from None
+    chosen, tuned_on = _defaults_file(defaults_file, k_max) if defaults_file else (None, None)  # checked before the (minutes-long) export
     try:
         from .export.pipeline import export_pair
     except ImportError as e:
@@ -312,7 +324,8 @@ def export(
     if chosen:
         from .runtime.manifest import write_defaults
 
-        click.echo(f"defaults {write_defaults(out, chosen)} (from {defaults_file})", err=True)
+        source = {"defaults_from": {"file": Path(defaults_file).name, "machine": tuned_on}}
+        click.echo(f"defaults {write_defaults(out, chosen, source)} (from {defaults_file})", err=True)
 
 
 @cli.command()
@@ -530,6 +543,7 @@ def bench(
 
     prompts = load_prompts(prompts_file, limit)
     engine = _engine(engines, threads, spinning, backend)
+    click.echo(f"machine: {this_machine().describe()}", err=True)  # the figures hold on this kind of CPU
     manifest = engine.manifest
     ks = k_values or (manifest.defaults.get("k_max", manifest.k_max),)
     ths = thresholds or (manifest.defaults.get("threshold", 0.0),)
@@ -744,6 +758,7 @@ def tune(
         prompts = load_prompts(prompts_file, limit)
         engine = _engine(engines or DEFAULT_ENGINES, threads, spinning, backend)
         manifest = engine.manifest
+        click.echo(f"machine: {this_machine().describe()} (the choice is recorded for this kind of CPU)", err=True)
         ks = k_values or tuple(k for k in DEFAULT_TUNE_KS if manifest.k_min <= k <= manifest.k_max)
         try:
             result = run_tune(

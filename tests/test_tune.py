@@ -15,6 +15,7 @@ from specrt.cli import cli
 from specrt.runtime.config import STRATEGIES
 from specrt.runtime.errors import InputError
 from specrt.runtime.lab.tune import check_grid
+from specrt.runtime.machine import this_machine
 from specrt.runtime.manifest import load_manifest, write_defaults
 
 PROMPTS = ['{"prompt": "def add(a, b):"}', '{"prompt": "for i in range(10):\\n"}']
@@ -89,6 +90,8 @@ def test_tune_writes_defaults_that_generate_uses(tuned):
     assert chosen["k_max"] in (1, 3) and chosen["threshold"] in (0.0, 0.4)
     assert m.extra["calibration"]["ece_before"] == result["calibration"]["ece_before"]
     assert m.extra["tune"]["chosen"] == chosen
+    assert m.extra["tune"]["machine"] == this_machine().to_json()  # keyed by the CPU it was tuned on
+    assert "machine: " + this_machine().describe() in output
     assert not list(folder.glob("*.tmp"))
     # the Engine reads them as its defaults ...
     cfg = Engine(folder).resolve(GenerationConfig())

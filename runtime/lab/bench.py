@@ -40,6 +40,7 @@ import numpy as np
 from ..config import GenerationConfig
 from ..engine import Engine
 from ..errors import InputError
+from ..machine import Machine, this_machine
 
 __all__ = ["BenchConfig", "load_prompts", "prompt_tokens", "run_bench", "format_table", "distinct_4gram_share", "peak_rss_mb", "divergences", "top2_margin"]
 
@@ -150,6 +151,7 @@ def run_bench(
         max_new_tokens=configs[0].config.max_new_tokens,
         peak_rss_mb=peak_rss_mb(),
         python=sys.version.split()[0],
+        machine=this_machine().to_json(),  # the figures hold on this kind of CPU (runtime/machine.py)
         rows=rows,
     )
 
@@ -313,6 +315,8 @@ def format_table(result: dict) -> str:
         f"{'MFLOP/tok':>10}{'ttft ms':>9}{'4gram':>7}{'=target':>9}"
     )
     lines = [head, "-" * len(head)]
+    if result.get("machine"):
+        lines.insert(0, f"machine: {Machine.from_json(result['machine']).describe()}")
     for r in result["rows"]:
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
         mal = f"{r['mean_accepted']:.2f}" if r["speculative"] else "-"

@@ -55,6 +55,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InputError
+from ..machine import this_machine
 
 __all__ = ["Costs", "TraceWriter", "Trace", "TraceGen", "TraceRound", "load_trace", "costs_from_rounds", "manifest_identity", "prompt_key"]
 
@@ -76,12 +77,15 @@ class Costs:
         past: KV length the costs were measured at (None: unknown).
         source: how they were obtained (``"measured"`` by :func:`specrt.runtime.tune.measure_costs`,
             or ``"trace timings"`` by :func:`costs_from_rounds`).
+        machine: where they were measured (:meth:`specrt.runtime.machine.Machine.to_json`;
+            None: not recorded).
     """
 
     draft_s_per_call: float
     target_s_by_q: dict[int, float]
     past: int | None = None
     source: str = "measured"
+    machine: dict | None = None
 
     def target(self, q: int) -> float:
         """Seconds of a target pass of width ``q``: the recorded value, else a least-squares
@@ -110,6 +114,7 @@ class Costs:
             target_s_by_q={str(q): t for q, t in sorted(self.target_s_by_q.items())},
             past=self.past,
             source=self.source,
+            machine=self.machine,
         )
 
     @staticmethod
@@ -127,7 +132,7 @@ class Costs:
         vals = [d_s, *by_q.values()]
         if not by_q or not all(math.isfinite(v) and v > 0 for v in vals) or min(by_q) < 1:
             raise InputError(f"{where}: costs must be positive finite seconds with widths q >= 1; got {d!r}")
-        return Costs(d_s, by_q, d.get("past"), d.get("source", "measured"))
+        return Costs(d_s, by_q, d.get("past"), d.get("source", "measured"), d.get("machine") if isinstance(d.get("machine"), dict) else None)
 
 
 # ---- recording -----------------------------------------------------------------------------
@@ -196,6 +201,7 @@ class TraceWriter:
             engine=str(engine.folder),
             manifest=manifest_identity(engine.manifest),
             costs=costs.to_json() if costs is not None else None,
+            machine=this_machine().to_json(),  # where the timings (costs, round times) were taken
             note=note,
             created_unix=time.time(),
         )
@@ -342,7 +348,7 @@ class Trace:
     def costs(self) -> Costs | None:
         """The header's measured :class:`Costs`, or None when it has none."""
         c = self.header.get("costs")
-        return Costs.from_json(c, f"{self.path}: header costs") if c else None
+        return Costs.from_json({"machine": self.header.get("machine"), **c}, f"{self.path}: header costs") if c else None
 
 
 def _need(obj: dict, key: str, types, where: str):
@@ -494,4 +500,4 @@ def costs_from_rounds(trace: Trace) -> Costs:
             by_q.setdefault(r.q, []).append(r.target_s)
     if not calls:
         raise InputError(f"{trace.path}: no draft call in the trace, cannot estimate the draft's cost; pass measured costs")
-    return Costs(d_s / calls, {q: float(np.median(v)) for q, v in by_q.items()}, None, "trace timings")
+    return Costs(d_s / calls, {q: float(np.median(v)) for q, v in by_q.items()}, None, "trace timings", trace.header.get("machine"))

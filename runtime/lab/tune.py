@@ -37,6 +37,7 @@ import numpy as np
 from ..config import STRATEGIES, GenerationConfig, check_k_max, check_strategy, check_threshold
 from ..costs import measure_costs
 from ..errors import InputError
+from ..machine import Machine
 from ..manifest import write_defaults  # noqa: F401  (re-exported: tune writes its choice with it)
 
 __all__ = [
@@ -423,6 +424,9 @@ def format_table(result: dict) -> str:
     measured = result.get("measured", True)
     head = f"  {'setting':<24}{'tok/s':>9}{'speedup':>9}{'accept':>8}{'acc/pass':>9}{'pred tok/s':>12}{'pred x':>8}{'pred acc':>9}"
     lines = [head, "-" * len(head)]
+    machine = Machine.from_json((result.get("costs") or {}).get("machine"))  # where the costs (and the sweep) were measured
+    if machine:
+        lines.insert(0, f"machine: {machine.describe()}")
     t0 = result["target_only"]
     lines.append(
         f"  {'target-only':<24}{_f(t0.get('tokens_per_second'), '9.1f'):>9}{'1.00x':>9}{'-':>8}{'-':>9}"

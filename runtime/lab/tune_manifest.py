@@ -76,6 +76,7 @@ def write_tune_defaults(result: dict, defaults: dict, target: str, from_trace: s
     if from_trace and manifest_identity(load_manifest(target, verify_hashes=False))["pair_sha256"] != result.get("pair_sha256"):
         raise InputError(f"the trace {from_trace} was recorded on another pair than {target} (pair_sha256 differs); not writing its defaults there")
     extra = {"tune": {k: result.get(k) for k in ("prompts_file", "prompts", "max_new_tokens", "measured", "trace", "command")}}
+    extra["tune"]["machine"] = (result.get("costs") or {}).get("machine")  # the costs and the choice hold on this kind of CPU
     extra["tune"].update(
         chosen=defaults,
         tokens_per_second=result["best"].get("tokens_per_second"),
