@@ -27,7 +27,7 @@ of the venv it needs), loads once and warms up, then takes prompts over a JSON-l
 Prompts are interleaved: for each prompt every system runs once, in an order rotated from
 prompt to prompt and repeat to repeat, so machine noise lands on all of them alike. Each
 worker times its own call (no pipe time), measures its time to first token and reports its
-own peak RSS (ru_maxrss). Outputs are compared with specrt target-only's tokens (equal to
+own peak RSS (VmHWM). Outputs are compared with specrt target-only's tokens (equal to
 transformers' greedy output by the project's tests when the engines are fp32), and every
 speculative row also with its own system's target-only row (``equal_to_own_target_only``:
 the exactness each system promises). A system whose build or load fails is a row with the

@@ -160,3 +160,26 @@ def test_small_run_specrt_and_transformers(tiny_pair, tmp_path, bc):
         assert Path(r["plots"][name]).exists()
     assert "specrt target-only" in (out / "table.md").read_text()
     assert not math.isnan(rows["specrt spec fixed k=3 (th=0)"]["ratio_to_specrt_target_only"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's /proc")
+def test_a_workers_peak_rss_is_its_own_not_its_parents(tmp_path):
+    """A bench worker started by a big parent (fork + exec, as bench_compare starts every
+    worker) reports its own peak RSS: the kernel carries the parent's high-water mark into
+    ru_maxrss across exec (issue 31: every specrt and onnxruntime-genai row once showed
+    the bench parent's 2,626 MiB)."""
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import json, subprocess, sys\n"
+        "big = bytearray(600 * 2**20)\n"
+        "big[:: 4096] = b'x' * len(big[:: 4096])  # touch every page: 600 MiB resident\n"
+        "child = 'import json, resource, sys; sys.path.insert(0, sys.argv[1]); import _protocol; "
+        "print(json.dumps([_protocol.peak_rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]))'\n"
+        "print(subprocess.run([sys.executable, '-c', child, sys.argv[1]], capture_output=True, text=True, check=True).stdout)\n"
+    )
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(parent), str(REPO / "scripts" / "bench_workers")], capture_output=True, text=True, check=True).stdout
+    own, ru_maxrss = json.loads(out)
+    assert ru_maxrss > 600  # what the old reading reported: the parent's
+    assert own < 200, own  # a bare python with the stdlib protocol module

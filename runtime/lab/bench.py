@@ -110,7 +110,18 @@ def _mean_finite(values: Sequence[float]) -> float:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process, MiB (Linux ru_maxrss is in KiB)."""
+    """Peak resident set size of this process's own memory since it started its program,
+    MiB: Linux ``VmHWM`` (``/proc/self/status``). Not ``ru_maxrss``: across fork + exec it
+    keeps the parent's peak (the kernel carries the old memory's high-water mark into the
+    exec'd process), so a worker started by a large parent reported the parent's size.
+    ``ru_maxrss`` (KiB) only where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
