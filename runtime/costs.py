@@ -12,6 +12,7 @@ before it, :func:`specrt.runtime.decode.call_start`).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -21,9 +22,78 @@ import numpy as np
 from .errors import InputError
 from .machine import differs, this_machine
 
-__all__ = ["measure_call_times", "measure_costs", "BatchCosts", "measure_step_costs", "recorded_costs", "recorded_call_costs", "EMA"]
+__all__ = ["Costs", "measure_call_times", "measure_costs", "BatchCosts", "measure_step_costs", "recorded_costs", "recorded_call_costs", "EMA"]
 
 EMA = 0.2  # weight of the newest observation in the batch scheduler's running means
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-call costs of an engine on one machine, the inputs of the cost model.
+
+    Attributes:
+        draft_s_per_call: seconds of one draft call (q = 1; every draft step is one call).
+        target_s_by_q: seconds of one target pass of width q (q = 1: a target-only decode
+            step; q = n + 1: verifying n candidates), by q.
+        past: KV length the costs were measured at (None: unknown).
+        source: how they were obtained (``"measured"`` by :func:`specrt.runtime.tune.measure_costs`,
+            or ``"trace timings"`` by :func:`costs_from_rounds`).
+        machine: where they were measured (:meth:`specrt.runtime.machine.Machine.to_json`;
+            None: not recorded).
+    """
+
+    draft_s_per_call: float
+    target_s_by_q: dict[int, float]
+    past: int | None = None
+    source: str = "measured"
+    machine: dict | None = None
+
+    def target(self, q: int) -> float:
+        """Seconds of a target pass of width ``q``: the recorded value, else a least-squares
+        line a + b q through the recorded widths (the cost of a small-q pass is nearly
+        linear in q on a CPU).
+
+        Raises:
+            InputError: ``q`` is not recorded and fewer than two widths are.
+        """
+        t = self.target_s_by_q.get(q)
+        if t is not None:
+            return t
+        qs = sorted(self.target_s_by_q)
+        if len(qs) < 2:
+            raise InputError(
+                f"the costs have the target's pass time only for q={qs}; predicting q={q} needs at least two widths "
+                "(record the trace with `specrt tune --trace FILE`, which measures q = 1..k_max+1)"
+            )
+        b, a = np.polyfit(np.array(qs, float), np.array([self.target_s_by_q[x] for x in qs]), 1)
+        return float(a + b * q)
+
+    def to_json(self) -> dict:
+        """JSON-ready dict (q keys as strings)."""
+        return dict(
+            draft_s_per_call=self.draft_s_per_call,
+            target_s_by_q={str(q): t for q, t in sorted(self.target_s_by_q.items())},
+            past=self.past,
+            source=self.source,
+            machine=self.machine,
+        )
+
+    @staticmethod
+    def from_json(d: dict, where: str = "costs") -> "Costs":
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            InputError: a missing field or a value that is not a positive finite number.
+        """
+        try:
+            d_s = float(d["draft_s_per_call"])
+            by_q = {int(q): float(t) for q, t in d["target_s_by_q"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InputError(f"{where}: malformed costs ({e!r}); need draft_s_per_call and target_s_by_q {{q: seconds}}") from None
+        vals = [d_s, *by_q.values()]
+        if not by_q or not all(math.isfinite(v) and v > 0 for v in vals) or min(by_q) < 1:
+            raise InputError(f"{where}: costs must be positive finite seconds with widths q >= 1; got {d!r}")
+        return Costs(d_s, by_q, d.get("past"), d.get("source", "measured"), d.get("machine") if isinstance(d.get("machine"), dict) else None)
 
 
 def measure_call_times(
@@ -83,13 +153,11 @@ def measure_call_times(
 
 def measure_costs(engine, widths: Sequence[int], past: int, reps: int = 50, seed: int = 0, progress: Callable | None = None):
     """Median per-call seconds of one engine (:func:`measure_call_times`) as
-    :class:`~specrt.runtime.lab.trace.Costs` (``source="measured"``).
+    :class:`Costs` (``source="measured"``).
 
     Raises:
         InputError: as :func:`measure_call_times`.
     """
-    from .lab.trace import Costs
-
     t = measure_call_times({"": engine}, widths, past, reps, seed, progress=progress)
     target = {q: float(np.median(x)) for (_, role, q), x in t.items() if role == "target"}
     return Costs(float(np.median(t[("", "draft", 1)])), target, past, "measured", this_machine().to_json())
@@ -137,7 +205,7 @@ def measure_step_costs(batched, length: int = 64, reps: int = 5, vocab: int | No
 
 
 def recorded_call_costs(manifest):
-    """The per-call :class:`~specrt.runtime.lab.trace.Costs` ``specrt tune`` recorded in the
+    """The per-call :class:`Costs` ``specrt tune`` recorded in the
     manifest (``extra["tune"]["costs"]``) when they were measured on this kind of machine
     (the record's own machine, else the tune's: :func:`specrt.runtime.machine.differs`);
     else None (the caller measures them here).
@@ -145,8 +213,6 @@ def recorded_call_costs(manifest):
     Raises:
         InputError: a malformed record.
     """
-    from .lab.trace import Costs
-
     tune = (manifest.extra or {}).get("tune") or {}
     rec = tune.get("costs")
     if not rec or differs(rec.get("machine") or tune.get("machine")) is not None:

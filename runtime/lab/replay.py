@@ -17,9 +17,10 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ..config import check_threshold
+from ..costs import Costs
 from ..errors import InputError
 from ..speculative import draft_limit, propose
-from .trace import Costs, Trace, TraceGen
+from .trace import Trace, TraceGen
 
 __all__ = ["PositionView", "position_views", "ReplayResult", "replay", "check_replayable"]
 

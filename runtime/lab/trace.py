@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +53,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..costs import Costs
 from ..errors import InputError
 from ..machine import this_machine
 
@@ -66,75 +66,6 @@ SETTINGS = ("max_new_tokens", "k_max", "threshold", "speculative", "temperature"
 
 
 # ---- costs -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Costs:
-    """Per-call costs of an engine on one machine, the inputs of the cost model.
-
-    Attributes:
-        draft_s_per_call: seconds of one draft call (q = 1; every draft step is one call).
-        target_s_by_q: seconds of one target pass of width q (q = 1: a target-only decode
-            step; q = n + 1: verifying n candidates), by q.
-        past: KV length the costs were measured at (None: unknown).
-        source: how they were obtained (``"measured"`` by :func:`specrt.runtime.tune.measure_costs`,
-            or ``"trace timings"`` by :func:`costs_from_rounds`).
-        machine: where they were measured (:meth:`specrt.runtime.machine.Machine.to_json`;
-            None: not recorded).
-    """
-
-    draft_s_per_call: float
-    target_s_by_q: dict[int, float]
-    past: int | None = None
-    source: str = "measured"
-    machine: dict | None = None
-
-    def target(self, q: int) -> float:
-        """Seconds of a target pass of width ``q``: the recorded value, else a least-squares
-        line a + b q through the recorded widths (the cost of a small-q pass is nearly
-        linear in q on a CPU).
-
-        Raises:
-            InputError: ``q`` is not recorded and fewer than two widths are.
-        """
-        t = self.target_s_by_q.get(q)
-        if t is not None:
-            return t
-        qs = sorted(self.target_s_by_q)
-        if len(qs) < 2:
-            raise InputError(
-                f"the costs have the target's pass time only for q={qs}; predicting q={q} needs at least two widths "
-                "(record the trace with `specrt tune --trace FILE`, which measures q = 1..k_max+1)"
-            )
-        b, a = np.polyfit(np.array(qs, float), np.array([self.target_s_by_q[x] for x in qs]), 1)
-        return float(a + b * q)
-
-    def to_json(self) -> dict:
-        """JSON-ready dict (q keys as strings)."""
-        return dict(
-            draft_s_per_call=self.draft_s_per_call,
-            target_s_by_q={str(q): t for q, t in sorted(self.target_s_by_q.items())},
-            past=self.past,
-            source=self.source,
-            machine=self.machine,
-        )
-
-    @staticmethod
-    def from_json(d: dict, where: str = "costs") -> "Costs":
-        """Inverse of :meth:`to_json`.
-
-        Raises:
-            InputError: a missing field or a value that is not a positive finite number.
-        """
-        try:
-            d_s = float(d["draft_s_per_call"])
-            by_q = {int(q): float(t) for q, t in d["target_s_by_q"].items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise InputError(f"{where}: malformed costs ({e!r}); need draft_s_per_call and target_s_by_q {{q: seconds}}") from None
-        vals = [d_s, *by_q.values()]
-        if not by_q or not all(math.isfinite(v) and v > 0 for v in vals) or min(by_q) < 1:
-            raise InputError(f"{where}: costs must be positive finite seconds with widths q >= 1; got {d!r}")
-        return Costs(d_s, by_q, d.get("past"), d.get("source", "measured"), d.get("machine") if isinstance(d.get("machine"), dict) else None)
-
-
 # ---- recording -----------------------------------------------------------------------------
 def manifest_identity(manifest) -> dict:
     """What a trace header records about the engine pair (no file is read).

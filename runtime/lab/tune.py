@@ -339,7 +339,7 @@ def tune_from_trace(trace_path: str | Path, ks: Sequence[int] | None, thresholds
         trace_path: a trace recorded greedy with a wide policy (e.g. ``specrt tune --trace``).
         ks: k_max values (None: 1..the trace's largest k_max).
         thresholds: thresholds in [0, 1].
-        costs: :class:`~specrt.runtime.lab.trace.Costs` to use (None: the trace header's
+        costs: :class:`~specrt.runtime.costs.Costs` to use (None: the trace header's
             measured costs, else estimated from the trace's own round timings).
 
     Returns:

@@ -15,7 +15,7 @@ __all__ = ["load_costs_file", "runnable_strategies", "restore_previous_defaults"
 
 
 def load_costs_file(costs_file: str | None):
-    """The per-call :class:`~specrt.runtime.lab.trace.Costs` of a costs file (a tune.json's
+    """The per-call :class:`~specrt.runtime.costs.Costs` of a costs file (a tune.json's
     ``"costs"`` or a bare costs object), or None without a file.
 
     Raises:
@@ -23,7 +23,7 @@ def load_costs_file(costs_file: str | None):
     """
     if not costs_file:
         return None
-    from .trace import Costs
+    from ..costs import Costs
 
     try:
         raw = json.loads(Path(costs_file).read_text())
