@@ -651,6 +651,14 @@ DEFAULT_TUNE_KS = (1, 2, 3, 4, 6, 8)
     multiple=True,
     help="verification strategies to sweep (repeatable; default: every one the engine folder can run)",
 )
+@click.option("--drafter", "drafters", type=click.Choice(DRAFTERS), multiple=True, help="drafters to sweep (repeatable; default: the manifest's)")
+@click.option(
+    "--adaptive",
+    "adaptives",
+    type=click.Choice(["on", "off"]),
+    multiple=True,
+    help="adaptive k on/off to sweep (repeatable; default: the manifest's); the choice is written with the rest",
+)
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts in the sweep (interleaved)")
 @click.option(
     "--confirm-repeats",
@@ -711,6 +719,8 @@ def tune(
     k_values,
     thresholds,
     strategies,
+    drafters,
+    adaptives,
     repeats,
     confirm_repeats,
     calibrate,
@@ -741,11 +751,10 @@ def tune(
     thresholds = thresholds or DEFAULT_TUNE_THRESHOLDS
     for th in thresholds:
         check_threshold(th)
-    out = Path(out_dir)
     bars = _PhaseBars()
     if from_trace:
-        if prompts_file or calibrate or strategies or trace_file:
-            raise InputError("--from-trace predicts from the trace alone; --prompts, --calibrate, --strategy and --trace need the models (drop them)")
+        if prompts_file or calibrate or strategies or trace_file or drafters or adaptives:
+            raise InputError("--from-trace predicts from the trace alone; drop --prompts/--calibrate/--strategy/--drafter/--adaptive/--trace (they run models)")
         from .runtime.lab.tune_manifest import load_costs_file
 
         result = tune_from_trace(from_trace, k_values or None, thresholds, load_costs_file(costs_file))
@@ -757,9 +766,8 @@ def tune(
 
         prompts = load_prompts(prompts_file, limit)
         engine = _engine(engines or DEFAULT_ENGINES, threads, spinning, backend)
-        manifest = engine.manifest
         click.echo(f"machine: {this_machine().describe()} (the choice is recorded for this kind of CPU)", err=True)
-        ks = k_values or tuple(k for k in DEFAULT_TUNE_KS if manifest.k_min <= k <= manifest.k_max)
+        ks = k_values or tuple(k for k in DEFAULT_TUNE_KS if engine.manifest.k_min <= k <= engine.manifest.k_max)
         try:
             result = run_tune(
                 engine,
@@ -776,11 +784,13 @@ def tune(
                 progress=bars,
                 batch_sizes=batch_costs,
                 log=lambda s: (bars.close(), click.echo(s, err=True)),
+                drafters=drafters or (None,),
+                adaptives=tuple(a == "on" for a in adaptives) or (None,),
             )
         finally:
             bars.close()
         result["prompts_file"] = str(prompts_file)
-    _finish_tune(result, out, engines or (None if from_trace else DEFAULT_ENGINES), from_trace, write, dry_run)
+    _finish_tune(result, Path(out_dir), engines or (None if from_trace else DEFAULT_ENGINES), from_trace, write, dry_run)
 
 
 def _restore_previous(target: str, other_options: bool) -> None:

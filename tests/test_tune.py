@@ -362,3 +362,30 @@ def test_bench_prints_progress_lines_without_a_terminal(folder, prompts):
     assert r.exit_code == 0, r.output
     lines = [x for x in r.output.splitlines() if x.startswith("bench: ")]
     assert [x.split(",")[0] for x in lines] == ["bench: 10/12 (83%)", "bench: 12/12 (100%)"]  # 2 prompts x 2 rows x 3 repeats
+
+
+def test_tune_sweeps_the_drafter_and_adaptive_k_and_writes_the_winner(folder, prompts, tmp_path):
+    """--drafter/--adaptive are axes of the sweep (issue 31.4: the drafter and adaptive k
+    chosen by measurement): one measured row per combination, the cost model's prediction
+    only where it models the loop (the model drafter at a fixed k), the best fixed-k row
+    among the plain ones, and the winner's drafter and adaptive written as defaults."""
+    out = tmp_path / "out"
+    args = ["tune", "--engines", str(folder), "--prompts", str(prompts), "--max-new-tokens", "8", "--k-max", "2", "--threshold", "0"]
+    args += ["--strategy", "full", "--drafter", "model", "--drafter", "ngram", "--adaptive", "off", "--adaptive", "on"]
+    r = run(args + ["--confirm-repeats", "0", "--cost-reps", "3", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "tune.json").read_text())
+    got = {(row["drafter"], row["adaptive"]): row for row in res["rows"]}
+    assert set(got) == {("model", False), ("model", True), ("ngram", False), ("ngram", True)}
+    assert [row["label"] for row in res["rows"]] == ["k=2 th=0 model", "k=2 th=0 model adaptive", "k=2 th=0 ngram", "k=2 th=0 ngram adaptive"]
+    for key, row in got.items():
+        assert row["equal_to_target"] == len(PROMPTS) and row["tokens_per_second"] > 0  # prompts whose output is the target's
+        assert (row["predicted"] is not None) == (key == ("model", False))
+    assert (res["best_fixed"]["drafter"], res["best_fixed"]["adaptive"]) == ("model", False)
+    best = max(res["rows"], key=lambda row: row["tokens_per_second"])
+    assert res["best"]["label"] == best["label"]
+    assert res["chosen_defaults"]["drafter"] == best["drafter"] and res["chosen_defaults"]["adaptive"] == best["adaptive"]
+    m = load_manifest(folder, verify_hashes=False)
+    assert (m.defaults["drafter"], m.defaults["adaptive"]) == (best["drafter"], best["adaptive"])
+    cfg = Engine(folder).resolve(GenerationConfig())
+    assert (cfg.drafter, cfg.adaptive) == (best["drafter"], best["adaptive"])

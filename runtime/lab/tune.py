@@ -12,7 +12,8 @@ With the models (:func:`tune`), in this order:
 3. Record a wide trace (the engine's largest k_max, threshold 0) on the prompts
    (:mod:`specrt.runtime.trace`); the cost model's prediction for every setting is its
    offline replay with the measured costs.
-4. Sweep threshold x k_max x strategy plus target-only on every prompt, interleaved (the
+4. Sweep threshold x k_max x strategy (x drafter x adaptive k, when given) plus
+   target-only on every prompt, interleaved (the
    order of the settings rotates from prompt to prompt and repeat to repeat,
    :func:`specrt.runtime.bench.run_bench`), and pick the highest measured tokens/s.
 5. Confirm: the chosen setting, the best fixed-k threshold-0 setting and target-only again,
@@ -76,26 +77,41 @@ def check_grid(ks: Sequence[int], thresholds: Sequence[float], strategies: Seque
 # ---- the sweep -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Setting:
-    """One point of the sweep."""
+    """One point of the sweep (``drafter``/``adaptive`` None: the manifest's default)."""
 
     k_max: int
     threshold: float
     strategy: str = "full"
+    drafter: str | None = None
+    adaptive: bool | None = None
 
     def label(self, with_strategy: bool) -> str:
-        """``"k=4 th=0.2"`` (+ ``" full"`` when several strategies are swept)."""
-        return f"k={self.k_max} th={self.threshold:g}" + (f" {self.strategy}" if with_strategy else "")
+        """``"k=4 th=0.2"`` (+ ``" full"`` when several strategies are swept, the drafter
+        and ``" adaptive"`` when they are given)."""
+        return (
+            f"k={self.k_max} th={self.threshold:g}"
+            + (f" {self.strategy}" if with_strategy else "")
+            + (f" {self.drafter}" if self.drafter else "")
+            + (" adaptive" if self.adaptive else "")
+        )
+
+
+def grid_settings(ks, thresholds, strategies, drafters=(None,), adaptives=(None,)) -> list[Setting]:
+    """Every point of the grid, in sweep order (strategy, drafter, adaptive, k, threshold)."""
+    return [Setting(k, th, s, d, a) for s in strategies for d in drafters for a in adaptives for k in ks for th in thresholds]
 
 
 def _config(base, s: Setting, temperature: float):
     """A GenerationConfig for a setting."""
-    return replace(base, k_max=s.k_max, threshold=s.threshold, confidence_temperature=temperature, strategy=s.strategy)
+    return replace(base, k_max=s.k_max, threshold=s.threshold, confidence_temperature=temperature, strategy=s.strategy, drafter=s.drafter, adaptive=s.adaptive)
 
 
-def _prediction(views, s: Setting, costs) -> dict | None:
+def _prediction(views, s: Setting, costs, cfg=None) -> dict | None:
+    """The cost model's replay of a setting; None where it does not model the loop (no
+    trace, or candidates that are not the draft model's at a fixed k)."""
     from .replay import replay
 
-    if views is None:
+    if views is None or (cfg is not None and (cfg.drafter != "model" or cfg.adaptive)):
         return None
     r = replay(views, s.k_max, s.threshold, costs)
     return dict(
@@ -110,10 +126,11 @@ def _prediction(views, s: Setting, costs) -> dict | None:
 
 
 def _best_fixed(rows: list[dict], key: str) -> dict | None:
-    """The best threshold-0 row (the 'full' strategy when it was swept) by ``key``."""
+    """The best threshold-0 row (the 'full' strategy, the model drafter and fixed k when
+    they were swept) by ``key``."""
     cand = [r for r in rows if r["threshold"] == 0.0 and r.get(key) is not None]
-    full = [r for r in cand if r["strategy"] == "full"]
-    cand = full or cand
+    for plain in (lambda r: r["strategy"] == "full", lambda r: r.get("drafter", "model") == "model", lambda r: not r.get("adaptive")):
+        cand = [r for r in cand if plain(r)] or cand
     return max(cand, key=lambda r: r[key]) if cand else None
 
 
@@ -132,34 +149,34 @@ def tune(
     progress: Progress | None = None,
     log: Callable[[str], None] = lambda s: None,
     batch_sizes: int = 0,
+    drafters: Sequence[str | None] = (None,),
+    adaptives: Sequence[bool | None] = (None,),
 ) -> dict:
     """Sweep settings on validation prompts with the models (module docstring, steps 1-5).
 
     Args:
         engine: a loaded :class:`~specrt.runtime.engine.Engine`.
         prompts: ``[{"prompt": str, ...}]`` (:func:`specrt.runtime.lab.bench.load_prompts`).
-        ks, thresholds, strategies: the grid (checked by :func:`check_grid`).
-        max_new_tokens: tokens per generation.
-        repeats: passes over the prompts in the sweep; confirm_repeats: in the
-            confirmation (0 = skip it).
+        ks, thresholds, strategies: the grid (checked by :func:`check_grid`); drafters,
+            adaptives: its drafter and adaptive-k axes (None: the manifest's default).
+        max_new_tokens: tokens per generation. repeats: passes over the prompts in the
+            sweep; confirm_repeats: in the confirmation (0 = skip it).
         calibrate: fit the draft confidence temperature first and sweep with it
             (else the manifest's temperature, default 1).
         trace_path: where to write the wide trace (None: a temporary file, removed).
-        cost_reps: repetitions of the cost measurement.
-        progress: ``progress(phase, done, total)``.
-        log: one-line messages.
+        cost_reps: repetitions of the cost measurement. progress: ``progress(phase, done,
+            total)``; log: one-line messages.
         batch_sizes: > 0: also measure a batched target step at batch sizes
             1..batch_sizes (:func:`batch_step_costs`; builder-graph targets only), recorded
             as ``batch_step_costs`` for ``specrt serve --max-batch``'s load-aware rule.
 
     Returns:
         JSON-ready dict: ``rows`` (per setting: measured tokens/s, speedup over target-only,
-        acceptance, mean accepted length, accepted_hist, and ``predicted`` from the cost
-        model), ``best``, ``best_fixed``, ``confirm``, ``costs``, ``calibration``, settings.
+        acceptance, mean accepted length, accepted_hist, ``predicted`` by the cost model),
+        ``best``, ``best_fixed``, ``confirm``, ``costs``, ``calibration``, settings.
 
     Raises:
-        InputError: a bad grid, no prompts, or what generation raises.
-    """
+        InputError: a bad grid, no prompts, or what generation raises."""
     from .bench import BenchConfig, prompt_tokens
 
     manifest = engine.manifest
@@ -174,7 +191,7 @@ def tune(
         prompts=len(prompts),
         max_new_tokens=max_new_tokens,
         repeats=repeats,
-        grid=dict(k_max=ks, threshold=thresholds, strategy=strategies),
+        grid=dict(k_max=ks, threshold=thresholds, strategy=strategies, drafter=list(drafters), adaptive=list(adaptives)),
         backend=engine.backend,
     )
     # 1. calibration
@@ -190,7 +207,7 @@ def tune(
     wide = replace(greedy, k_max=manifest.k_max, threshold=0.0, confidence_temperature=temperature)
     views = _wide_views(engine, ids, wide, costs, trace_path, result, progress)
     # 4. sweep
-    settings = [Setting(k, th, s) for s in strategies for k in ks for th in thresholds]
+    settings = grid_settings(ks, thresholds, strategies, drafters, adaptives)
     configs = [BenchConfig("target-only", replace(greedy, speculative=False))]
     configs += [BenchConfig(s.label(len(strategies) > 1), engine.resolve(_config(greedy, s, temperature))) for s in settings]
     _sweep(engine, prompts, settings, configs, views, costs, repeats, result, progress)
@@ -277,20 +294,22 @@ def _sweep(engine, prompts, settings, configs, views, costs, repeats: int, resul
     by_label = {r["label"]: r for r in sweep["rows"]}
     rows = []
     for s, c in zip(settings, configs[1:]):
-        r = by_label[c.label]
+        r = by_label[c.label]  # c.config: the resolved settings (drafter and adaptive filled in)
         rows.append(
             dict(
                 label=r["label"],
                 k_max=s.k_max,
                 threshold=s.threshold,
                 strategy=s.strategy,
+                drafter=c.config.drafter,
+                adaptive=bool(c.config.adaptive),
                 tokens_per_second=r["tokens_per_second"],
                 speedup=r["speedup"],
                 acceptance_rate=r["acceptance_rate"],
                 mean_accepted=r["mean_accepted"],
                 accepted_hist=r["accepted_hist"],
                 equal_to_target=r["equal_to_target"],
-                predicted=_prediction(views, s, costs),
+                predicted=_prediction(views, s, costs, c.config),
             )
         )
     result["target_only"] = dict(
@@ -539,12 +558,16 @@ def plot_results(result: dict, out_dir: str | Path) -> list[str]:
 
 def chosen_defaults(result: dict) -> dict:
     """The manifest ``defaults`` keys a result chooses: k_max, threshold, strategy (when
-    the runtime has strategies) and draft_confidence_temperature (when calibrated, or the
-    trace's when chosen from a trace: the thresholds were read at that temperature)."""
+    the runtime has strategies), drafter and adaptive (when the sweep was given those axes)
+    and draft_confidence_temperature (when calibrated, or the trace's when chosen from a
+    trace: the thresholds were read at that temperature)."""
     b = result["best"]
     d = dict(k_max=int(b["k_max"]), threshold=float(b["threshold"]))
     if b.get("strategy") in STRATEGIES:
         d["strategy"] = b["strategy"]
+    for key in ("drafter", "adaptive"):  # chosen when the sweep was given that axis
+        if ((result.get("grid") or {}).get(key) or [None]) != [None]:
+            d[key] = b[key]
     if result.get("calibration"):
         d["draft_confidence_temperature"] = float(result["calibration"]["temperature"])
     elif result.get("measured") is False:  # from a trace: its thresholds are in its temperature
