@@ -9,6 +9,7 @@ from helpers import TINY_CHAT_TEMPLATE, make_tokenizer, perturbed_copy, save_lla
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ENGINES = REPO / "engines" / "default"
+INT4_QUALITY_PROMPTS = ["def add(a, b):", "for i in range(10):\n"]  # the int4 pair's quality record (humaneval set)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -39,17 +40,36 @@ def tiny_pair(tmp_path_factory):
 def int4_pair(tmp_path_factory):
     """(draft_dir, target_dir, engine_dir): a random 2-layer target and 1-layer draft (head_dim
     16: onnxruntime's GroupQueryAttention with rotary needs a multiple of 16) exported as int4
-    builder graphs (block 16, accuracy level 4: the fast kernels whose q = 1 rows differ)."""
+    builder graphs (block 16, accuracy level 4: the fast kernels whose q = 1 rows differ),
+    with the export's quality record (``extra.quality``: 2 held-out windows of 32 positions,
+    2 prompts of :data:`INT4_QUALITY_PROMPTS` with 8 new tokens; written by export_pair's own
+    call, so the tests read what an export records)."""
     pytest.importorskip("onnxruntime_genai")
+    import json
+
     from specrt.export.builder import QuantOptions
     from specrt.export.pipeline import export_pair
+    from specrt.export.quality import QualityConfig
 
     root = tmp_path_factory.mktemp("int4")
     tok = make_tokenizer()
     target = save_llama(root / "target", tok, seed=11, hidden=64, layers=2)
     draft = perturbed_copy(target, seed=12, scale=0.3)
     save_model(root / "draft", draft, tok)
-    export_pair(root / "draft", root / "target", root / "engine", k_max=8, max_ctx=256, log=lambda *_: None, precision="int4", quant=QuantOptions("int4", 16))
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in INT4_QUALITY_PROMPTS))
+    quality = QualityConfig(heldout_windows=2, window=32, prompts=str(prompts), humaneval_prompts=2, new_tokens=8)
+    export_pair(
+        root / "draft",
+        root / "target",
+        root / "engine",
+        k_max=8,
+        max_ctx=256,
+        log=lambda *_: None,
+        precision="int4",
+        quant=QuantOptions("int4", 16),
+        quality=quality,
+    )
     return root / "draft", root / "target", root / "engine"
 
 

@@ -106,3 +106,52 @@ def test_torch_reference_rolls_back_like_a_runtime_model(tiny_pair):
 
     with pytest.raises(InputError):
         tm.run(ids[:5], 20)  # beyond the cache
+
+
+def test_export_quality_record_scores_the_export_against_fp32_pytorch(int4_pair):
+    """Guards the call site of the scorer (export_pair -> export_quality): the quality record
+    an export writes must score the *exported* target against the *fp32* target. Recomputed
+    here from independent models on the record's own sets: the fp32 reference is the
+    checkpoint run by PyTorch (TorchModel; the record's fp32 ONNX graph equals it to ~1e-5),
+    the exported target is the int4 engine's. A record comparing the reference with itself
+    (or the export with itself) has loss == loss_reference and agreement 1.0: int4 of this
+    model differs measurably (measured: top-1 agreement 0.77 held-out and 0.69 HumanEval,
+    |loss delta| 0.030 and 0.145 nats), so the checks below fail on it."""
+    pytest.importorskip("torch")
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from specrt import Engine
+    from specrt.export.torch_reference import TorchModel
+    from specrt.runtime.lab.quality import encode_texts, heldout_windows, stdlib_heldout_texts
+
+    _, target_dir, folder = int4_pair
+    e = Engine(folder)
+    m = e.manifest
+    rec, vocab = m.extra["quality"], m.vocab_size
+    assert m.target.precision == "int4"
+    ref = TorchModel(target_dir, m.max_ctx, 256)
+    h, he = rec["heldout_stdlib"], rec["humaneval"]
+    tok = Tokenizer.from_file(str(folder / m.tokenizer_file))
+    data = encode_texts(lambda t: tok.encode(t, add_special_tokens=False).ids, stdlib_heldout_texts(), m.eos_token_id)
+    wins = heldout_windows(data, h["windows"], h["window"]).tolist()
+    prompts = [json.loads(x)["prompt"] for x in Path(he["file"]).read_text().splitlines() if x.strip()][: he["prompts"]]
+    seqs, firsts = [], []
+    for p in prompts:  # each prompt and the fp32 reference's greedy continuation (full forwards)
+        ids, out = e.codec.encode(p), []
+        while len(out) < he["new_tokens"] and not (out and out[-1] in m.stop_ids()):
+            out.append(int(ref.run(ids + out, 0)[-1, :vocab].argmax()))
+        seqs.append(ids + out)
+        firsts.append(len(ids) - 1)
+    assert (h["windows"], h["window"], he["prompts"], he["new_tokens"]) == (2, 32, 2, 8)  # conftest's int4_pair
+    for name, (s, f) in {"heldout_stdlib": (wins, [0] * len(wins)), "humaneval": (seqs, firsts)}.items():
+        fp32, int4 = score_model(ref, s, f, vocab), score_model(e.target, s, f, vocab, m.min_q())
+        got = rec[name]
+        assert got["positions"] == len(fp32.argmax) == (64 if name == "heldout_stdlib" else 16), name
+        assert got["loss_reference"] == pytest.approx(-fp32.logprob.mean(), abs=1e-6), name  # the reference is fp32 (measured 2e-8)
+        assert got["loss"] == pytest.approx(-int4.logprob.mean(), abs=1e-9), name  # the scored model is the export (measured 0)
+        assert got["top1_agreement"] == pytest.approx(float((fp32.argmax == int4.argmax).mean())), name
+        # int4 differs from fp32: a self-comparison (delta 0, agreement 1) cannot pass
+        assert abs(got["loss_delta"]) > 0.01 and got["top1_agreement"] < 0.95, (name, got)
