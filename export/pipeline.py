@@ -121,11 +121,12 @@ def _check_configs(draft_dir: Path, target_dir: Path, max_ctx: int, n_vocab: int
             log(f"  note: draft {name}={d}, target {name}={t}; the target's is used for draft, target and baseline")
 
 
-def end_of_generation_ids(target_dir: Path, eos: int) -> tuple[int, ...]:
-    """Every id the checkpoint ends generation on, ascending: ``eos`` (the config's), and
-    ``eos_token_id`` of ``generation_config.json`` (an int or a list: Qwen2.5 lists
-    ``<|im_end|>`` and ``<|endoftext|>``; a GGUF import writes llama.cpp's end-of-generation
-    ids there, :func:`specrt.export.gguf_import.end_of_generation_ids`)."""
+def checkpoint_end_ids(target_dir: Path, eos: int) -> tuple[int, ...]:
+    """Every id the checkpoint declares it ends generation on, ascending: ``eos`` (the
+    config's), and ``eos_token_id`` of ``generation_config.json`` (an int or a list: Qwen2.5
+    lists ``<|im_end|>`` and ``<|endoftext|>``). Read, never derived: the one rule that
+    derives end ids is llama.cpp's, applied by a GGUF import, which writes its ids there
+    (:func:`specrt.export.gguf_import.end_of_generation_ids`)."""
     ids = {int(eos)}
     path = Path(target_dir) / "generation_config.json"
     if path.is_file():
@@ -541,7 +542,7 @@ def _manifest(out: Path, o: ExportOptions, entries: dict, v_hash: str, special: 
         tokenizer_sha256=files["tokenizer.json"].sha256,
         vocab_size=n_vocab,
         eos_token_id=eos,
-        eos_token_ids=tuple(i for i in end_of_generation_ids(target_dir, eos) if i < n_vocab),
+        eos_token_ids=tuple(i for i in checkpoint_end_ids(target_dir, eos) if i < n_vocab),
         bos_token_id=bos,
         add_bos=add_bos,
         pad_token_id=_pad_id(target_dir),

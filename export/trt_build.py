@@ -11,7 +11,7 @@ Per model (draft, target)::
           (:mod:`specrt.export.onnx_precision`: fp16/bf16 compute, float32 I/O; the
           optional dummy-past-row workaround)
     plan  <role>.<precision>.plan: one engine with all the model's optimization profiles
-          (:mod:`specrt.runtime.profiles`), built from a strongly typed network (the
+          (:mod:`specrt.runtime.backends.profiles`), built from a strongly typed network (the
           precision is the ONNX's, TensorRT adds none)
 
 Manifest record (``extra["tensorrt"]``)::
@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Callable
 
 from specrt.runtime.backends.profiles import PAST_MIN, ProfileConfig, ProfileSet, profiles_for
+from specrt.runtime.chunks import PREFILL_CHUNK
 from specrt.runtime.errors import TrtBuildError  # noqa: F401  (in the SpecRTError tree)
 from specrt.runtime.manifest import Manifest, ModelEntry, load_manifest, sha256_file
 
 from .onnx_precision import PRECISIONS, write_variant
 
-PREFILL_Q = 256  # = specrt.runtime.generator.PREFILL_CHUNK (not imported: keeps export light)
 RECORD_VERSION = 1
 
 
@@ -53,14 +53,14 @@ class TrtBuildConfig:
         precision: ``fp32``, ``fp16`` or ``bf16`` (compute precision; I/O stays float32).
         workspace_gb: TensorRT workspace pool limit, GiB (> 0).
         prefill_q: widest prefill chunk the plans accept (>= 2; the runtime feeds prompts
-            in chunks of ``min(256, this)``).
+            in chunks of ``min(PREFILL_CHUNK, this)``, :data:`specrt.runtime.chunks.PREFILL_CHUNK`).
         past_pad: dummy past rows (0, or 1 if a TensorRT version refuses past length 0).
         opt_level: builder optimization level 0..5 (None = TensorRT's default, 3).
     """
 
     precision: str = "fp16"
     workspace_gb: float = 4.0
-    prefill_q: int = PREFILL_Q
+    prefill_q: int = PREFILL_CHUNK
     past_pad: int = 0
     opt_level: int | None = None
 

@@ -1,7 +1,9 @@
 """How a run of tokens is cut into model calls: :func:`chunk_bounds` (widths within the
 call limits and the measured exact widths), :func:`feed` (run tokens in such chunks) and
 :func:`call_start` (where a target call must start to be at least ``min_q`` wide). Used by
-the decode loop (:mod:`specrt.runtime.decode`), the drafters and the quality scorer.
+the decode loop (:mod:`specrt.runtime.decode`), the drafters and the quality scorer; and
+:data:`PREFILL_CHUNK`, the widest prefill call (the Engine's models and the TensorRT plans
+are sized by it).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import numpy as np
 
 from .backends.base import Model
 
-__all__ = ["chunk_bounds", "feed", "call_start"]
+__all__ = ["PREFILL_CHUNK", "chunk_bounds", "feed", "call_start"]
+
+PREFILL_CHUNK = 256  # widest prefill call; longer prompts are fed in chunks
 
 
 def chunk_bounds(n: int, step: int, min_q: int = 1, tail_q: int = 0) -> list[tuple[int, int]]:

@@ -412,7 +412,8 @@ def prefill(target: Model, seq: list[int], plan: Plan, acc: Acceptor, kv: KVLeng
     head = acc.forced(min(plan.budget, plan.max_ctx - n_prompt))
     seq.extend(head)
     if head and (head[-1] in plan.eos or length_finish(seq, n_prompt, plan)):
-        return Round(0, [], 0, 0, head, "stop" if head[-1] in plan.eos else "length", target_s=time.perf_counter() - t0, forced=len(head))
+        finish = "stop" if head[-1] in plan.eos else "length"
+        return Round(pos=0, steps=[], n=0, m=0, commit=head, finish=finish, target_s=time.perf_counter() - t0, forced=len(head))
     n_fed = len(seq)
     reused, run, aligned = prefill_calls(cached, seq, target.max_q, plan.min_q, plan.tail_q)
     for a, b in run:
@@ -425,7 +426,16 @@ def prefill(target: Model, seq: list[int], plan: Plan, acc: Acceptor, kv: KVLeng
     kv.aligned = aligned
     finish = "stop" if ended else length_finish(seq, n_prompt, plan)
     return Round(
-        0, [], 0, 0, head + new, finish, target_s=time.perf_counter() - t0, calls=[(b - a, a, b - a) for a, b in run], forced=len(head) + forced, cached=reused
+        pos=0,
+        steps=[],
+        n=0,
+        m=0,
+        commit=head + new,
+        finish=finish,
+        target_s=time.perf_counter() - t0,
+        calls=[(b - a, a, b - a) for a, b in run],
+        forced=len(head) + forced,
+        cached=reused,
     )
 
 
@@ -440,7 +450,7 @@ def bonus_round(seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: A
     seq.extend(new)
     kv.target += 1
     finish = "stop" if ended else length_finish(seq, n_prompt, plan)
-    return Round(pos, [], 0, 0, new, finish, target_s=seconds, calls=[(1, kv.target - 1, 1)], forced=forced)
+    return Round(pos=pos, steps=[], n=0, m=0, commit=new, finish=finish, target_s=seconds, calls=[(1, kv.target - 1, 1)], forced=forced)
 
 
 def observe_tail(rec: Round, drafter: Drafter, seq: list[int], n_prompt: int, plan: Plan, acc: Acceptor) -> Round:

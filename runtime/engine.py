@@ -23,6 +23,7 @@ import numpy as np
 
 from .backends import load_models, resolve_backend
 from .backends.base import SplitsHead, ThreadConfig
+from .chunks import PREFILL_CHUNK
 from .config import GenerationConfig, resolve_config
 from .constraints import ConstrainedAcceptor, GrammarTokenizer, check_logit_bias
 from .decode import Plan, Round, decode
@@ -40,7 +41,6 @@ from .tokenizer import TextCodec
 
 __all__ = ["Engine", "GenerationResult", "Stream", "PREFILL_CHUNK"]
 
-PREFILL_CHUNK = 256  # widest prefill call; longer prompts are fed in chunks
 log = logging.getLogger("specrt")
 _TOLD: set[str] = set()  # folders whose tuned-elsewhere line this process printed
 
@@ -356,19 +356,19 @@ class Engine:
         """The decode loop's :class:`~specrt.runtime.decode.Plan` for resolved settings ``cfg``."""
         manifest = self.manifest
         return Plan(
-            cfg.k_max,
-            cfg.threshold,
-            cfg.max_new_tokens,
-            manifest.stop_ids(),
-            manifest.max_ctx,
-            cfg.speculative,
-            cfg.strategy,
-            cfg.chunk_bound,
-            observe,
-            manifest.min_q() if cfg.exact_widths else 1,
-            manifest.k_max + 1 if cfg.exact_widths else 0,
-            cfg.drafter,
-            self.adaptive_costs() if cfg.adaptive and cfg.speculative else None,
+            k_max=cfg.k_max,
+            threshold=cfg.threshold,
+            budget=cfg.max_new_tokens,
+            eos=manifest.stop_ids(),
+            max_ctx=manifest.max_ctx,
+            speculative=cfg.speculative,
+            strategy=cfg.strategy,
+            chunk_bound=cfg.chunk_bound,
+            observe=observe,
+            min_q=manifest.min_q() if cfg.exact_widths else 1,
+            tail_q=manifest.k_max + 1 if cfg.exact_widths else 0,
+            drafter=cfg.drafter,
+            adaptive=self.adaptive_costs() if cfg.adaptive and cfg.speculative else None,
         )
 
     def adaptive_costs(self) -> tuple:

@@ -31,6 +31,7 @@ __all__ = [
     "ParityError",
     "PrecisionError",
     "TrtBuildError",
+    "raise_nonfinite",
 ]
 
 
@@ -66,6 +67,22 @@ class BackendError(SpecRTError):
 
 class NumericsError(SpecRTError):
     """A model produced NaN or infinite logits; no token is emitted from them."""
+
+
+def raise_nonfinite(row) -> None:
+    """Refuse a logits row holding NaN or inf: raise :class:`NumericsError` counting them.
+
+    Args:
+        row: the numpy logits row (its real-vocabulary part) found non-finite.
+
+    Raises:
+        NumericsError: always (the message counts the NaN and inf entries of ``row``).
+    """
+    import numpy as np  # here alone: the error tree itself needs nothing beyond Python
+
+    n_nan = int(np.isnan(row).sum())
+    n_inf = int(np.isinf(row).sum())
+    raise NumericsError(f"model produced non-finite logits ({n_nan} NaN, {n_inf} inf of {row.size}); refusing to emit a token")
 
 
 class ExportError(SpecRTError):

@@ -27,6 +27,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .errors import raise_nonfinite
+
 __all__ = ["TokenLogprob", "log_softmax", "token_logprob", "LogprobRecorder", "score_prompt"]
 
 
@@ -61,12 +63,10 @@ def log_softmax(row: np.ndarray, vocab: int) -> np.ndarray:
     Raises:
         NumericsError: NaN or +inf in the row, or every entry -inf.
     """
-    from .speculative import _raise_nonfinite
-
     x = np.asarray(row[:vocab], dtype=np.float64)
     m = x.max()
     if not np.isfinite(m):
-        _raise_nonfinite(x)
+        raise_nonfinite(x)
     z = x - m
     return z - np.log(np.exp(z).sum())
 

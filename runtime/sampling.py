@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import check_sampling_params
-from .speculative import _raise_nonfinite
+from .errors import raise_nonfinite
 
 __all__ = ["warp", "sample_token", "residual", "sample_residual", "accept_candidate", "final_token", "SampledAcceptor", "RESIDUAL_EPS", "derive_seed"]
 
@@ -113,14 +113,14 @@ def warp(
     if temperature == 0.0:
         idx = int(row.argmax())
         if not np.isfinite(row[idx]):
-            _raise_nonfinite(row)
+            raise_nonfinite(row)
         z[:] = 0.0
         z[idx] = 1.0
         return out
     z[:] = row  # upcast to float64
     m = z.max()
     if not np.isfinite(m):  # NaN propagates into max; +inf or all -inf are refused too
-        _raise_nonfinite(row)
+        raise_nonfinite(row)
     np.subtract(z, m, out=z)
     if temperature >= 1e-290:
         if temperature != 1.0:

@@ -23,7 +23,7 @@ from typing import Container, Iterable, Sequence
 
 import numpy as np
 
-from .errors import NumericsError
+from .errors import raise_nonfinite
 
 __all__ = [
     "top1",
@@ -68,7 +68,7 @@ def top1(logits_row: np.ndarray, vocab: int, scratch: np.ndarray | None = None, 
     idx = int(row.argmax())
     m = row[idx]
     if not np.isfinite(m):  # argmax returns the first NaN if there is one
-        _raise_nonfinite(row)
+        raise_nonfinite(row)
     if scratch is None:
         z = np.exp(row - m) if inv_temp == 1.0 else np.exp((row - m) * inv_temp)
     else:
@@ -79,7 +79,7 @@ def top1(logits_row: np.ndarray, vocab: int, scratch: np.ndarray | None = None, 
         np.exp(z, out=z)
     s = float(z.sum())
     if not np.isfinite(s):
-        _raise_nonfinite(row)
+        raise_nonfinite(row)
     return idx, 1.0 / s
 
 
@@ -92,14 +92,8 @@ def argmax_token(logits_row: np.ndarray, vocab: int) -> int:
     row = logits_row[:vocab]
     idx = int(row.argmax())
     if not np.isfinite(row[idx]):
-        _raise_nonfinite(row)
+        raise_nonfinite(row)
     return idx
-
-
-def _raise_nonfinite(row: np.ndarray) -> None:
-    n_nan = int(np.isnan(row).sum())
-    n_inf = int(np.isinf(row).sum())
-    raise NumericsError(f"model produced non-finite logits ({n_nan} NaN, {n_inf} inf of {row.size}); refusing to emit a token")
 
 
 def draft_limit(k_max: int, remaining: int, seq_len: int, max_ctx: int) -> int:

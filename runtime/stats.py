@@ -8,7 +8,18 @@ from dataclasses import dataclass, field
 from .decode import Round
 from .flops import FlopCoefficients, body_flops
 
-__all__ = ["Stats"]
+__all__ = ["Stats", "acceptance_rate", "mean_accepted"]
+
+
+def acceptance_rate(accepted: int, proposed: int) -> float:
+    """Accepted / proposed draft candidates (nan when none was proposed): the one definition
+    for the stats, the bench, the replay, the server's usage and its metrics."""
+    return accepted / proposed if proposed else math.nan
+
+
+def mean_accepted(accepted: int, passes: int) -> float:
+    """Accepted draft candidates per verification pass (nan before any pass)."""
+    return accepted / passes if passes else math.nan
 
 
 @dataclass
@@ -95,13 +106,13 @@ class Stats:
 
     @property
     def acceptance_rate(self) -> float:
-        """accepted / proposed (nan when nothing was proposed)."""
-        return self.accepted / self.proposed if self.proposed else math.nan
+        """accepted / proposed (nan when nothing was proposed; :func:`acceptance_rate`)."""
+        return acceptance_rate(self.accepted, self.proposed)
 
     @property
     def mean_accepted(self) -> float:
-        """Mean accepted candidates per verification pass."""
-        return self.accepted / self.passes if self.passes else math.nan
+        """Mean accepted candidates per verification pass (:func:`mean_accepted`)."""
+        return mean_accepted(self.accepted, self.passes)
 
     @property
     def tokens_per_pass(self) -> float:

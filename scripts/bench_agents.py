@@ -72,7 +72,7 @@ def stream(port: int, path: str, body: dict, timeout: float) -> dict:
 def requests_of(conv: dict, template) -> list[str]:
     """The prompt text of each request of a conversation: the history before every assistant
     message, and the whole history after the last tool result."""
-    from specrt.runtime.serve.chat import normalize_messages
+    from specrt.runtime.chat import normalize_messages
 
     msgs = conv["messages"]
     ends = [i for i, m in enumerate(msgs) if m["role"] == "assistant"] + [len(msgs)]
@@ -148,8 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench_out/agents")
     a = ap.parse_args(argv)
     print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)  # every figure below holds on this kind of CPU
+    from specrt.runtime.chat import load_chat_template
     from specrt.runtime.manifest import load_manifest
-    from specrt.runtime.serve.chat import load_chat_template
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -53,7 +53,7 @@ def log(msg: str) -> None:
 def prompt_sets(engine_dir: Path, prompts_file: Path, first: int, n: int) -> tuple[list, list]:
     """(labels, token ids): prompts ``first .. first + n`` in completion form, then in chat form."""
     from specrt import Engine
-    from specrt.runtime.serve.chat import ChatTemplate, special_token_strings
+    from specrt.runtime.chat import ChatTemplate, special_token_strings
 
     e = Engine(engine_dir, verify_hashes=False)
     lines = prompts_file.read_text().splitlines()[first : first + n]

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from specrt import Engine, GenerationConfig
+from specrt.runtime.chat import engine_chat_ids
 from specrt.runtime.constraints import ConstrainedAcceptor, Constraint
-from specrt.runtime.serve.chat import engine_chat_ids
 
 ASKS = [
     "Explain in detail how Python's garbage collector handles reference cycles.",

@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_structured import free_port, machine, start, stop_all  # noqa: E402
+from bench_structured import free_port, start, stop_all  # noqa: E402
+
+from specrt.runtime.machine import machine_record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
     result = dict(
         command=" ".join([Path(sys.executable).name] + sys.argv),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
-        machine=machine(),
+        machine=machine_record(),
         settings=vars(a),
         requests_sent=stats["sent"],
         requests_ok=stats["ok"],

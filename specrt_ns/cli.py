@@ -2,7 +2,8 @@
 
 The CLI sits above both stages (:mod:`specrt.export` is imported only by ``specrt export``;
 the runtime never imports it). Its choices and defaults come from the runtime's declarations
-(:mod:`specrt.runtime.config`, :mod:`specrt.runtime.backends`). Errors the project raises
+(:mod:`specrt.runtime.config`, :mod:`specrt.runtime.backends`,
+:mod:`specrt.runtime.serve.settings`). Errors the project raises
 (:class:`~specrt.runtime.errors.SpecRTError`) are printed as one line with a non-zero exit,
 never as a stack trace.
 """
@@ -24,6 +25,7 @@ from .runtime.drafters import DRAFTERS
 from .runtime.errors import InputError, SpecRTError
 from .runtime.machine import this_machine
 from .runtime.manifest import PRECISIONS
+from .runtime.serve.settings import BATCH_POLICIES, LOG_LEVELS, serve_default
 
 __all__ = ["cli", "main"]
 
@@ -139,7 +141,7 @@ def cli():
 def _chat_prompt(engine, text: str) -> list[int]:
     """``text`` as one user message rendered with the engine's chat template (as the
     server's chat completions), tokenized without adding BOS."""
-    from .runtime.serve.chat import engine_chat_ids
+    from .runtime.chat import engine_chat_ids
 
     if engine.chat_template is None:
         raise click.ClickException(f"--chat: the engine folder {engine.folder} has no chat template (its target checkpoint had none)")
@@ -857,23 +859,29 @@ def _print_tune_report(result: dict, out: Path) -> None:
 
 @cli.command()
 @click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(), help="engine folder")
-@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--host", default=serve_default("host"), show_default=True, help="address to listen on")
+@click.option("--port", type=click.IntRange(0, 65535), default=serve_default("port"), show_default=True)
 @click.option(
-    "--workers", type=click.IntRange(1, 256), default=1, show_default=True, help="generator workers, each with its own Engine (workers x --threads <= cores)"
+    "--workers",
+    type=click.IntRange(1, 256),
+    default=serve_default("workers"),
+    show_default=True,
+    help="generator workers, each with its own Engine (workers x --threads <= cores)",
 )
-@click.option("--max-queue", type=click.IntRange(1), default=64, show_default=True, help="requests that may wait for a worker (503 beyond)")
-@click.option("--model-name", default=None, help="model id clients send (default: the engine folder's name)")
-@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
+@click.option(
+    "--max-queue", type=click.IntRange(1), default=serve_default("max_queue"), show_default=True, help="requests that may wait for a worker (503 beyond)"
+)
+@click.option("--model-name", default=serve_default("model_name"), help="model id clients send (default: the engine folder's name)")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default=serve_default("log_level"), show_default=True)
 @click.option(
     "--chat-template",
     type=click.Path(exists=True, dir_okay=False),
-    default=None,
+    default=serve_default("chat_template"),
     help="Jinja2 chat template file for /v1/chat/completions (default: the engine folder's chat_template.jinja, copied from the target at export)",
 )
 @click.option(
     "--api-key",
-    default=None,
+    default=serve_default("api_key"),
     envvar="SPECRT_API_KEY",
     help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); also read from $SPECRT_API_KEY",
 )
@@ -886,36 +894,41 @@ def _print_tune_report(result: dict, out: Path) -> None:
 @click.option(
     "--max-body-bytes",
     type=click.IntRange(1),
-    default=1 << 20,
+    default=serve_default("max_body_bytes"),
     show_default=True,
     help="request bodies above this get 413 before they are parsed",
 )
 @click.option(
     "--round-delay",
     type=click.FloatRange(0, 10),
-    default=0.0,
+    default=serve_default("round_delay"),
     hidden=True,
     help="test hook: a worker sleeps this long after each piece (simulates a slow model)",
 )
 @click.option(
     "--max-batch",
     type=click.IntRange(0, 64),
-    default=0,
+    default=serve_default("max_batch"),
     show_default=True,
     help="continuous batching of up to N requests in one scheduler (0: --workers workers)",
 )
 @click.option(
     "--batch-policy",
-    type=click.Choice(["auto", "speculate", "batched"]),
-    default="auto",
+    type=click.Choice(BATCH_POLICIES),
+    default=serve_default("batch_policy"),
     show_default=True,
     help="with --max-batch: auto = batched steps vs speculative rounds by measured cost; speculate = exact, per-row rounds only",
 )
-@click.option("--max-tokens-in-flight", type=click.IntRange(1), default=None, help="with --max-batch: most prompt + max_tokens summed over the active requests")
+@click.option(
+    "--max-tokens-in-flight",
+    type=click.IntRange(1),
+    default=serve_default("max_tokens_in_flight"),
+    help="with --max-batch: most prompt + max_tokens summed over the active requests",
+)
 @click.option(
     "--prefix-cache-tokens",
     type=click.IntRange(0),
-    default=None,
+    default=serve_default("prefix_cache_tokens"),
     help="prefix cache budget in tokens over all workers (default: each worker keeps its last prompt's reusable KV rows; 0: off); output is the same with or without it",
 )
 @_threads_option
@@ -944,8 +957,8 @@ def serve(
 ):
     """Serve ENGINES over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions
     (SSE streaming), /v1/models, /metrics (docs/SERVING.md)."""
-    from .runtime.serve.server import ServeConfig
     from .runtime.serve.server import serve as run_server
+    from .runtime.serve.settings import ServeConfig
 
     tc = ThreadConfig(intra_op=threads or ThreadConfig().intra_op, spinning=spinning)
     run_server(

@@ -20,6 +20,7 @@ from specrt.runtime.backends.base import ThreadConfig
 from specrt.runtime.backends.ort_gqa_batch import BatchedGqaModel
 from specrt.runtime.errors import InputError
 from specrt.runtime.lab.exactness import measure_batched, pattern_bounds, run_pattern
+from specrt.runtime.machine import this_machine
 from specrt.runtime.manifest import load_manifest
 
 
@@ -334,7 +335,7 @@ def test_tune_records_batch_costs_and_the_pool_starts_from_them(int4, tiny_pair)
     assert set(rec) == {"1", "2", "3"} and min(rec.values()) > 0
     assert batch_step_costs(Engine(tiny_pair[2]), 3, past=20) is None  # standard graphs: no batched model
     eng = copy.copy(int4)
-    eng.manifest = replace(int4.manifest, extra={**int4.manifest.extra, "tune": {"batch_step_costs": rec}})
+    eng.manifest = replace(int4.manifest, extra={**int4.manifest.extra, "tune": {"batch_step_costs": rec, "machine": this_machine().to_json()}})
     assert recorded_costs(eng.manifest, 4) is None  # does not cover size 4
     pool = BatchPool(eng, 3, policy="auto")
     try:

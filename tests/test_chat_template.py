@@ -16,7 +16,7 @@ from specrt.runtime.errors import EngineError, InputError
 
 pytest.importorskip("jinja2", reason="the [serve] extra (jinja2) is not installed")
 
-from specrt.runtime.serve.chat import ChatTemplate, TemplateSourceError, normalize_messages  # noqa: E402
+from specrt.runtime.chat import ChatTemplate, TemplateSourceError, normalize_messages  # noqa: E402
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
@@ -268,8 +268,8 @@ def test_bench_prompt_files_take_chats(tiny_pair, noisy_pair, tmp_path):
     ``prompt`` line is the text as given; an engine without a template refuses chats."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
+    from specrt.runtime.chat import special_token_strings
     from specrt.runtime.lab.bench import load_prompts, prompt_tokens
-    from specrt.runtime.serve.chat import special_token_strings
 
     engine = Engine(tiny_pair[2])
     p = tmp_path / "p.jsonl"

@@ -141,7 +141,7 @@ def test_chat_template_equals_transformers(smol_gguf, engine):
     pytest.importorskip("jinja2")
     from transformers import AutoTokenizer
 
-    from specrt.runtime.serve.chat import ChatTemplate
+    from specrt.runtime.chat import ChatTemplate
 
     tok = AutoTokenizer.from_pretrained(str(smol_gguf.parent), gguf_file=smol_gguf.name)
     tpl = ChatTemplate(engine.chat_template, "engine", {"bos_token": tok.bos_token, "eos_token": tok.eos_token})
@@ -178,7 +178,7 @@ def test_self_draft_speculative_equals_target_only(engine, k_max, threshold):
 
 def test_chat_generation_stops_at_an_end_id(engine):
     pytest.importorskip("jinja2")
-    from specrt.runtime.serve.chat import ChatTemplate
+    from specrt.runtime.chat import ChatTemplate
 
     tpl = ChatTemplate(engine.chat_template, "engine", {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
     ids = engine.codec.encode(tpl.render([{"role": "user", "content": "What is 2+2?"}]), add_special_tokens=False)

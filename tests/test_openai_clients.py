@@ -246,7 +246,7 @@ def test_null_means_default(client, engine, tiny_server):
 
 
 def rendered_text(engine):
-    from specrt.runtime.serve.chat import ChatTemplate
+    from specrt.runtime.chat import ChatTemplate
 
     return ChatTemplate(engine.chat_template, "t", {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}).render(CHAT)
 

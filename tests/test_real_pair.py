@@ -37,7 +37,7 @@ def engine():
 
 
 def _prompts(engine) -> dict[str, list[int]]:
-    from specrt.runtime.serve.chat import ChatTemplate, special_token_strings
+    from specrt.runtime.chat import ChatTemplate, special_token_strings
 
     lines = PROMPTS.read_text().splitlines()
     code = [json.loads(lines[i])["prompt"] for i in HELD_OUT]
@@ -90,7 +90,7 @@ def test_constrained_speculative_equals_constrained_target_only(engine):
     {0, 0.5} and every drafter (STRUCTURED_GRID); every output validates against its schema."""
     import jsonschema
 
-    from specrt.runtime.serve.chat import ChatTemplate, normalize_messages, special_token_strings
+    from specrt.runtime.chat import ChatTemplate, normalize_messages, special_token_strings
     from specrt.runtime.serve.tools import ToolCalling, parse_tool_calls
 
     tpl = ChatTemplate(engine.chat_template, "engine", special_token_strings(engine))
@@ -172,7 +172,7 @@ def test_agent_turns_with_the_prefix_cache_equal_cold_runs(engine):
     each request the whole history: with the prefix cache every turn equals a cold Engine's
     (greedy and seeded sampling, speculative), and later turns reuse rows (the benchmark
     compares all 19 requests, greedy)."""
-    from specrt.runtime.serve.chat import ChatTemplate, normalize_messages, special_token_strings
+    from specrt.runtime.chat import ChatTemplate, normalize_messages, special_token_strings
 
     tpl = ChatTemplate(engine.chat_template, "chat_template.jinja", special_token_strings(engine))
     cold = Engine(ENGINES, prefix_cache=False, verify_hashes=False)

@@ -182,7 +182,7 @@ def test_required_and_named_calls_parse_and_match_their_schemas(client, engine):
     tool_calls, and the output equals Engine.generate with the same constraint on the prompt
     the template renders with the tools."""
     from specrt import GenerationConfig
-    from specrt.runtime.serve.chat import ChatTemplate
+    from specrt.runtime.chat import ChatTemplate
 
     for choice, parallel, names in [
         ("required", None, None),

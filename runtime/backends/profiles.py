@@ -233,7 +233,7 @@ class ProfileConfig:
     Attributes:
         k_max: largest number of draft candidates per verification (>= 1).
         max_ctx: KV rows (>= k_max + 2).
-        prefill_q: widest prefill chunk (>= 2), the runtime's ``PREFILL_CHUNK``.
+        prefill_q: widest prefill chunk (>= 2), the runtime's :data:`~specrt.runtime.chunks.PREFILL_CHUNK`.
         past_min: smallest L in a profile (:data:`PAST_MIN`).
         pad: dummy past rows (0 or 1).
     """

@@ -41,6 +41,7 @@ from ..config import GenerationConfig
 from ..engine import Engine
 from ..errors import InputError
 from ..machine import Machine, this_machine
+from ..stats import acceptance_rate, mean_accepted
 
 __all__ = ["BenchConfig", "load_prompts", "prompt_tokens", "run_bench", "format_table", "distinct_4gram_share", "peak_rss_mb", "divergences", "top2_margin"]
 
@@ -208,13 +209,13 @@ def divergences(engine: Engine, ids_all: list[list[int]], base: dict[int, list[i
 def prompt_tokens(engine: Engine, prompt: dict) -> list[int]:
     """Token ids of one :func:`load_prompts` entry: ``prompt`` text as
     :meth:`Engine.prompt_ids` encodes it, ``messages`` rendered with the engine's chat template
-    (:func:`specrt.runtime.serve.chat.engine_chat_ids`).
+    (:func:`specrt.runtime.chat.engine_chat_ids`).
 
     Raises:
         InputError: a ``messages`` entry and an engine folder without a chat template.
     """
     if "messages" in prompt and "prompt" not in prompt:
-        from ..serve.chat import engine_chat_ids
+        from ..chat import engine_chat_ids
 
         return engine_chat_ids(engine, prompt["messages"])
     return engine.prompt_ids(prompt["prompt"])
@@ -279,6 +280,7 @@ def _row(c: BenchConfig, xs: list[dict], base_tokens: dict, base_time: dict, bas
     proposed = sum(x["proposed"] for x in xs)
     accepted = sum(x["accepted"] for x in xs)
     passes = sum(x["passes"] for x in xs)
+    rate, per_pass = acceptance_rate(accepted, proposed), mean_accepted(accepted, passes)
     after_prefill = max(1, tok - len(xs))  # tokens committed by verification passes
     hist = np.sum([np.pad(x["hist"], (0, 65 - len(x["hist"]))) for x in xs], axis=0)
     last = int(np.nonzero(hist)[0].max()) + 1 if hist.any() else 1
@@ -301,8 +303,8 @@ def _row(c: BenchConfig, xs: list[dict], base_tokens: dict, base_time: dict, bas
         speedup_per_prompt_median=float(np.median(per_prompt)),
         speedup_per_prompt_q25=float(np.percentile(per_prompt, 25)),
         speedup_per_prompt_q75=float(np.percentile(per_prompt, 75)),
-        acceptance_rate=accepted / proposed if proposed else None,
-        mean_accepted=accepted / passes if passes else None,
+        acceptance_rate=None if math.isnan(rate) else rate,
+        mean_accepted=None if math.isnan(per_pass) else per_pass,
         tokens_per_pass=(tok - len(xs)) / passes if passes else None,
         ms_per_token=1000 * sec / tok,
         target_flops_per_token=sum(x["target_flops"] for x in xs) / after_prefill,

@@ -10,7 +10,6 @@ drafting rule the decode loop uses (:func:`specrt.runtime.speculative.propose`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -20,6 +19,7 @@ from ..config import check_threshold
 from ..costs import Costs
 from ..errors import InputError
 from ..speculative import draft_limit, propose
+from ..stats import acceptance_rate, mean_accepted
 from .trace import Trace, TraceGen
 
 __all__ = ["PositionView", "position_views", "ReplayResult", "replay", "check_replayable"]
@@ -207,13 +207,13 @@ class ReplayResult:
 
     @property
     def acceptance_rate(self) -> float:
-        """accepted / proposed (nan when nothing was proposed)."""
-        return self.accepted / self.proposed if self.proposed else math.nan
+        """accepted / proposed (nan when nothing was proposed; :func:`~specrt.runtime.stats.acceptance_rate`)."""
+        return acceptance_rate(self.accepted, self.proposed)
 
     @property
     def mean_accepted(self) -> float:
-        """Mean accepted candidates per pass."""
-        return self.accepted / self.passes if self.passes else math.nan
+        """Mean accepted candidates per pass (:func:`~specrt.runtime.stats.mean_accepted`)."""
+        return mean_accepted(self.accepted, self.passes)
 
     @property
     def tokens_per_second(self) -> float | None:

@@ -26,11 +26,10 @@ from .jobs import Job, ServeError, ServerBusy
 from .protocol import chat_request_model, completion_request_model, field_names, validation_message
 from .responses import Work, error_body
 from .service import CompletionService, RequestError
+from .settings import DEFAULT_MAX_BODY_BYTES
 from .tools import ToolStream
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "create_app", "require_serve_extra"]
-
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a request body above it gets 413 before it is parsed
+__all__ = ["create_app", "require_serve_extra"]
 
 
 # ---- the ASGI app (FastAPI) ----------------------------------------------------------

@@ -55,12 +55,11 @@ from ..costs import EMA, BatchCosts, measure_step_costs, recorded_costs
 from ..generation import Generation
 from .jobs import Job, ServeError, ServerBusy, fail, finish, run_prompt, send_text
 from .metrics import BatchMetrics
+from .settings import BATCH_POLICIES, DEFAULT_BATCH_POLICY, DEFAULT_MAX_QUEUE
 
-__all__ = ["POLICIES", "BatchCosts", "choose_mode", "measure_step_costs", "recorded_costs", "BatchPool"]
+__all__ = ["BatchCosts", "choose_mode", "measure_step_costs", "recorded_costs", "BatchPool"]
 
 log = logging.getLogger("specrt.serve")
-
-POLICIES = ("auto", "speculate", "batched")
 
 
 def choose_mode(n: int, step_s: float, rounds: Sequence[tuple[float, float]]) -> str:
@@ -85,6 +84,12 @@ def choose_mode(n: int, step_s: float, rounds: Sequence[tuple[float, float]]) ->
     if sec <= 0.0:
         return "speculate"
     return "batched" if n / step_s > tok / sec else "speculate"
+
+
+def _claim(job: Job) -> int:
+    """Tokens a request may hold in flight (its prompt and its whole budget): read from the
+    job, so the scheduler never reads a generation's plan."""
+    return len(job.ids) + job.config.max_new_tokens
 
 
 @dataclass
@@ -143,9 +148,9 @@ class BatchPool:
         self,
         engine,
         max_batch: int,
-        max_queue: int = 64,
+        max_queue: int = DEFAULT_MAX_QUEUE,
         max_tokens: int | None = None,
-        policy: str = "auto",
+        policy: str = DEFAULT_BATCH_POLICY,
         explore_every: int = 16,
         round_delay: float = 0.0,
         costs: BatchCosts | None = None,
@@ -156,8 +161,8 @@ class BatchPool:
             raise ServeError(f"max_queue={max_queue}; it must be >= 1")
         if max_tokens is not None and max_tokens < 1:
             raise ServeError(f"max_tokens={max_tokens}; it must be >= 1 (or None)")
-        if policy not in POLICIES:
-            raise ServeError(f"policy={policy!r}; one of {', '.join(POLICIES)}")
+        if policy not in BATCH_POLICIES:
+            raise ServeError(f"policy={policy!r}; one of {', '.join(BATCH_POLICIES)}")
         if not isinstance(engine.target, OrtGqaModel):
             raise ServeError(
                 f"--max-batch needs a builder-graph target on ort-cpu (int4/int8 export); {engine.folder} has a {engine.manifest.target.graph} graph on {engine.backend}"
@@ -275,7 +280,7 @@ class BatchPool:
             finish(job, "cancelled", None)
 
     def _in_flight(self) -> int:
-        return sum(r.gen.n_prompt + r.gen.plan.budget for r in self._rows)
+        return sum(_claim(r.job) for r in self._rows)
 
     def _iterate(self) -> None:
         """One scheduler iteration (module docstring)."""
@@ -321,8 +326,7 @@ class BatchPool:
                 if not self._queue:
                     return
                 job = self._queue[0]
-                need = len(job.ids) + job.config.max_new_tokens
-                if self.max_tokens is not None and self._rows and self._in_flight() + need > self.max_tokens and not job.cancelled.is_set():
+                if self.max_tokens is not None and self._rows and self._in_flight() + _claim(job) > self.max_tokens and not job.cancelled.is_set():
                     return
                 self._queue.popleft()
             if job.cancelled.is_set():

@@ -27,6 +27,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 from ..errors import BackendError, SpecRTError
 from ..generation import prompt_only_result
 from ..prefix import aligned_match
+from .settings import DEFAULT_MAX_QUEUE
 
 __all__ = ["ServeError", "ServerBusy", "Job", "Pool", "WorkerPool", "run_prompt", "send_text", "finish", "fail"]
 
@@ -189,7 +190,7 @@ class WorkerPool:
         ServeError: no engines, ``max_queue < 1`` or a negative ``prefix_cache_tokens``.
     """
 
-    def __init__(self, engines: Sequence, max_queue: int = 64, round_delay: float = 0.0, prefix_cache_tokens: int | None = None):
+    def __init__(self, engines: Sequence, max_queue: int = DEFAULT_MAX_QUEUE, round_delay: float = 0.0, prefix_cache_tokens: int | None = None):
         if not engines:
             raise ServeError("a worker pool needs at least one engine")
         if max_queue < 1:
@@ -218,7 +219,7 @@ class WorkerPool:
         cls,
         folder: str | Path,
         workers: int = 1,
-        max_queue: int = 64,
+        max_queue: int = DEFAULT_MAX_QUEUE,
         threads=None,
         backend: str | None = None,
         round_delay: float = 0.0,

@@ -17,9 +17,10 @@ when a :class:`ServerMetrics` is made.
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Callable
+
+from ..stats import acceptance_rate, mean_accepted
 
 __all__ = ["ServerMetrics", "BatchMetrics", "LATENCY_BUCKETS", "TPOT_BUCKETS", "QUEUE_DEPTH_BUCKETS", "TOKENS_PER_PASS_BUCKETS"]
 
@@ -96,9 +97,9 @@ class ServerMetrics:
             self._prop_pos.labels(name, str(i))
             self._acc_pos.labels(name, str(i))
         g = pc.Gauge("specrt_acceptance_rate", "Accepted / proposed draft candidates since start (NaN before any).", L, registry=reg)
-        g.labels(name).set_function(lambda: self._ratio(self._accepted, self._proposed))
+        g.labels(name).set_function(lambda: acceptance_rate(self._accepted, self._proposed))
         g = pc.Gauge("specrt_mean_accepted_length", "Accepted draft candidates per target pass since start (tokens per pass = this + 1).", L, registry=reg)
-        g.labels(name).set_function(lambda: self._ratio(self._accepted, self._passes))
+        g.labels(name).set_function(lambda: mean_accepted(self._accepted, self._passes))
         self.e2e = hist("specrt_e2e_request_latency_seconds", "Request arrival to the last byte of the answer (ok requests).", LATENCY_BUCKETS)
         self.ttft = hist("specrt_time_to_first_token_seconds", "Request arrival to its first generated text (ok requests, streamed or not).", LATENCY_BUCKETS)
         self.tpot = hist("specrt_time_per_output_token_seconds", "Per generation: (end - first text) / (tokens - 1), generations of 2+ tokens.", TPOT_BUCKETS)
@@ -113,10 +114,6 @@ class ServerMetrics:
             pc.Gauge(metric, doc, L, registry=reg).labels(name).set_function(lambda i=i: pool_gauges()[i])
         self._generate_latest = pc.generate_latest
         self.content_type = pc.CONTENT_TYPE_LATEST
-
-    @staticmethod
-    def _ratio(a: int, b: int) -> float:
-        return a / b if b else math.nan
 
     def count(self, outcome: str) -> None:
         """Count one HTTP request with ``outcome`` (one of :attr:`OUTCOMES`)."""

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .settings import DEFAULT_MAX_QUEUE
+
 __all__ = ["specrt_deployment", "app_builder"]
 
 
@@ -35,7 +37,7 @@ def specrt_deployment(
     num_replicas: int = 2,
     workers: int = 1,
     threads: int = 1,
-    max_queue: int = 64,
+    max_queue: int = DEFAULT_MAX_QUEUE,
     model_name: str | None = None,
     backend: str | None = None,
     num_cpus: float | None = None,

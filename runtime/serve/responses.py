@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ..stats import acceptance_rate, mean_accepted
 from .jobs import Job
 
 __all__ = ["LOGPROB_FLOOR", "GenerationRequest", "Work", "Responses", "usage_block", "chat_message", "error_body"]
@@ -97,8 +98,8 @@ def usage_block(results: Sequence, prompt_tokens: int | None = None) -> dict:
         "speculative": {
             "proposed": proposed,
             "accepted": accepted,
-            "acceptance_rate": _finite(accepted / proposed if proposed else math.nan),
-            "mean_accepted": _finite(accepted / passes if passes else math.nan),
+            "acceptance_rate": _finite(acceptance_rate(accepted, proposed)),
+            "mean_accepted": _finite(mean_accepted(accepted, passes)),
             "tokens_per_pass": _finite(after_first / passes if passes else math.nan),
             "passes": passes,
             "draft_calls": sum(s.draft_calls for s in st),

@@ -9,21 +9,23 @@ Layout (one process)::
 
 Modules, one job each: :mod:`.jobs` (the job contract, the ``Pool`` protocol, the worker
 pool), :mod:`.batching` (continuous batching), :mod:`.service` (request validation and
-response objects), :mod:`.app` (the FastAPI routes and streaming), this module (building
-and running them). Imports go one way: app -> service -> jobs; batching -> jobs.
+response objects), :mod:`.app` (the FastAPI routes and streaming), :mod:`.settings`
+(:class:`ServeConfig` and the declared defaults), this module (building and running them).
+Imports go one way: app -> service -> jobs; batching -> jobs; all -> settings.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from .app import DEFAULT_MAX_BODY_BYTES, create_app, require_serve_extra
+from .app import create_app, require_serve_extra
 from .jobs import Job, Pool, ServeError, ServerBusy, WorkerPool
 from .responses import LOGPROB_FLOOR, GenerationRequest, Responses, Work, error_body, usage_block
 from .service import CompletionService, RequestError
+from .settings import DEFAULT_MAX_BODY_BYTES, ServeConfig
 
 __all__ = [
     "ServeConfig",
@@ -49,55 +51,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("specrt.serve")
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """Every setting of ``specrt serve`` (the CLI builds one; :func:`build_service` and
-    :func:`serve` take it).
-
-    Attributes:
-        engines: the engine folder.
-        host, port: where uvicorn listens.
-        workers: generator workers (Engines); workers x onnxruntime threads should not
-            exceed the cores.
-        max_queue: generations that may wait for a worker (503 beyond).
-        threads: :class:`~specrt.runtime.backends.base.ThreadConfig` for every Engine (None:
-            the default).
-        backend: Engine backend (None: the machine's default).
-        model_name: the ``model`` id clients use (None: the folder's name).
-        log_level: uvicorn's and the server log's level.
-        round_delay: test hook: seconds to sleep after each piece (:class:`WorkerPool`).
-        chat_template: a Jinja2 template file overriding the folder's ``chat_template.jinja``.
-        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
-        allowed_origins: browser origins allowed by CORS (``"*"`` = any).
-        max_body_bytes: larger request bodies get 413 unparsed.
-        max_batch: > 0: continuous batching of up to this many requests in one scheduler
-            (:class:`~specrt.runtime.serve.batching.BatchPool`; ``workers`` is ignored).
-        batch_policy, max_tokens_in_flight: the BatchPool's ``policy`` and ``max_tokens``.
-        prefix_cache_tokens: the workers' prefix-cache budget in tokens
-            (:class:`~specrt.runtime.serve.jobs.WorkerPool`); None: no limit but the KV
-            buffers; 0: off. Not used with ``max_batch`` (the scheduler keeps no prefix).
-    """
-
-    engines: str | Path
-    host: str = "127.0.0.1"
-    port: int = 8000
-    workers: int = 1
-    max_queue: int = 64
-    threads: object = None
-    backend: str | None = None
-    model_name: str | None = None
-    log_level: str = "info"
-    round_delay: float = 0.0
-    chat_template: str | Path | None = None
-    api_key: str | None = None
-    allowed_origins: tuple = ()
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_batch: int = 0
-    batch_policy: str = "auto"
-    max_tokens_in_flight: int | None = None
-    prefix_cache_tokens: int | None = None
 
 
 def _load_pool(cfg: ServeConfig) -> Pool:
@@ -142,7 +95,7 @@ def build_service(cfg: ServeConfig | str | Path, **kw) -> CompletionService:
         EngineError, BackendError: the engine folder cannot be loaded.
         ServeError: bad pool settings; the chat template cannot be read or compiled.
     """
-    from .chat import ChatTemplate, TemplateSourceError, load_chat_template, special_token_strings
+    from ..chat import ChatTemplate, TemplateSourceError, load_chat_template, special_token_strings
 
     cfg = cfg if isinstance(cfg, ServeConfig) else ServeConfig(cfg, **kw)
     pool = _load_pool(cfg)

@@ -50,7 +50,7 @@ class CompletionService:
             :class:`~specrt.runtime.serve.jobs.WorkerPool`, or the
             :class:`~specrt.runtime.serve.batching.BatchPool` (``serve --max-batch``).
         model_name: the id clients may send as ``model`` (any other is a 404).
-        chat_template: a :class:`~specrt.runtime.serve.chat.ChatTemplate`, or None (chat
+        chat_template: a :class:`~specrt.runtime.chat.ChatTemplate`, or None (chat
             requests then get a 400 saying so).
 
     Attributes:
@@ -213,7 +213,7 @@ class CompletionService:
 
     def prepare_chat(self, req) -> Work:
         """The :class:`Work` of a validated ``/v1/chat/completions`` body: the conversation
-        rendered with the chat template (:mod:`specrt.runtime.serve.chat`), tokenized without
+        rendered with the chat template (:mod:`specrt.runtime.chat`), tokenized without
         adding BOS (runs off the event loop).
 
         Raises:
@@ -221,7 +221,7 @@ class CompletionService:
                 conversation, ``top_logprobs`` without ``logprobs``, or what the engine
                 refuses.
         """
-        from .chat import normalize_messages
+        from ..chat import normalize_messages
 
         self.check_model(req.model)
         if self.chat_template is None:

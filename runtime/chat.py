@@ -1,5 +1,6 @@
 """Chat templates: a conversation -> the prompt text the model was trained on, rendered as
-transformers' ``apply_chat_template`` renders it.
+transformers' ``apply_chat_template`` renders it. One module below its users: the server's
+chat completions, ``specrt generate --chat`` and the bench's ``messages`` prompts.
 
 The template (Jinja2 source) comes from the engine folder (``chat_template.jinja``, copied by
 ``specrt export`` from the target checkpoint and hashed in the manifest) or from
@@ -28,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import InputError, SpecRTError
+from .errors import InputError, SpecRTError
 
 __all__ = ["ChatTemplate", "TemplateSourceError", "engine_chat_ids", "load_chat_template", "normalize_messages", "special_token_strings"]
 
