@@ -53,6 +53,25 @@ def _threads_option(f):
     return f
 
 
+def _drafter_axes_options(what: str):
+    """``--drafter``/``--adaptive`` as repeatable axes (``specrt bench`` rows, ``specrt tune``
+    sweep points): the parameters ``drafters`` and ``adaptives`` ("on"/"off")."""
+
+    def deco(f):
+        f = click.option(
+            "--adaptive",
+            "adaptives",
+            type=click.Choice(["on", "off"]),
+            multiple=True,
+            help=f"adaptive k on/off (repeatable: {what}; default: manifest, else off)",
+        )(f)
+        return click.option(
+            "--drafter", "drafters", type=click.Choice(DRAFTERS), multiple=True, help=f"drafters (repeatable: {what}; default: manifest, else model)"
+        )(f)
+
+    return deco
+
+
 def _backend_option(f):
     return click.option(
         "--backend",
@@ -492,16 +511,7 @@ def generate(
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts (interleaved)")
 @click.option("--out", "out_json", type=click.Path(dir_okay=False), default=None, help="write the results as JSON here")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None, help="record every measured generation's rounds as a JSONL trace here")
-@click.option(
-    "--drafter", "drafters", type=click.Choice(DRAFTERS), multiple=True, help="drafters to compare (repeatable: one row each; default: manifest, else model)"
-)
-@click.option(
-    "--adaptive",
-    "adaptives",
-    type=click.Choice(["on", "off"]),
-    multiple=True,
-    help="adaptive k (repeatable: one row each; default: manifest, else off)",
-)
+@_drafter_axes_options("one row each")
 @click.option(
     "--fastest-baseline/--no-fastest-baseline",
     default=True,
@@ -653,14 +663,7 @@ DEFAULT_TUNE_KS = (1, 2, 3, 4, 6, 8)
     multiple=True,
     help="verification strategies to sweep (repeatable; default: every one the engine folder can run)",
 )
-@click.option("--drafter", "drafters", type=click.Choice(DRAFTERS), multiple=True, help="drafters to sweep (repeatable; default: the manifest's)")
-@click.option(
-    "--adaptive",
-    "adaptives",
-    type=click.Choice(["on", "off"]),
-    multiple=True,
-    help="adaptive k on/off to sweep (repeatable; default: the manifest's); the choice is written with the rest",
-)
+@_drafter_axes_options("swept; the choice is written with the rest")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts in the sweep (interleaved)")
 @click.option(
     "--confirm-repeats",

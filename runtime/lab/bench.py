@@ -328,8 +328,9 @@ def format_table(result: dict) -> str:
         f"{'MFLOP/tok':>10}{'ttft ms':>9}{'4gram':>7}{'=target':>9}"
     )
     lines = [head, "-" * len(head)]
-    if result.get("machine"):
-        lines.insert(0, f"machine: {Machine.from_json(result['machine']).describe()}")
+    machine = Machine.from_json(result.get("machine"))
+    if machine:
+        lines.insert(0, f"machine: {machine.describe()}")
     for r in result["rows"]:
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
         mal = f"{r['mean_accepted']:.2f}" if r["speculative"] else "-"
