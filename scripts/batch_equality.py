@@ -20,9 +20,9 @@ import os
 import threading
 import time
 
-from load_test import PROMPTS as LOAD_PROMPTS  # the same built-in prompts as scripts/load_test.py (this folder)
-
 from specrt import Engine, GenerationConfig
+from specrt.bench.common import emit
+from specrt.bench.load import PROMPTS as LOAD_PROMPTS  # the same built-in prompts as the load runs (specrt.bench.load)
 from specrt.runtime.backends.base import ThreadConfig
 from specrt.runtime.lab.bench import divergences
 from specrt.runtime.serve.batching import BatchPool
@@ -87,11 +87,7 @@ def main(argv=None) -> dict:
             tokens_per_s=round(sum(len(t) for t in got.values()) / wall, 1),
         )
     rec["load_avg_1m"] = os.getloadavg()[0]
-    print(json.dumps(rec, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rec, f, indent=1)
-    return rec
+    return emit(rec, a.out)
 
 
 if __name__ == "__main__":

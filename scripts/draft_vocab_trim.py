@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.bench.common import emit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -103,8 +105,7 @@ def main() -> None:
     from specrt.runtime.backends.ort_gqa import OrtGqaModel
 
     eng_dir = ROOT / a.engines
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_real import prompt_sets
+    from specrt.bench.real import prompt_sets
 
     e = Engine(eng_dir, verify_hashes=False)
     man = e.manifest
@@ -172,9 +173,7 @@ def main() -> None:
         threads=dataclasses.asdict(threads),
         load=os.getloadavg(),
     )
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    emit(result, a.out)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt import Engine, GenerationConfig
+from specrt.bench.common import write_json
 from specrt.runtime.lab.quality import compare, encode_texts, heldout_windows, score_model, stdlib_heldout_texts
 
 QUALITY_BOUNDS = {"min_top1_agreement": 0.95, "max_loss_delta": 0.05}  # = specrt.export.quality (that module needs torch)
@@ -110,8 +111,7 @@ def main(argv=None) -> int:
         e.close()
     result["seconds"] = round(time.time() - t0, 1)
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=1, default=float))
+        write_json(a.out, result, default=float)
         print(f"wrote {a.out}", file=sys.stderr)
     return 0
 

@@ -10,11 +10,11 @@ round, so tokens per second of both modes can be compared per batch size.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 from specrt import Engine, GenerationConfig
+from specrt.bench.common import emit
 from specrt.runtime.backends.base import ThreadConfig
 from specrt.runtime.backends.ort_gqa_batch import BatchedGqaModel
 from specrt.runtime.costs import measure_step_costs
@@ -63,11 +63,7 @@ def main(argv=None) -> dict:
         note="step_s: median seconds of one batched q=1 target call over n rows (random KV at past length --past); speculative rounds: a request alone, greedy, mean over prompts (prefill excluded); choice: the load-aware rule's pick when every row speculates at the best k",
         when=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
-    print(json.dumps(rec, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rec, f, indent=1)
-    return rec
+    return emit(rec, a.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ onnxruntime's run replaced by a no-op), in microseconds, and the load average be
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,9 +22,10 @@ import time
 import numpy as np
 
 from specrt import Engine
+from specrt.bench.common import say_machine, write_json
 from specrt.runtime.backends.base import ThreadConfig
 from specrt.runtime.costs import measure_call_times
-from specrt.runtime.machine import machine_record, this_machine
+from specrt.runtime.machine import machine_record
 
 
 def overhead_us(model, q: int, past: int, calls: int = 2000) -> float:
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spinning", action="store_true", help="let idle pool threads spin (default off, as the runtime)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)  # every figure below holds on this kind of CPU
+    say_machine()  # every figure below holds on this kind of CPU
     folders = a.engines or ["engines/default"]
     threads = [int(t) for t in a.threads.split(",")]
     load0 = os.getloadavg()
@@ -91,8 +91,7 @@ def main(argv=None) -> int:
             loadavg_after=load1,
             cpus=os.cpu_count(),
         )
-        with open(a.out, "w") as fh:
-            json.dump(dict(rec, rows=rows, overhead=overhead), fh, indent=1)
+        write_json(a.out, dict(rec, rows=rows, overhead=overhead))
     return 0
 
 

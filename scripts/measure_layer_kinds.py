@@ -24,17 +24,16 @@ medians and quartiles are reported with the machine (runtime/machine.py). Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from specrt.runtime.machine import machine_record, this_machine
+from specrt.bench.common import say_machine, write_json
+from specrt.runtime.machine import machine_record
 
 # (layer, N output rows, K inputs) of Qwen2.5-Coder-1.5B, per decoder layer unless noted
 SHAPES = {
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="layers to time (names of SHAPES)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
-    print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)
+    say_machine()
     rng = np.random.default_rng(0)
     qs = [int(q) for q in a.qs.split(",")]
     cases = []  # (layer, form, q, session, x)
@@ -149,8 +148,7 @@ def main(argv=None) -> int:
         rows=rows,
     )
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(rec, indent=1))
+        write_json(a.out, rec)
     return 0
 
 

@@ -23,9 +23,9 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from specrt import Engine, GenerationConfig
+from specrt.bench.common import command, emit
 from specrt.runtime.chat import engine_chat_ids
 from specrt.runtime.constraints import ConstrainedAcceptor, Constraint
 
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     out = dict(
-        command=" ".join([Path(sys.executable).name] + sys.argv),
+        command=command(),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         loadavg=os.getloadavg(),
         in_loop_overhead_median=med("in_loop_overhead"),
@@ -125,9 +125,7 @@ def main(argv=None) -> int:
         end_to_end_overhead_q=statistics.quantiles([r["end_to_end_overhead"] for r in rows], n=4),
         rows=rows,
     )
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: v for k, v in out.items() if k != "rows"}, indent=1))
+    emit(out, a.out, hide=("rows",))
     return 0
 
 

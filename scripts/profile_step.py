@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.bench.common import emit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PARTS = [
@@ -175,11 +177,7 @@ def main() -> None:
             gb_s_by_part={k: bytes_by_part[k] / (parts[k] / 1e3) / 1e9 for k in parts if bytes_by_part.get(k)},
         )
     path.unlink()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text)
+    emit(result, a.out)
 
 
 if __name__ == "__main__":

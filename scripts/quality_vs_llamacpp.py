@@ -2,7 +2,7 @@
 loss), teacher-forced on the held-out stdlib text (:mod:`specrt.runtime.lab.quality`).
 
 llama.cpp runs in its own venv (``--llama-python``, e.g. ``.venv-llamacpp/bin/python`` of
-``make bench-envs``) through ``scripts/bench_workers/llamacpp_logits.py``; the engine runs
+``make bench-envs``) through ``bench/workers/llamacpp_logits.py``; the engine runs
 in this one, on the engine's own model class and call widths. Both see the same token ids
 (the engine's tokenizer, which the export checked against the GGUF's). Figures: top-1
 agreement over all scored positions and over the positions where llama.cpp's top-1 leads
@@ -27,12 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.bench.common import write_json
 from specrt.runtime.backends import cpu_model
 from specrt.runtime.backends.base import ThreadConfig
 from specrt.runtime.lab.quality import Scores, compare, encode_texts, heldout_windows, score_model, stdlib_heldout_texts
 from specrt.runtime.manifest import load_manifest
 
-WORKER = Path(__file__).resolve().parent / "bench_workers" / "llamacpp_logits.py"
+WORKER = Path(__file__).resolve().parents[1] / "bench" / "workers" / "llamacpp_logits.py"
 
 
 def llama_scores(python: str, gguf: str, seqs: list, first: list, threads: int) -> tuple[Scores, np.ndarray]:
@@ -90,8 +91,7 @@ def main(argv=None) -> int:
         f"({v['top1_agreement_clear']:.4f} where llama.cpp's lead > {a.margin}), loss {v['loss']:.4f} vs {v['loss_reference']:.4f}"
     )
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(rec, indent=1))
+        write_json(a.out, rec)
     return 0
 
 

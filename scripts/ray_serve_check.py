@@ -21,6 +21,8 @@ import socket
 import sys
 import time
 
+from specrt.bench.common import emit
+
 
 def post(port, body, timeout=300):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -107,10 +109,7 @@ def main(argv=None) -> int:
         ray.shutdown()
     summary["total_s"] = round(time.perf_counter() - t0, 2)
     summary["ok"] = all(checks.values())
-    print(json.dumps(summary, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=1)
+    emit(summary, args.out)
     return 0 if summary["ok"] else 1
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.bench.common import emit
+
 # Published shapes (config.json of each checkpoint on the Hugging Face hub, as of 2025):
 # Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-1.5B, meta-llama/Llama-3.2-1B. "tok" is the tokenizer's
 # size (ids the tokenizer can produce), "vocab" the logits width (Qwen pads to 151,936).
@@ -570,11 +572,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     res = a.fn(a)
     res.setdefault("host", dict(machine=platform.machine(), cpus=os.cpu_count(), python=sys.version.split()[0]))
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(text)
+    emit(res, a.json)
     return 0
 
 

@@ -1,8 +1,7 @@
-"""scripts/bench_compare.py: the analytic bound, and one small run (specrt + transformers rows) on a tiny pair."""
+"""specrt.bench.compare (bench/compare.py): the analytic bound, and one small run (specrt + transformers rows) on a tiny pair."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -13,16 +12,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def bc():
-    return _load("bench_compare", REPO / "scripts" / "bench_compare.py")
+    from specrt.bench import compare
+
+    return compare
 
 
 def test_bound_formula(bc):
@@ -50,11 +44,8 @@ def test_analyse_row_alpha_estimates(bc):
 
 
 def test_pyspy_breakdown_parses_native_and_python_stacks(tmp_path):
-    sys.path.insert(0, str(REPO / "scripts" / "bench_workers"))
-    try:
-        sw = _load("specrt_worker_under_test", REPO / "scripts" / "bench_workers" / "specrt_worker.py")
-    finally:
-        sys.path.remove(str(REPO / "scripts" / "bench_workers"))
+    from specrt.bench.workers import specrt_worker as sw
+
     line = sw._raw_run_line()
     assert line is not None
     ob = "/x/runtime/backends/ort.py"
@@ -164,7 +155,7 @@ def test_small_run_specrt_and_transformers(tiny_pair, tmp_path, bc):
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's /proc")
 def test_a_workers_peak_rss_is_its_own_not_its_parents(tmp_path):
-    """A bench worker started by a big parent (fork + exec, as bench_compare starts every
+    """A bench worker started by a big parent (fork + exec, as specrt.bench.compare starts every
     worker) reports its own peak RSS: the kernel carries the parent's high-water mark into
     ru_maxrss across exec (issue 31: every specrt and onnxruntime-genai row once showed
     the bench parent's 2,626 MiB)."""
@@ -179,7 +170,7 @@ def test_a_workers_peak_rss_is_its_own_not_its_parents(tmp_path):
     )
     import subprocess
 
-    out = subprocess.run([sys.executable, str(parent), str(REPO / "scripts" / "bench_workers")], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, str(parent), str(REPO / "bench" / "workers")], capture_output=True, text=True, check=True).stdout
     own, ru_maxrss = json.loads(out)
     assert ru_maxrss > 600  # what the old reading reported: the parent's
     assert own < 200, own  # a bare python with the stdlib protocol module

@@ -1,7 +1,9 @@
 """The code's shape, checked so it cannot drift back: no import circle between the product's
 modules and no import up a floor (lazy imports inside functions count: a circle or an
 upward arrow dodged by a late import is still one), no module of the serving wing over 600
-lines, no function over 80 lines and no class over 350 (docstrings included), ``Round`` and
+lines, no function over 80 lines and no class over 350 (docstrings included; the bench harness and its workers too),
+scripts/ under 15% of the non-test Python lines (benches live in bench/, ``specrt.bench``,
+the top floor: nothing of the product imports it), ``Round`` and
 ``Plan`` built by keyword, a CLI that reads the server's defaults instead of retyping them,
 and a batch scheduler that drives :class:`~specrt.runtime.generation.Generation` instead of
 copying the decode loop's prefill, length, commit or result logic (it imports only its
@@ -16,8 +18,12 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"specrt": ROOT / "specrt_ns", "specrt.runtime": ROOT / "runtime", "specrt.export": ROOT / "export"}
+PACKAGES = {"specrt": ROOT / "specrt_ns", "specrt.runtime": ROOT / "runtime", "specrt.export": ROOT / "export", "specrt.bench": ROOT / "bench"}
 MAX_FUNCTION, MAX_CLASS, MAX_SERVE_FILE = 80, 350, 600
+# the folders of Python code that is not tests: the product, the bench harness, the one-off
+# measurement scripts (which must stay a small share: a bench belongs in bench/)
+CODE_FOLDERS = ("runtime", "export", "specrt_ns", "bench", "scripts")
+MAX_SCRIPTS_SHARE = 0.15
 
 # The floors, lowest first. A module imports modules of its own wing or of a lower floor,
 # never of a higher floor nor of the other wing of its floor. A wing is a tuple of import
@@ -29,6 +35,7 @@ FLOORS = (
     (("specrt.runtime.lab",), ("specrt.runtime.serve",)),  # measuring and serving: two wings on the engine, neither over the other
     (("specrt.export",),),  # the export stage (it measures with lab's exactness and quality)
     (("specrt",),),  # the public API and the CLI
+    (("specrt.bench",),),  # the benchmark harness: it uses the product as a user would; nothing of the product imports it
 )
 
 
@@ -147,17 +154,20 @@ def _upward(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
 
 def test_floor_finder_sees_an_upward_import():
     # the checker itself: up a floor (errors -> engine, backends -> the loop's chunks), across
-    # a floor's wings (lab -> serve) are arrows back up; down (serve -> core, cli -> export)
-    # and within a wing (serve -> serve) are not
+    # a floor's wings (lab -> serve), the product into the bench harness (cli -> bench) are
+    # arrows back up; down (serve -> core, cli -> export, bench -> cli) and within a wing
+    # (serve -> serve, bench -> bench) are not
     graph = {
         "specrt.runtime.errors": {"specrt.runtime.engine"},
         "specrt.runtime.backends.ort": {"specrt.runtime.chunks", "specrt.runtime.manifest"},
         "specrt.runtime.lab.bench": {"specrt.runtime.serve.chat", "specrt.runtime.chat"},
         "specrt.runtime.serve.app": {"specrt.runtime.errors", "specrt.runtime.serve.jobs"},
-        "specrt.cli": {"specrt.export.pipeline", "specrt.runtime.lab.bench"},
+        "specrt.cli": {"specrt.export.pipeline", "specrt.runtime.lab.bench", "specrt.bench.common"},
         "specrt.export.pipeline": {"specrt.runtime.lab.exactness"},
+        "specrt.bench.real": {"specrt.bench.compare", "specrt.runtime.engine", "specrt.cli"},
     }
     assert _upward(graph) == [
+        "specrt.cli -> specrt.bench.common",
         "specrt.runtime.backends.ort -> specrt.runtime.chunks",
         "specrt.runtime.errors -> specrt.runtime.engine",
         "specrt.runtime.lab.bench -> specrt.runtime.serve.chat",
@@ -187,6 +197,37 @@ def test_functions_and_classes_are_short():
         f"{path}:{node.lineno} {node.name} ({n} lines)" for path, node, n in _sizes() if n > (MAX_CLASS if isinstance(node, ast.ClassDef) else MAX_FUNCTION)
     ]
     assert too_long == []
+
+
+def _long_functions(folders) -> list[str]:
+    """``"path:line name (n lines)"`` of every function over :data:`MAX_FUNCTION` lines
+    (docstring included: ``end_lineno - lineno + 1``) in the ``*.py`` files under ``folders``."""
+    out = []
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION:
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_no_function_over_80_lines_in_runtime_export_cli_or_bench():
+    # every folder, not only the modules the import map knows: the bench workers included
+    assert _long_functions([ROOT / d for d in ("runtime", "export", "specrt_ns", "bench")]) == []
+
+
+def _python_lines(folder: Path) -> int:
+    """Lines of the ``*.py`` files under ``folder``."""
+    return sum(len(p.read_text(encoding="utf-8").splitlines()) for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_scripts_hold_a_small_share_of_the_code():
+    # scripts/ keeps one-off measurement records; a bench that is run again belongs in bench/
+    lines = {d: _python_lines(ROOT / d) for d in CODE_FOLDERS}
+    share = lines["scripts"] / sum(lines.values())
+    assert share < MAX_SCRIPTS_SHARE, f"scripts/ holds {share:.1%} of the non-test Python lines {lines}"
 
 
 def test_round_and_plan_are_built_by_keyword():

@@ -5,7 +5,6 @@ the cached tokens and the budget's evictions; every answer equals a cold Engine'
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -99,10 +98,9 @@ def test_worker_pool_routes_a_conversation_back_to_its_kv(cold):
 
 
 def test_short_prefix_soak_loses_nothing_and_holds_memory(tmp_path):
-    """scripts/soak_prefix.py for 40 s: random multi-turn chats of 3 clients on 3 workers with a 1,024-token
+    """specrt.bench.soak_prefix for 40 s: random multi-turn chats of 3 clients on 3 workers with a 1,024-token
     budget; every request answered, RSS after the warm-up within 10%, the cache used."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import soak_prefix
+    from specrt.bench import soak_prefix
 
     out = tmp_path / "soak.json"
     rc = soak_prefix.main(

@@ -377,13 +377,10 @@ def test_runtime_imports_and_serve_refuses_cleanly_without_the_extra(tiny_pair):
     assert out.stdout.strip().endswith("OK")
 
 
-# ---- scripts/load_test.py ----------------------------------------------------------------
+# ---- specrt.bench.load ---------------------------------------------------------------------
 @pytest.mark.parametrize("extra", [[], ["--chat", "--stream"]], ids=["completions", "chat-stream"])
 def test_load_test_script(server, extra, capsys):
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import load_test
+    from specrt.bench import load as load_test
 
     before = read_metrics(server.port)
     s = load_test.main(["--url", f"http://{HOST}:{server.port}", "--requests", "6", "--concurrency", "2", "--max-tokens", "8", "--temperature", "0", *extra])

@@ -1,19 +1,14 @@
-"""scripts/speculation_ceiling.py: the ceiling arithmetic on hand-made costs, and a short
+"""specrt.bench.ceiling (bench/ceiling.py): the ceiling arithmetic on hand-made costs, and a short
 real measurement of a tiny int4 engine (llama.cpp rows left out with the reason)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("speculation_ceiling", ROOT / "scripts" / "speculation_ceiling.py")
-sc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sc)
+from specrt.bench import ceiling as sc
 
 
 def _costs(target: dict, draft: float) -> dict:

@@ -16,17 +16,18 @@ Time to first token is the arrival of the first generated token at a streamer.
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _protocol import FirstTokenClock, serve, set_thread_env  # noqa: E402
+try:  # imported as specrt.bench.workers.hf_worker (the harness, the tests)
+    from ._protocol import FirstTokenClock, serve, set_thread_env
+except ImportError:  # run as a file by a venv's python: Python puts this folder first on sys.path
+    from _protocol import FirstTokenClock, serve, set_thread_env
 
 ASSIST_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 def setup(init: dict):
+    """The protocol's setup: load the transformers model(s) of ``init`` and warm up; returns (generate, info, extra ops)."""
     threads = int(init["threads"])
     set_thread_env(threads)
     import torch

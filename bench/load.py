@@ -9,9 +9,9 @@ issuing new ones after ``--max-seconds``. Prints (and writes with ``--out``) req
 latency p50/p90/p99, time to first token (streamed), tokens/s, errors by status, and the
 server's acceptance figures (from /metrics, before/after).
 
-    python scripts/load_test.py --engines engines/default --workers 2 --threads 1 \\
+    python -m specrt.bench.load --engines engines/default --workers 2 --threads 1 \\
         --requests 200 --concurrency 8 --max-tokens 64 --out bench_out/load.json
-    python scripts/load_test.py --engines engines/default --workers 2 --threads 1 \\
+    python -m specrt.bench.load --engines engines/default --workers 2 --threads 1 \\
         --requests 200 --concurrency 8 --max-tokens 64 --chat --out bench_out/load_chat.json
 """
 
@@ -29,6 +29,9 @@ import sys
 import threading
 import time
 from urllib.parse import urlparse
+
+from specrt.bench.common import emit
+from specrt.bench.servers import free_port
 
 MAX_REQUESTS = 100_000
 MAX_SECONDS = 3600
@@ -91,9 +94,7 @@ def read_metrics(host: str, port: int) -> dict[str, float]:
 
 def start_server(args) -> tuple[subprocess.Popen, int]:
     """``specrt serve`` on a free loopback port; returns (process, port) once /health answers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -146,6 +147,7 @@ class Client(threading.Thread):
         self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
 
     def run(self):
+        """Send requests until the tickets or the time run out; one record per request into ``out`` (status, latency s, TTFT s, tokens, text)."""
         self._connect()
         while time.perf_counter() < self.deadline:
             i = self.tickets.take()
@@ -203,8 +205,9 @@ class Tickets:
             return self._next - 1
 
 
-def main(argv=None) -> dict:
-    """Run the load test; returns the summary dict (also printed as JSON)."""
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (see the module's docstring), checked against the bounds
+    (argparse exits on a bad one)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="a running server, loopback only (http://127.0.0.1:PORT)")
@@ -231,78 +234,93 @@ def main(argv=None) -> dict:
         ap.error("--concurrency must be in 1..256")
     if not 0 < args.max_seconds <= MAX_SECONDS:
         ap.error(f"--max-seconds must be in (0, {MAX_SECONDS}]")
-
-    prompts = PROMPTS
-    if args.prompts:
-        with open(args.prompts) as f:
-            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
-
-    proc = None
     if args.url:
         u = urlparse(args.url)
         if u.scheme != "http" or not u.hostname:
             ap.error("--url must look like http://127.0.0.1:PORT")
-        loopback_only(u.hostname)
-        host, port = u.hostname, u.port or 80
-    else:
-        proc, port = start_server(args)
-        host = "127.0.0.1"
-    try:
+    return args
 
-        def body_for(i):
-            p = prompts[i % len(prompts)]
-            b = {"messages": [{"role": "user", "content": p}]} if args.chat else {"prompt": p}
-            b.update(max_tokens=args.max_tokens, temperature=args.temperature)
-            if args.temperature > 0:
-                b["seed"] = i
-            if args.stream:
-                b["stream"] = True
-                b["stream_options"] = {"include_usage": True}
-            return b
 
-        before = read_metrics(host, port)
-        load_before = os.getloadavg()[0]
-        out: list[dict] = []
-        tickets = Tickets(args.requests)
-        t0 = time.perf_counter()
-        path = "/v1/chat/completions" if args.chat else "/v1/completions"
-        clients = [Client(host, port, body_for, tickets, t0 + args.max_seconds, args.stream, args.timeout, out, path) for _ in range(args.concurrency)]
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join(args.max_seconds + args.timeout + 10)
-        wall = time.perf_counter() - t0
-        after = read_metrics(host, port)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+def request_maker(args: argparse.Namespace, prompts: list[str]):
+    """``body_for(i)``: the JSON body of request number ``i`` (prompt ``i % len(prompts)``;
+    a seed ``i`` when sampling; streamed with usage when ``--stream``)."""
 
+    def body_for(i):
+        p = prompts[i % len(prompts)]
+        b = {"messages": [{"role": "user", "content": p}]} if args.chat else {"prompt": p}
+        b.update(max_tokens=args.max_tokens, temperature=args.temperature)
+        if args.temperature > 0:
+            b["seed"] = i
+        if args.stream:
+            b["stream"] = True
+            b["stream_options"] = {"include_usage": True}
+        return b
+
+    return body_for
+
+
+def run_load(args: argparse.Namespace, host: str, port: int, prompts: list[str]) -> dict:
+    """The clients' run: ``{"out": request records, "wall": seconds, "before"/"after":
+    /metrics around it, "load_before": the 1-minute load average at the start}``."""
+    before = read_metrics(host, port)
+    load_before = os.getloadavg()[0]
+    out: list[dict] = []
+    tickets = Tickets(args.requests)
+    t0 = time.perf_counter()
+    path = "/v1/chat/completions" if args.chat else "/v1/completions"
+    body_for = request_maker(args, prompts)
+    clients = [Client(host, port, body_for, tickets, t0 + args.max_seconds, args.stream, args.timeout, out, path) for _ in range(args.concurrency)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(args.max_seconds + args.timeout + 10)
+    wall = time.perf_counter() - t0
+    return dict(out=out, wall=wall, before=before, after=read_metrics(host, port), load_before=load_before)
+
+
+METRIC_DELTAS = (
+    "specrt_draft_tokens_proposed_total",
+    "specrt_draft_tokens_accepted_total",
+    "specrt_verify_passes_total",
+    "specrt_batch_size_sum",
+    "specrt_batch_size_count",
+    "specrt_tokens_per_forward_pass_sum",
+    "specrt_tokens_per_forward_pass_count",
+    'specrt_batch_iterations_total{mode="batched"}',
+    'specrt_batch_iterations_total{mode="speculate"}',
+)
+
+
+def _ratio(num: float, den: float, digits: int) -> float | None:
+    """``num / den`` rounded, None when ``den`` is 0."""
+    return round(num / den, digits) if den else None
+
+
+def _batching(d: dict) -> dict | None:
+    """The batch scheduler's figures from the /metrics deltas (None without batching)."""
+    if not d["specrt_batch_size_count"]:
+        return None
+    return {
+        "mean_batch_size": _ratio(d["specrt_batch_size_sum"], d["specrt_batch_size_count"], 3),
+        "mean_tokens_per_forward_pass": _ratio(d["specrt_tokens_per_forward_pass_sum"], d["specrt_tokens_per_forward_pass_count"], 3),
+        "iterations": {m: d[f'specrt_batch_iterations_total{{mode="{m}"}}'] for m in ("batched", "speculate")},
+    }
+
+
+def summarize(args: argparse.Namespace, run: dict) -> dict:
+    """The summary of :func:`run_load`'s result: counts by status, throughput, latency and
+    TTFT percentiles (s), the acceptance and batching figures of the /metrics deltas."""
+    out, wall = run["out"], run["wall"]
     ok = [r for r in out if r["status"] == 200]
     lat = [r["latency"] for r in ok]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     statuses: dict[str, int] = {}
     for r in out:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
-    d = {
-        k: after.get(k, 0) - before.get(k, 0)
-        for k in (
-            "specrt_draft_tokens_proposed_total",
-            "specrt_draft_tokens_accepted_total",
-            "specrt_verify_passes_total",
-            "specrt_batch_size_sum",
-            "specrt_batch_size_count",
-            "specrt_tokens_per_forward_pass_sum",
-            "specrt_tokens_per_forward_pass_count",
-            'specrt_batch_iterations_total{mode="batched"}',
-            'specrt_batch_iterations_total{mode="speculate"}',
-        )
-    }
+    d = {k: run["after"].get(k, 0) - run["before"].get(k, 0) for k in METRIC_DELTAS}
     tokens = sum(r["tokens"] for r in ok)
-    summary = {
+    r4 = lambda v: round(v, 4) if v is not None else None
+    return {
         "requests_sent": len(out),
         "ok": len(ok),
         "statuses": statuses,
@@ -317,44 +335,55 @@ def main(argv=None) -> dict:
         "threads": args.threads if args.engines else None,
         "max_batch": args.max_batch if args.engines else None,
         "batch_policy": args.batch_policy if args.engines and args.max_batch else None,
-        "batching": {
-            "mean_batch_size": round(d["specrt_batch_size_sum"] / d["specrt_batch_size_count"], 3) if d["specrt_batch_size_count"] else None,
-            "mean_tokens_per_forward_pass": round(d["specrt_tokens_per_forward_pass_sum"] / d["specrt_tokens_per_forward_pass_count"], 3)
-            if d["specrt_tokens_per_forward_pass_count"]
-            else None,
-            "iterations": {m: d[f'specrt_batch_iterations_total{{mode="{m}"}}'] for m in ("batched", "speculate")},
-        }
-        if d["specrt_batch_size_count"]
-        else None,
+        "batching": _batching(d),
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(ok) / wall, 3) if wall else None,
         "completion_tokens_per_s": round(tokens / wall, 1) if wall else None,
         "latency_s": {
-            q: (round(v, 4) if v is not None else None)
-            for q, v in (("p50", percentile(lat, 50)), ("p90", percentile(lat, 90)), ("p99", percentile(lat, 99)), ("max", max(lat) if lat else None))
+            q: r4(v) for q, v in (("p50", percentile(lat, 50)), ("p90", percentile(lat, 90)), ("p99", percentile(lat, 99)), ("max", max(lat) if lat else None))
         },
-        "ttft_s": {q: (round(v, 4) if v is not None else None) for q, v in (("p50", percentile(ttft, 50)), ("p99", percentile(ttft, 99)))}
-        if args.stream
-        else None,
-        "acceptance_rate": round(d["specrt_draft_tokens_accepted_total"] / d["specrt_draft_tokens_proposed_total"], 4)
-        if d["specrt_draft_tokens_proposed_total"]
-        else None,
-        "mean_accepted_length": round(d["specrt_draft_tokens_accepted_total"] / d["specrt_verify_passes_total"], 3)
-        if d["specrt_verify_passes_total"]
-        else None,
+        "ttft_s": {q: r4(v) for q, v in (("p50", percentile(ttft, 50)), ("p99", percentile(ttft, 99)))} if args.stream else None,
+        "acceptance_rate": _ratio(d["specrt_draft_tokens_accepted_total"], d["specrt_draft_tokens_proposed_total"], 4),
+        "mean_accepted_length": _ratio(d["specrt_draft_tokens_accepted_total"], d["specrt_verify_passes_total"], 3),
         "cpu_count": os.cpu_count(),
         # other processes on the machine slow everything: the 1-minute load average at the
         # start and end of the run (2 cores: above 2 means the run did not have them alone)
-        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "load_avg_1m": [round(run["load_before"], 2), round(os.getloadavg()[0], 2)],
         # request i's prompt is prompts[i % len(prompts)]: greedy runs compare text by i
         "texts": {str(r["i"]): r["text"] for r in sorted(ok, key=lambda r: r["i"])} if args.save_texts else None,
     }
-    print(json.dumps(summary, indent=1))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=1)
-    return summary
+
+
+def main(argv=None) -> dict:
+    """Run the load test; returns the summary dict (also printed as JSON, and written to ``--out``).
+
+    Raises:
+        SystemExit: bad arguments, a ``--url`` host that is not loopback, a server that
+            does not come up.
+    """
+    args = parse_args(argv)
+    prompts = PROMPTS
+    if args.prompts:
+        with open(args.prompts) as f:
+            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    proc = None
+    if args.url:
+        u = urlparse(args.url)
+        loopback_only(u.hostname)
+        host, port = u.hostname, u.port or 80
+    else:
+        proc, port = start_server(args)
+        host = "127.0.0.1"
+    try:
+        run = run_load(args, host, port, prompts)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return emit(summarize(args, run), args.out)
 
 
 if __name__ == "__main__":

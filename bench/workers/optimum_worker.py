@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _protocol import FirstTokenClock, serve, set_thread_env  # noqa: E402
+try:  # imported as specrt.bench.workers.optimum_worker (the harness, the tests)
+    from ._protocol import FirstTokenClock, serve, set_thread_env
+except ImportError:  # run as a file by a venv's python: Python puts this folder first on sys.path
+    from _protocol import FirstTokenClock, serve, set_thread_env
 
 
 def _stamp(target: str) -> dict:
@@ -30,6 +31,7 @@ def _stamp(target: str) -> dict:
 
 
 def setup(init: dict):
+    """The protocol's setup: optimum's ORTModelForCausalLM of the target (exported once, cached), warmed up; returns (generate, info, extra ops)."""
     threads = int(init["threads"])
     set_thread_env(threads)
     import onnxruntime as ort

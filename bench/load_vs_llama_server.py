@@ -3,15 +3,15 @@
 ``llama-server`` with N parallel slots on the same pair, interleaved (issue 17's anchor).
 
 For each concurrency C (in the order given, and for each repeat) both systems take the same
-bounded load run (``scripts/load_test.py``: C client threads, ``max(16, 4 C)`` non-streamed
+bounded load run (``specrt.bench.load``: C client threads, ``max(16, 4 C)`` non-streamed
 ``/v1/completions`` requests of ``--max-tokens`` tokens, greedy, the built-in code prompts)
-one after the other, alternating which goes first. specrt is started by load_test.py itself
+one after the other, alternating which goes first. specrt is started by the load run itself
 (``--engines``); llama-server (built from llama-cpp-python's source package, ``make
 bench-envs``) is started once here with ``-np N -c N*ctx --metrics`` on the target's GGUF
-(Q4_0 from ``scripts/bench_compare.py``'s anchors) and reused. Output: one JSON with every
+(Q4_0 from ``specrt.bench.compare``'s anchors) and reused. Output: one JSON with every
 run's summary and the completion tokens/s per (system, concurrency).
 
-    python scripts/load_vs_llama_server.py --engines engines/default \\
+    python -m specrt.bench.load_vs_llama_server --engines engines/default \\
         --gguf bench_out/compare/anchors/llamacpp/target-Q4_0.gguf \\
         --llama-server .venv-llamacpp/bin/llama-server --concurrency 1,4,8 --out docs/bench/load_vs_llama_server.json
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,14 +29,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from specrt.bench.common import write_json
+from specrt.bench.servers import free_port
 
 
 def start_llama_server(binary: str, gguf: str, slots: int, ctx: int, threads: int) -> tuple[subprocess.Popen, int]:
@@ -63,10 +56,10 @@ def start_llama_server(binary: str, gguf: str, slots: int, ctx: int, threads: in
 
 
 def load_run(target: list[str], c: int, max_tokens: int) -> dict:
-    """One load_test.py run; returns its summary JSON."""
+    """One load run (``python -m specrt.bench.load``, a process of its own); returns its summary JSON."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, str(HERE / "load_test.py"), *target, "--concurrency", str(c), "--requests", str(max(16, 4 * c))]
+    cmd = [sys.executable, "-m", "specrt.bench.load", *target, "--concurrency", str(c), "--requests", str(max(16, 4 * c))]
     cmd += ["--max-tokens", str(max_tokens), "--max-seconds", "120", "--out", out]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
@@ -76,6 +69,13 @@ def load_run(target: list[str], c: int, max_tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
+    """Start llama-server, run both systems at every concurrency (interleaved), stop it;
+    write every run to ``--out`` and print the tok/s table. Returns 0.
+
+    Raises:
+        SystemExit: llama-server did not come up.
+        subprocess.CalledProcessError: a load run failed.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="engines/default")
     ap.add_argument("--gguf", required=True, help="the target's GGUF for llama-server")
@@ -113,13 +113,12 @@ def main(argv=None) -> int:
         for name in systems
     }
     result = dict(
-        command=" ".join(["python scripts/load_vs_llama_server.py", *sys.argv[1:]]),
+        command=" ".join(["python -m specrt.bench.load_vs_llama_server", *sys.argv[1:]]),
         load_average_after=os.getloadavg(),
         completion_tokens_per_s=table,
         runs=runs,
     )
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(a.out, result)
     print(json.dumps(table, indent=1))
     return 0
 

@@ -7,7 +7,7 @@ reads ``load_plus_ttft_s`` (engine load with the integrity checks + prefill + fi
 Python start-up and imports not included) from its statistics line; the process wall time is
 recorded beside it. Medians per folder.
 
-    python scripts/load_ttft.py --engines before=engines/fp32 --engines after=engines/default \
+    python -m specrt.bench.load_ttft --engines before=engines/fp32 --engines after=engines/default \
         --rounds 7 --out docs/bench/load_ttft_flavors.json
 """
 
@@ -22,8 +22,15 @@ import subprocess
 import sys
 import time
 
+from specrt.bench.common import write_json
+
 
 def main(argv=None) -> int:
+    """Run the rounds, print the medians per folder, write the JSON to ``--out``. Returns 0.
+
+    Raises:
+        SystemExit: a ``specrt generate`` run failed.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", action="append", required=True, help="LABEL=FOLDER (repeatable)")
     ap.add_argument("--prompt", default="def fib(n):")
@@ -45,7 +52,7 @@ def main(argv=None) -> int:
             stats = json.loads([line for line in p.stderr.splitlines() if line.strip().startswith("{")][-1])
             ttft[n].append(stats["load_plus_ttft_s"])
     out = {
-        "command": " ".join(["python scripts/load_ttft.py", *(f"--engines {e}" for e in a.engines), f"--rounds {a.rounds}"]),
+        "command": " ".join(["python -m specrt.bench.load_ttft", *(f"--engines {e}" for e in a.engines), f"--rounds {a.rounds}"]),
         "load_average_after": os.getloadavg(),
         "rows": {
             n: {"folder": folders[n], "load_plus_ttft_s": ttft[n], "median": statistics.median(ttft[n]), "process_wall_s_median": statistics.median(wall[n])}
@@ -55,8 +62,7 @@ def main(argv=None) -> int:
     for n in names:
         print(f"{n:20s} load+first token median {out['rows'][n]['median']:.3f} s  (process wall {out['rows'][n]['process_wall_s_median']:.2f} s)")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(a.out, out)
     return 0
 
 

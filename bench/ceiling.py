@@ -21,7 +21,7 @@ Every cost is a median over interleaved repetitions: specrt's sessions in this p
 llama-cpp-python in its own venv (``--llama-python``; a subprocess per repetition, one
 after the other with specrt's), so load changes on a shared machine fall on both.
 
-    python scripts/speculation_ceiling.py --engines engines/default \\
+    python -m specrt.bench.ceiling --engines engines/default \\
         --llama-python /path/to/.venv-llamacpp/bin/python \\
         --gguf-target target-Q4_0.gguf --gguf-draft draft-Q4_0.gguf \\
         --prompts bench_out/test80.jsonl --out docs/bench/speculation_ceiling.json
@@ -39,6 +39,8 @@ import sys
 import time
 
 import numpy as np
+
+from specrt.bench.common import emit, say_machine
 
 # Runs inside llama-cpp-python's venv: costs of one decode call at widths 1..q_max after
 # `past` positions (all logits rows, as a verification needs), of the draft's 1-token step,
@@ -259,12 +261,8 @@ def llama_costs(python: str, arg: dict, timeout: float = 600.0) -> tuple[dict | 
         return None, "llama.cpp measurement printed no JSON"
 
 
-def main(argv=None) -> dict:
-    """Measure, compute the ceilings, print and (``--out``) write the JSON record.
-
-    Raises:
-        SystemExit: bad arguments (argparse).
-    """
+def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the command line (see the module's docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="engines/default")
     ap.add_argument("--llama-python", help="python of a venv with llama-cpp-python (llama.cpp rows)")
@@ -280,30 +278,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved repetitions (specrt, llama.cpp, ...)")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (specrt: the Engine's defaults)")
     ap.add_argument("--out")
-    a = ap.parse_args(argv)
+    return ap, ap.parse_args(argv)
 
-    from dataclasses import asdict
 
-    from specrt import Engine
-    from specrt.runtime.backends.base import ThreadConfig
-    from specrt.runtime.backends.ort_gqa_batch import BatchedGqaModel
-    from specrt.runtime.machine import machine_record, this_machine
-
-    print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)  # every figure below holds on this kind of CPU
-
-    ks = [int(k) for k in a.k.split(",")]
-    tc = ThreadConfig()  # the runtime's defaults (target 2 threads, draft 1, no spinning)
-    eng = Engine(a.engines, threads=tc)
-    min_q = eng.manifest.min_q()
-    q_max = max(max(ks) + 1, min_q)
-    all_k = list(range(1, max(ks) + 1))
-    if not 1 <= min(ks) or max(ks) > eng.manifest.k_max:
-        ap.error(f"--k {a.k}: every k must be in 1..{eng.manifest.k_max} (these engines' k_max)")
-    batched = BatchedGqaModel(eng.target, a.max_batch, eng.target.max_q)
+def measure_rounds(a: argparse.Namespace, eng, batched, q_max: int) -> tuple[list, list, str | None]:
+    """``--rounds`` interleaved repetitions of specrt's costs and (when asked) llama.cpp's;
+    (specrt samples, llama.cpp samples, why llama.cpp was not measured or None)."""
     llama_reason = None
     if not (a.llama_python and a.gguf_target and a.gguf_draft):
         llama_reason = "not measured: needs --llama-python, --gguf-target and --gguf-draft"
-    load0 = os.getloadavg()
     ours, theirs = [], []
     for r in range(a.rounds):
         ours.append(specrt_costs(eng, batched, a.past, q_max, a.max_batch, a.reps))
@@ -313,6 +296,64 @@ def main(argv=None) -> dict:
             if got is not None:
                 theirs.append(got)
         print(f"repetition {r + 1}/{a.rounds} done", file=sys.stderr)
+    return ours, theirs, llama_reason
+
+
+def add_llama_cpp(rec: dict, a: argparse.Namespace, ours_m: dict, theirs: list, L, all_k: list[int], min_q: int, llama_reason) -> None:
+    """``rec["llama_cpp"]``: llama.cpp's costs and ceilings (speculation on specrt's costs
+    against its target-only step, and on its own kernels), or the reason it is absent."""
+    if not (llama_reason is None and theirs):
+        rec["llama_cpp"] = dict(reason=llama_reason)
+        return
+    tm = medians(theirs)
+    ll1 = tm["target"]["1"]["median"]
+    rec["llama_cpp"] = dict(gguf_target=a.gguf_target, gguf_draft=a.gguf_draft, threads=a.threads, costs_ms=tm, target_only_ms_per_token=ll1)
+    rows = ceilings(ours_m, L, all_k, ll1, min_q)
+    rec["specrt"]["speculation_vs_llama_cpp_target_only"] = dict(rows=rows, best=best(rows))
+    rows = ceilings(tm, L, all_k, ll1)
+    rec["llama_cpp"]["speculation_on_its_kernels_vs_its_target_only"] = dict(rows=rows, best=best(rows))
+    rec["llama_cpp"]["batched_tok_s"] = {b: 1e3 * int(b) / v["median"] for b, v in tm["batched"].items()}
+
+
+def add_batching(rec: dict, L: dict) -> None:
+    """``rec["batching"]``: the batched ceiling against one client's best measured rate."""
+    # the best of the measured settings (fixed k and the defaults): a slight upward bias on a noisy machine
+    one = max(v["tokens_per_second"] for v in L.values())
+    rec["batching"] = dict(
+        one_client_best_measured_tok_s=one,
+        specrt_batched_ceiling_vs_one_client={b: v / one for b, v in rec["specrt"]["batched_tok_s"].items()},
+        # a 3x goal at B rows needs one batched step to cost at most B / (3 x one client's rate)
+        step_ms_for_3x={b: 1e3 * int(b) / (3 * one) for b in rec["specrt"]["batched_tok_s"]},
+    )
+
+
+def main(argv=None) -> dict:
+    """Measure, compute the ceilings, print and (``--out``) write the JSON record.
+
+    Raises:
+        SystemExit: bad arguments (argparse).
+    """
+    ap, a = parse_args(argv)
+
+    from dataclasses import asdict
+
+    from specrt import Engine
+    from specrt.runtime.backends.base import ThreadConfig
+    from specrt.runtime.backends.ort_gqa_batch import BatchedGqaModel
+    from specrt.runtime.machine import machine_record
+
+    say_machine()
+    ks = [int(k) for k in a.k.split(",")]
+    tc = ThreadConfig()  # the runtime's defaults (target 2 threads, draft 1, no spinning)
+    eng = Engine(a.engines, threads=tc)
+    min_q = eng.manifest.min_q()
+    q_max = max(max(ks) + 1, min_q)
+    all_k = list(range(1, max(ks) + 1))
+    if not 1 <= min(ks) or max(ks) > eng.manifest.k_max:
+        ap.error(f"--k {a.k}: every k must be in 1..{eng.manifest.k_max} (these engines' k_max)")
+    batched = BatchedGqaModel(eng.target, a.max_batch, eng.target.max_q)
+    load0 = os.getloadavg()
+    ours, theirs, llama_reason = measure_rounds(a, eng, batched, q_max)
     load1 = os.getloadavg()
     ours_m = medians(ours)
     L = None
@@ -322,7 +363,7 @@ def main(argv=None) -> dict:
         L = tokens_per_pass(eng, prompts, ks, a.new_tokens)
 
     rec = dict(
-        command="python scripts/speculation_ceiling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        command="python -m specrt.bench.ceiling " + " ".join(argv if argv is not None else sys.argv[1:]),
         when=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         cpus=os.cpu_count(),
         machine=machine_record(),
@@ -338,31 +379,10 @@ def main(argv=None) -> dict:
     rows = ceilings(ours_m, L, all_k, spec_only_ms, min_q)
     rec["specrt"]["speculation_vs_own_target_only"] = dict(rows=rows, best=best(rows))
     rec["specrt"]["batched_tok_s"] = {b: 1e3 * int(b) / v["median"] for b, v in ours_m["batched"].items()}
-    if llama_reason is None and theirs:
-        tm = medians(theirs)
-        ll1 = tm["target"]["1"]["median"]
-        rec["llama_cpp"] = dict(gguf_target=a.gguf_target, gguf_draft=a.gguf_draft, threads=a.threads, costs_ms=tm, target_only_ms_per_token=ll1)
-        rows = ceilings(ours_m, L, all_k, ll1, min_q)
-        rec["specrt"]["speculation_vs_llama_cpp_target_only"] = dict(rows=rows, best=best(rows))
-        rows = ceilings(tm, L, all_k, ll1)
-        rec["llama_cpp"]["speculation_on_its_kernels_vs_its_target_only"] = dict(rows=rows, best=best(rows))
-        rec["llama_cpp"]["batched_tok_s"] = {b: 1e3 * int(b) / v["median"] for b, v in tm["batched"].items()}
-    else:
-        rec["llama_cpp"] = dict(reason=llama_reason)
+    add_llama_cpp(rec, a, ours_m, theirs, L, all_k, min_q, llama_reason)
     if L is not None:
-        # the best of the measured settings (fixed k and the defaults): a slight upward bias on a noisy machine
-        one = max(v["tokens_per_second"] for v in L.values())
-        rec["batching"] = dict(
-            one_client_best_measured_tok_s=one,
-            specrt_batched_ceiling_vs_one_client={b: v / one for b, v in rec["specrt"]["batched_tok_s"].items()},
-            # a 3x goal at B rows needs one batched step to cost at most B / (3 x one client's rate)
-            step_ms_for_3x={b: 1e3 * int(b) / (3 * one) for b in rec["specrt"]["batched_tok_s"]},
-        )
-    print(json.dumps(rec, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rec, f, indent=1)
-    return rec
+        add_batching(rec, L)
+    return emit(rec, a.out)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Compare the greedy response texts of load_test.py runs (``--save-texts``) with a
+"""Compare the greedy response texts of ``specrt.bench.load`` runs (``--save-texts``) with a
 reference run (one client, one worker): request i's prompt is ``prompts[i % n_prompts]``,
 so every response is compared with the reference's response to the same prompt.
 
-    python scripts/compare_load_texts.py docs/bench/load_batching/c1_workers1.json \\
+    python -m specrt.bench.compare_load_texts docs/bench/load_batching/c1_workers1.json \\
         docs/bench/load_batching/c8_*.json --out docs/bench/load_batching/texts_compared.json
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from specrt.bench.common import emit
+
 
 def main(argv=None) -> dict:
     """Print (and write with --out) per run: responses equal to the reference, and the
@@ -18,7 +20,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("reference")
     ap.add_argument("runs", nargs="+")
-    ap.add_argument("--prompts", type=int, default=10, help="built-in prompts of load_test.py")
+    ap.add_argument("--prompts", type=int, default=10, help="built-in prompts of specrt.bench.load")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     with open(a.reference) as f:
@@ -29,11 +31,7 @@ def main(argv=None) -> dict:
             texts = json.load(f)["texts"]
         diff = sorted({int(i) % a.prompts for i, t in texts.items() if ref.get(int(i) % a.prompts) != t})
         out["runs"][path] = dict(equal=sum(ref.get(int(i) % a.prompts) == t for i, t in texts.items()), responses=len(texts), prompts_differing=diff)
-    print(json.dumps(out, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
+    return emit(out, a.out)
 
 
 if __name__ == "__main__":

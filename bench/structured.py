@@ -28,83 +28,32 @@ Each output is checked: JSON against its schema (``jsonschema``), a call's name 
 constrained outputs are compared with its target-only constrained ones token for token
 (``usage.completion_tokens`` and text). Prints the table and writes JSON to ``--out``.
 
-    python scripts/bench_structured.py --engines engines/qwen2.5-coder --repeats 3 --out bench_out/structured
+    python -m specrt.bench.structured --engines engines/qwen2.5-coder --repeats 3 --out bench_out/structured
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from specrt.runtime.machine import machine_record, this_machine
+from specrt.bench.common import GGUF_CACHE, command, say_machine, write_json
+from specrt.bench.servers import free_port, post, start, start_llama_servers, stop_all
+from specrt.runtime.machine import machine_record
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path.home() / ".cache" / "specrt" / "gguf"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(port: int, body: dict, timeout: float) -> tuple[int, dict, float]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    t0 = time.perf_counter()
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        data = r.read()
-        return r.status, json.loads(data), time.perf_counter() - t0
-    finally:
-        conn.close()
-
-
-def wait_up(proc, port: int, path: str, log: Path, limit: float = 300) -> None:
-    deadline = time.time() + limit
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}; see {log}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", path)
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server on {port} did not come up; see {log}")
-
-
-def start(cmd: list[str], port: int, health: str, log: Path, env: dict):
-    f = open(log, "w")
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=env)
-    wait_up(proc, port, health, log)
-    return proc
-
-
-def stop_all(procs) -> None:
-    """Terminate the server processes, then wait for each (killed after 20 s)."""
-    procs = list(procs)
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
+CACHE = GGUF_CACHE
 
 
 def body_for(task: dict, constrained: bool, extra: dict) -> dict:
+    """The chat request of ``task``: greedy, 256 tokens at most, with its schema
+    (``response_format``) or its tools (``tool_choice`` required when ``constrained``,
+    else auto); ``extra`` fields added."""
     body = dict(model=None, messages=task["messages"], temperature=0, max_tokens=256, **extra)
     if task["kind"] == "json":
         if constrained:
@@ -135,6 +84,8 @@ def check(task: dict, msg: dict) -> bool:
 
 
 def rows_def(has_llama: bool) -> list[dict]:
+    """The compared rows (label, server, constrained, extra request fields), specrt
+    target-only free first (the baseline); llama-server's only when there is one."""
     rows = [
         dict(label="specrt target-only, free", server="specrt", constrained=False, extra=dict(speculative=False)),
         dict(label="specrt target-only, constrained", server="specrt", constrained=True, extra=dict(speculative=False)),
@@ -193,6 +144,7 @@ def summarize(rows: list[dict], records: list[dict], tasks: list[dict]) -> list[
 
 
 def table(summary: list[dict]) -> str:
+    """The markdown table of :func:`summarize`'s rows, one line per row and kind."""
     lines = [
         "| row | kind | s/request | tok/s | decode tok/s | valid | time vs specrt target-only free | tok/s vs specrt target-only free |",
         "|---|---|---|---|---|---|---|---|",
@@ -212,10 +164,12 @@ def table(summary: list[dict]) -> str:
 
 
 def _f(x) -> str:
+    """``x`` with two decimals, "-" for None."""
     return "-" if x is None else f"{x:.2f}"
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (see the module's docstring); argparse exits on a bad one."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="engines/qwen2.5-coder")
     ap.add_argument("--tasks", default="data/structured_tasks.jsonl")
@@ -227,93 +181,74 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="first N tasks only (0: all)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default="bench_out/structured")
-    a = ap.parse_args(argv)
-    print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)  # every figure below holds on this kind of CPU
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tasks = [json.loads(x) for x in (ROOT / a.tasks).read_text().splitlines() if x.strip()]
-    tasks = tasks[: a.limit] if a.limit else tasks
-    has_llama = Path(a.llama_server).is_file()
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
-    procs, ports = {}, {}
-    t_start, load_start = time.time(), os.getloadavg()
-    try:
-        ports["specrt"] = free_port()
-        procs["specrt"] = start(
-            [
-                sys.executable,
-                "-m",
-                "specrt.cli",
-                "serve",
-                "--engines",
-                a.engines,
-                "--port",
-                ports["specrt"],
-                "--threads",
-                a.threads,
-                "--log-level",
-                "warning",
-                "--prefix-cache-tokens",
-                0,
-            ],
-            ports["specrt"],
-            "/health",
-            out / "specrt.log",
-            env,
-        )
-        if has_llama:
-            common = [a.llama_server, "-m", a.target_gguf, "--jinja", "-t", a.threads, "-tb", a.threads, "-c", 4096, "-np", 1, "--host", "127.0.0.1"]
-            for name, args in (
-                ("llama", []),
-                ("llama-draft", ["--spec-draft-model", a.draft_gguf, "--spec-draft-n-max", 16, "--spec-draft-p-min", 0.5, "--spec-draft-threads", a.threads]),
-                ("llama-ngram", ["--spec-type", "ngram-simple"]),
-            ):
-                ports[name] = free_port()
-                procs[name] = start(common + ["--port", ports[name], *args], ports[name], "/health", out / f"{name}.log", env)
-        rows = rows_def(has_llama)
-        records = []
-        rng = random.Random(0)
-        for rep in range(a.repeats):
-            for task in tasks:
-                order = list(rows)
-                rng.shuffle(order)  # interleaved: every row meets the same machine state per task
-                for row in order:
-                    status, resp, dt = post(ports[row["server"]], body_for(task, row["constrained"], row["extra"]), a.timeout)
-                    ok = status == 200
-                    msg = resp["choices"][0]["message"] if ok else {}
-                    usage = resp.get("usage", {}) if ok else {}
-                    tokens = usage.get("completion_tokens", 0)
-                    spec, timings = usage.get("speculative") or {}, resp.get("timings") or {} if ok else {}
-                    prefill = spec.get("prefill_seconds") if spec else (timings.get("prompt_ms", 0) / 1e3 if timings else None)
-                    records.append(
-                        dict(
-                            row=row["label"],
-                            task=task["id"],
-                            kind=task["kind"],
-                            repeat=rep,
-                            ok_http=ok,
-                            status=status,
-                            seconds=dt,
-                            tokens=tokens,
-                            tok_s=tokens / dt if dt else 0.0,
-                            valid=check(task, msg) if ok else False,
-                            finish=resp["choices"][0]["finish_reason"] if ok else None,
-                            forced=spec.get("forced", 0),
-                            prefill_seconds=prefill,
-                            decode_tok_s=(tokens - 1) / (dt - prefill) if prefill is not None and dt > prefill and tokens > 1 else None,
-                            text=msg.get("content"),
-                            tool_calls=[(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []],
-                            error=None if ok else resp.get("error"),
-                        )
-                    )
-                    r = records[-1]
-                    print(
-                        f"rep {rep} {task['id']:<18} {row['label']:<40} {r['tokens']:4d} tok {dt:6.2f}s {r['tok_s']:6.2f} tok/s valid={r['valid']}", flush=True
-                    )
-    finally:
-        stop_all(procs.values())
-    summary = summarize(rows, records, tasks)
-    # exactness: speculative constrained == target-only constrained, per task (first repeat)
+    return ap.parse_args(argv)
+
+
+def start_servers(a: argparse.Namespace, out: Path, env: dict, has_llama: bool, procs: dict, ports: dict) -> None:
+    """specrt serve (prefix cache off: every request cold) and, when there is one, the three
+    llama-server variants with ``--jinja``; into ``procs`` and ``ports``."""
+    ports["specrt"] = free_port()
+    cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", ports["specrt"], "--threads", a.threads]
+    cmd += ["--log-level", "warning", "--prefix-cache-tokens", 0]
+    procs["specrt"] = start(cmd, ports["specrt"], "/health", out / "specrt.log", env)
+    if has_llama:
+        start_llama_servers(a.llama_server, a.target_gguf, a.draft_gguf, a.threads, 4096, out, env, procs, ports, extra=["--jinja"])
+
+
+def one_request(a: argparse.Namespace, task: dict, row: dict, port: int, rep: int) -> dict:
+    """One chat request of ``task`` on ``row``'s server; its record (time, tokens, tok/s,
+    validity, prefill seconds from specrt's usage or llama-server's timings, decode tok/s,
+    the text and tool calls)."""
+    status, resp, dt = post(port, body_for(task, row["constrained"], row["extra"]), a.timeout)
+    ok = status == 200
+    msg = resp["choices"][0]["message"] if ok else {}
+    usage = resp.get("usage", {}) if ok else {}
+    tokens = usage.get("completion_tokens", 0)
+    spec, timings = usage.get("speculative") or {}, resp.get("timings") or {} if ok else {}
+    prefill = spec.get("prefill_seconds") if spec else (timings.get("prompt_ms", 0) / 1e3 if timings else None)
+    return dict(
+        row=row["label"],
+        task=task["id"],
+        kind=task["kind"],
+        repeat=rep,
+        ok_http=ok,
+        status=status,
+        seconds=dt,
+        tokens=tokens,
+        tok_s=tokens / dt if dt else 0.0,
+        valid=check(task, msg) if ok else False,
+        finish=resp["choices"][0]["finish_reason"] if ok else None,
+        forced=spec.get("forced", 0),
+        prefill_seconds=prefill,
+        decode_tok_s=(tokens - 1) / (dt - prefill) if prefill is not None and dt > prefill and tokens > 1 else None,
+        text=msg.get("content"),
+        tool_calls=[(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []],
+        error=None if ok else resp.get("error"),
+    )
+
+
+def run_tasks(a: argparse.Namespace, rows: list[dict], tasks: list[dict], ports: dict) -> list[dict]:
+    """Every task on every row, rows shuffled per task and repeat (interleaved: every row
+    meets the same machine state per task); one record per request."""
+    records = []
+    rng = random.Random(0)
+    for rep in range(a.repeats):
+        for task in tasks:
+            order = list(rows)
+            rng.shuffle(order)
+            for row in order:
+                r = one_request(a, task, row, ports[row["server"]], rep)
+                records.append(r)
+                print(
+                    f"rep {rep} {task['id']:<18} {row['label']:<40} {r['tokens']:4d} tok {r['seconds']:6.2f}s {r['tok_s']:6.2f} tok/s valid={r['valid']}",
+                    flush=True,
+                )
+    return records
+
+
+def speculative_equals_target_only(records: list[dict], tasks: list[dict]) -> dict[str, str]:
+    """Exactness: per speculative constrained row, "equal/compared" tasks whose first-repeat
+    output (text, tool calls, tokens) equals specrt target-only constrained's."""
     same = {}
     for lab in ("specrt speculative, constrained", "specrt speculative hybrid, constrained"):
         pairs = []
@@ -323,8 +258,32 @@ def main(argv=None) -> int:
             if a_ and b_:
                 pairs.append((a_["text"], a_["tool_calls"], a_["tokens"]) == (b_["text"], b_["tool_calls"], b_["tokens"]))
         same[lab] = f"{sum(pairs)}/{len(pairs)}"
+    return same
+
+
+def main(argv=None) -> int:
+    """Start the servers, run every task on every row, stop them; write
+    bench_structured.json and table.md into ``--out`` and print the table. Returns 0."""
+    a = parse_args(argv)
+    say_machine()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = [json.loads(x) for x in (ROOT / a.tasks).read_text().splitlines() if x.strip()]
+    tasks = tasks[: a.limit] if a.limit else tasks
+    has_llama = Path(a.llama_server).is_file()
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    procs, ports = {}, {}
+    t_start, load_start = time.time(), os.getloadavg()
+    try:
+        start_servers(a, out, env, has_llama, procs, ports)
+        rows = rows_def(has_llama)
+        records = run_tasks(a, rows, tasks, ports)
+    finally:
+        stop_all(procs.values())
+    summary = summarize(rows, records, tasks)
+    same = speculative_equals_target_only(records, tasks)
     result = dict(
-        command=" ".join([Path(sys.executable).name] + sys.argv),
+        command=command(),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
         machine=dict(machine_record(), loadavg_start=load_start, loadavg_end=os.getloadavg()),
         threads=a.threads,
@@ -335,7 +294,7 @@ def main(argv=None) -> int:
         summary=summary,
         records=records,
     )
-    (out / "bench_structured.json").write_text(json.dumps(result, indent=1))
+    write_json(out / "bench_structured.json", result)
     (out / "table.md").write_text(table(summary) + "\n")
     print(table(summary))
     print("speculative constrained == target-only constrained:", same)

@@ -32,8 +32,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _protocol import send, serve, set_thread_env  # noqa: E402
+try:  # imported as specrt.bench.workers.ortgenai_worker (the harness, the tests)
+    from ._protocol import send, serve, set_thread_env
+except ImportError:  # run as a file by a venv's python: Python puts this folder first on sys.path
+    from _protocol import send, serve, set_thread_env
 
 # ---- build -----------------------------------------------------------------------------
 
@@ -49,6 +51,7 @@ def _stamp(src: str, precision: str = "fp32") -> dict:
 
 
 def build_one(src: str, out: Path, cache: Path, precision: str = "fp32") -> dict:
+    """One checkpoint through onnxruntime-genai's model builder into ``out``, skipped when its stamp matches; ok/error record with the exact error text."""
     stamp_file = out / "specrt_bench_stamp.json"
     stamp = _stamp(src, precision)
     if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp and (out / "genai_config.json").exists():
@@ -67,6 +70,7 @@ def build_one(src: str, out: Path, cache: Path, precision: str = "fp32") -> dict
 
 
 def write_speculative_config(root: Path, k: int) -> dict:
+    """Write ``root/genai_config.json``: the speculative model of ``root/target`` and ``root/draft`` with ``max_draft_tokens`` k; ok record."""
     tgt = json.loads((root / "target" / "genai_config.json").read_text())
     drf = json.loads((root / "draft" / "genai_config.json").read_text())
     dec = copy.deepcopy(tgt["model"]["decoder"])
@@ -86,6 +90,7 @@ def write_speculative_config(root: Path, k: int) -> dict:
 
 
 def build_main(a) -> int:
+    """The ``--build`` mode: both builds, then the speculative config; prints one JSON line of records."""
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     res = {}
@@ -108,14 +113,30 @@ def build_main(a) -> int:
 # ---- worker ----------------------------------------------------------------------------
 
 
-def setup(init: dict):
-    threads = int(init["threads"])
-    set_thread_env(threads)
-    import numpy as np
-    import onnxruntime_genai as og
+# onnxruntime-genai's speculative counters kept in a call's extra (get_speculative_stats)
+SPEC_STATS = (
+    "rounds",
+    "draft_tokens_proposed",
+    "draft_tokens_evaluated",
+    "draft_tokens_accepted",
+    "draft_forward_passes",
+    "target_forward_passes",
+    "target_verify_forward_passes",
+    "full_accept_rounds",
+    "partial_accept_rounds",
+    "zero_accept_rounds",
+    "total_draft_ms",
+    "total_target_ms",
+    "acceptance_rate",
+    "effective_k",
+)
 
-    v = init["variant"]
-    spec = bool(v["speculative"])
+
+def load_model(og, init: dict, spec: bool) -> tuple:
+    """(og.Model, session options, load seconds): the model folder ``init["model_dir"]`` with
+    the session options (intra-op threads, 1 inter-op thread, spinning) overlaid on the
+    decoder and, when speculative, the draft."""
+    threads = int(init["threads"])
     so = {"intra_op_num_threads": threads, "inter_op_num_threads": 1, "allow_spinning": "1" if init.get("spinning") else "0"}
     t0 = time.perf_counter()
     cfg = og.Config(init["model_dir"])
@@ -124,25 +145,16 @@ def setup(init: dict):
         overlay["model"]["draft"] = {"session_options": so}
     cfg.overlay(json.dumps(overlay))
     model = og.Model(cfg)
-    load_s = time.perf_counter() - t0
-    k = int(v.get("max_draft_tokens", 4))
+    return model, so, time.perf_counter() - t0
+
+
+def make_generate(og, model, spec: bool, k: int):
+    """``generate(ids, max_new_tokens) -> (new token ids, seconds, ttft seconds, extra)``: one
+    greedy generation (generator created inside the timed call; k draft tokens per round
+    when speculative, with the counters of :data:`SPEC_STATS` in the extra)."""
+    import numpy as np
+
     clock = time.perf_counter
-    keep = (
-        "rounds",
-        "draft_tokens_proposed",
-        "draft_tokens_evaluated",
-        "draft_tokens_accepted",
-        "draft_forward_passes",
-        "target_forward_passes",
-        "target_verify_forward_passes",
-        "full_accept_rounds",
-        "partial_accept_rounds",
-        "zero_accept_rounds",
-        "total_draft_ms",
-        "total_target_ms",
-        "acceptance_rate",
-        "effective_k",
-    )
 
     def generate(ids, max_new_tokens):
         arr = np.asarray([ids], dtype=np.int32)
@@ -164,7 +176,7 @@ def setup(init: dict):
         extra = {"setup_seconds": t_setup}
         if spec:
             st = gen.get_speculative_stats()
-            extra.update({key: st.get(key) for key in keep})
+            extra.update({key: st.get(key) for key in SPEC_STATS})
             # specrt's definition: every candidate sent to verification counts as proposed
             # (onnxruntime-genai's own acceptance_rate divides by the tokens examined up to
             # the first rejection, draft_tokens_evaluated; kept in the extra as is)
@@ -172,6 +184,20 @@ def setup(init: dict):
             extra["accepted"] = st.get("draft_tokens_accepted")
         return seq[len(ids) :], seconds, ttft, extra
 
+    return generate
+
+
+def setup(init: dict):
+    """The protocol's setup: load the model of ``init`` (threads, spinning, model_dir,
+    variant: speculative, max_draft_tokens), warm up on up to two prompts; returns
+    (generate, info, extra ops)."""
+    set_thread_env(int(init["threads"]))
+    import onnxruntime_genai as og
+
+    v = init["variant"]
+    spec = bool(v["speculative"])
+    model, so, load_s = load_model(og, init, spec)
+    generate = make_generate(og, model, spec, int(v.get("max_draft_tokens", 4)))
     for ids in init.get("warmup", [])[:2]:
         generate(ids, 8)
     try:

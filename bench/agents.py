@@ -18,7 +18,7 @@ cold. TTFT is the time to the first streamed text; total is the whole request. s
 outputs with the cache on are compared with the cache off, turn by turn (text equal).
 Prints the table and writes JSON to ``--out``.
 
-    python scripts/bench_agents.py --engines engines/qwen2.5-coder --out bench_out/agents
+    python -m specrt.bench.agents --engines engines/qwen2.5-coder --out bench_out/agents
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_structured import CACHE, free_port, start, stop_all  # noqa: E402
-
-from specrt.runtime.machine import machine_record, this_machine  # noqa: E402
+from specrt.bench.common import GGUF_CACHE, command, say_machine, write_json
+from specrt.bench.servers import free_port, start, start_llama_servers, stop_all
+from specrt.runtime.machine import machine_record
 
 ROOT = Path(__file__).resolve().parents[1]
 FLUSH = "The quick brown fox jumps over the lazy dog. " * 4  # an unrelated prompt: each server's cache starts cold
@@ -121,6 +120,7 @@ def summarize(records: list[dict], convs: list[str], labels: list[str]) -> list[
 
 
 def table(summary: list[dict], ref: str) -> str:
+    """The markdown table of :func:`summarize`'s rows, totals relative to the row ``ref``."""
     base = next((s["total_seconds"] for s in summary if s["row"] == ref), None)
     lines = [
         "| row | total s (3 conversations) | vs " + ref + " | TTFT turn 1 (median s) | TTFT later turns (median s) | later TTFT / cold TTFT, 2000+ tokens |",
@@ -133,7 +133,8 @@ def table(summary: list[dict], ref: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (see the module's docstring); argparse exits on a bad one."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="engines/qwen2.5-coder")
     ap.add_argument("--conversations", default="data/agent_conversations.jsonl")
@@ -141,13 +142,92 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--llama-server", default=".venv-llamacpp/bin/llama-server")
-    ap.add_argument("--target-gguf", default=str(CACHE / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))
-    ap.add_argument("--draft-gguf", default=str(CACHE / "qwen2.5-coder-0.5b-instruct.gguf"))
+    ap.add_argument("--target-gguf", default=str(GGUF_CACHE / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))
+    ap.add_argument("--draft-gguf", default=str(GGUF_CACHE / "qwen2.5-coder-0.5b-instruct.gguf"))
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default="bench_out/agents")
-    a = ap.parse_args(argv)
-    print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)  # every figure below holds on this kind of CPU
+    return ap.parse_args(argv)
+
+
+def start_servers(a: argparse.Namespace, out: Path, env: dict, has_llama: bool, procs: dict, ports: dict) -> None:
+    """specrt serve with the prefix cache on (``specrt``) and off (``specrt-nocache``), and
+    the three llama-server variants when there is one; into ``procs`` and ``ports``."""
+    for name, args in (("specrt", []), ("specrt-nocache", ["--prefix-cache-tokens", "0"])):
+        ports[name] = free_port()
+        cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", ports[name], "--threads", a.threads, "--log-level", "warning"]
+        procs[name] = start(cmd + args, ports[name], "/health", out / f"{name}.log", env)
+    if has_llama:
+        start_llama_servers(a.llama_server, a.target_gguf, a.draft_gguf, a.threads, a.ctx, out, env, procs, ports)
+
+
+def one_turn(a: argparse.Namespace, row: dict, port: int, prompt: str) -> dict:
+    """One request of a conversation (streamed, greedy): the fields of its record that come
+    from the answer (prompt, cached and new tokens from the usage or llama-server's
+    timings; TTFT and total seconds; the text)."""
+    body = dict(prompt=prompt, max_tokens=a.max_tokens, temperature=0, **row["extra"])
+    if row["server"].startswith("specrt"):
+        body["stream_options"] = {"include_usage": True}
+    r = stream(port, "/v1/completions", body, a.timeout)
+    u = r["usage"] or {}
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None and r["timings"]:
+        cached = r["timings"].get("cache_n")
+    return dict(
+        prompt_tokens=u.get("prompt_tokens") or (r["timings"] or {}).get("prompt_n", 0) + (cached or 0),
+        cached_tokens=cached,
+        tokens=u.get("completion_tokens") or (r["timings"] or {}).get("predicted_n", 0),
+        ttft=r["ttft"],
+        seconds=r["seconds"],
+        text=r["text"],
+    )
+
+
+def run_conversations(a: argparse.Namespace, rows: list[dict], convs: list[dict], prompts: dict, ports: dict) -> list[dict]:
+    """Every conversation on every row, rows shuffled per conversation and repeat, each
+    row's server flushed with an unrelated prompt first; one record per request."""
+    records: list[dict] = []
+    rng = random.Random(0)
+    for rep in range(a.repeats):
+        for conv in convs:
+            order = list(rows)
+            rng.shuffle(order)
+            for row in order:
+                port = ports[row["server"]]
+                stream(port, "/v1/completions", dict(prompt=FLUSH, max_tokens=1, temperature=0), a.timeout)
+                for turn, prompt in enumerate(prompts[conv["id"]]):
+                    rec = dict(row=row["label"], conv=conv["id"], turn=turn, repeat=rep)
+                    rec.update(one_turn(a, row, port, prompt))
+                    records.append(rec)
+                    print(
+                        f"rep {rep} {conv['id']:<20} turn {turn} {row['label']:<38} prompt {rec['prompt_tokens']:5} cached {rec['cached_tokens']!s:>5} "
+                        f"ttft {rec['ttft']:6.2f}s total {rec['seconds']:6.2f}s",
+                        flush=True,
+                    )
+    return records
+
+
+def cache_on_equals_off(records: list[dict]) -> dict[str, bool]:
+    """Sets each record's ``cold_ttft`` (the cache-off TTFT of the same turn); returns
+    ``{"conv#turn#repeat": cache-on text == cache-off text}`` for specrt speculative."""
+    cold = {(r["conv"], r["turn"], r["repeat"]): r["ttft"] for r in records if r["row"] == "specrt speculative, cache off"}
+    for r in records:
+        r["cold_ttft"] = cold.get((r["conv"], r["turn"], r["repeat"]))
+    off = {(x["conv"], x["turn"], x["repeat"]): x for x in records if x["row"] == "specrt speculative, cache off"}
+    same = {}
+    for r in records:
+        if r["row"] == "specrt speculative, cache on":
+            o = off.get((r["conv"], r["turn"], r["repeat"]))
+            if o is not None:
+                same[f"{r['conv']}#{r['turn']}#{r['repeat']}"] = o["text"] == r["text"]
+    return same
+
+
+def main(argv=None) -> int:
+    """Start the servers, run every conversation on every row, stop them; write
+    bench_agents.json and table.md into ``--out`` and print the table. Returns 0."""
+    a = parse_args(argv)
+    say_machine()
     from specrt.runtime.chat import load_chat_template
     from specrt.runtime.manifest import load_manifest
 
@@ -162,80 +242,17 @@ def main(argv=None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     procs, ports = {}, {}
     t_start, load_start = time.time(), os.getloadavg()
-    records: list[dict] = []
     try:
-        for name, args in (("specrt", []), ("specrt-nocache", ["--prefix-cache-tokens", "0"])):
-            ports[name] = free_port()
-            cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", ports[name], "--threads", a.threads, "--log-level", "warning"]
-            procs[name] = start(cmd + args, ports[name], "/health", out / f"{name}.log", env)
-        if has_llama:
-            common = [a.llama_server, "-m", a.target_gguf, "-t", a.threads, "-tb", a.threads, "-c", a.ctx, "-np", 1, "--host", "127.0.0.1"]
-            for name, args in (
-                ("llama", []),
-                ("llama-draft", ["--spec-draft-model", a.draft_gguf, "--spec-draft-n-max", 16, "--spec-draft-p-min", 0.5, "--spec-draft-threads", a.threads]),
-                ("llama-ngram", ["--spec-type", "ngram-simple"]),
-            ):
-                ports[name] = free_port()
-                procs[name] = start(common + ["--port", ports[name], *args], ports[name], "/health", out / f"{name}.log", env)
-        rng = random.Random(0)
-        for rep in range(a.repeats):
-            for conv in convs:
-                order = list(rows)
-                rng.shuffle(order)
-                for row in order:
-                    port = ports[row["server"]]
-                    path = "/v1/completions"
-                    stream(port, path, dict(prompt=FLUSH, max_tokens=1, temperature=0), a.timeout)
-                    for turn, prompt in enumerate(prompts[conv["id"]]):
-                        body = dict(prompt=prompt, max_tokens=a.max_tokens, temperature=0, **row["extra"])
-                        if row["server"].startswith("specrt"):
-                            body["stream_options"] = {"include_usage": True}
-                        r = stream(port, path, body, a.timeout)
-                        u = r["usage"] or {}
-                        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
-                        if cached is None and r["timings"]:
-                            cached = r["timings"].get("cache_n")
-                        rec = dict(
-                            row=row["label"],
-                            conv=conv["id"],
-                            turn=turn,
-                            repeat=rep,
-                            prompt_tokens=u.get("prompt_tokens") or (r["timings"] or {}).get("prompt_n", 0) + (cached or 0),
-                            cached_tokens=cached,
-                            tokens=u.get("completion_tokens") or (r["timings"] or {}).get("predicted_n", 0),
-                            ttft=r["ttft"],
-                            seconds=r["seconds"],
-                            text=r["text"],
-                        )
-                        records.append(rec)
-                        print(
-                            f"rep {rep} {conv['id']:<20} turn {turn} {row['label']:<38} prompt {rec['prompt_tokens']:5} cached {cached!s:>5} "
-                            f"ttft {r['ttft']:6.2f}s total {r['seconds']:6.2f}s",
-                            flush=True,
-                        )
+        start_servers(a, out, env, has_llama, procs, ports)
+        records = run_conversations(a, rows, convs, prompts, ports)
     finally:
         stop_all(procs.values())
-    cold = {(r["conv"], r["turn"], r["repeat"]): r["ttft"] for r in records if r["row"] == "specrt speculative, cache off"}
-    for r in records:
-        r["cold_ttft"] = cold.get((r["conv"], r["turn"], r["repeat"]))
-    same = {}
-    for r in records:
-        if r["row"] == "specrt speculative, cache on":
-            o = next(
-                (
-                    x
-                    for x in records
-                    if x["row"] == "specrt speculative, cache off" and (x["conv"], x["turn"], x["repeat"]) == (r["conv"], r["turn"], r["repeat"])
-                ),
-                None,
-            )
-            if o is not None:
-                same[f"{r['conv']}#{r['turn']}#{r['repeat']}"] = o["text"] == r["text"]
+    same = cache_on_equals_off(records)
     labels = [r["label"] for r in rows]
     summary = summarize(records, [c["id"] for c in convs], labels)
     ref = "llama-server draft, cache on" if has_llama else labels[0]
     result = dict(
-        command=" ".join([Path(sys.executable).name] + sys.argv),
+        command=command(),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
         machine=dict(machine_record(), loadavg_start=load_start, loadavg_end=os.getloadavg()),
         threads=a.threads,
@@ -247,7 +264,7 @@ def main(argv=None) -> int:
         summary=summary,
         records=records,
     )
-    (out / "bench_agents.json").write_text(json.dumps(result, indent=1))
+    write_json(out / "bench_agents.json", result)
     (out / "table.md").write_text(table(summary, ref) + "\n")
     print(table(summary, ref))
     print("specrt cache on == cache off, per turn:", result["cached_equals_cold"])

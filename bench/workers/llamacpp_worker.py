@@ -38,8 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _protocol import peak_rss_mb, send, serve, set_thread_env  # noqa: E402
+try:  # imported as specrt.bench.workers.llamacpp_worker (the harness, the tests)
+    from ._protocol import peak_rss_mb, send, serve, set_thread_env
+except ImportError:  # run as a file by a venv's python: Python puts this folder first on sys.path
+    from _protocol import peak_rss_mb, send, serve, set_thread_env
 
 QUANTS = {"Q8_0": 7, "Q4_K_M": 15, "Q4_0": 2}  # llama_ftype values (llama.h)
 
@@ -71,6 +73,7 @@ def convert(src: str, out: Path, llama_cpp_dir: str) -> None:
 
 
 def build_main(a) -> int:
+    """The ``--build`` mode: GGUF files (f32 conversion, then each quantization) of both checkpoints; prints one JSON line with each artifact's ok/error."""
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     res: dict = {}
@@ -130,6 +133,7 @@ def _post(port: int, path: str, body: dict, timeout: float = 600) -> dict:
 
 
 def setup_server(init: dict):
+    """The protocol's setup for ``variant.kind == "server"``: start llama-server on loopback with the variant's flags; returns (generate, info, extra ops)."""
     import urllib.request
 
     v = init["variant"]
@@ -190,6 +194,7 @@ def setup_server(init: dict):
 
 
 def setup_python(init: dict):
+    """The protocol's setup for llama-cpp-python in this process (optionally prompt-lookup decoding); returns (generate, info, extra ops)."""
     threads = int(init["threads"])
     set_thread_env(threads)
     import llama_cpp
@@ -224,6 +229,7 @@ def setup_python(init: dict):
 
 
 def setup(init: dict):
+    """The protocol's setup: :func:`setup_server` or :func:`setup_python` by ``init["variant"]["kind"]``."""
     return setup_server(init) if init["variant"]["kind"] == "server" else setup_python(init)
 
 

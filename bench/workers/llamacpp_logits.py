@@ -20,6 +20,9 @@ import numpy as np
 
 
 def main(src: str, dst: str) -> None:
+    """Score the sequences of the JSON file ``src`` with llama.cpp; write the ``.npz`` ``dst``
+    (argmax, logprob, margin per scored position, n_vocab: see the module's docstring) and print
+    ``{"positions", "n_vocab"}``. Raises ``SystemExit`` when the model cannot load or decode."""
     import llama_cpp as L
 
     a = json.loads(open(src).read())

@@ -30,8 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _protocol import send, serve, set_thread_env  # noqa: E402
+try:  # imported as specrt.bench.workers.openvino_worker (the harness, the tests)
+    from ._protocol import send, serve, set_thread_env
+except ImportError:  # run as a file by a venv's python: Python puts this folder first on sys.path
+    from _protocol import send, serve, set_thread_env
 
 
 def _stamp(src: str, group: int) -> dict:
@@ -45,6 +47,7 @@ def _stamp(src: str, group: int) -> dict:
 
 
 def build_one(src: str, out: Path, group: int) -> dict:
+    """One checkpoint to OpenVINO int4 IR in ``out`` (optimum-cli, group size ``group``), skipped when its stamp matches; ok/error record."""
     stamp_file = out / "specrt_bench_stamp.json"
     stamp = _stamp(src, group)
     if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
@@ -65,6 +68,7 @@ def build_one(src: str, out: Path, group: int) -> dict:
 
 
 def build_main(a) -> int:
+    """The ``--build`` mode: both checkpoints converted; prints one JSON line with each one's record."""
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     res = {role: build_one(src, root / role, a.group_size) for role, src in (("target", a.target), ("draft", a.draft))}
@@ -79,6 +83,7 @@ def build_main(a) -> int:
 
 
 def setup(init: dict):
+    """The protocol's setup: an OpenVINO GenAI LLMPipeline (with the draft when speculative), warmed up; returns (generate, info, extra ops)."""
     threads = int(init["threads"])
     set_thread_env(threads)
     import numpy as np

@@ -1,6 +1,6 @@
 """JSON-lines protocol shared by the benchmark workers (stdlib only: every venv imports it).
 
-A worker is started by ``scripts/bench_compare.py`` with the python of the venv it needs.
+A worker is started by the benches (``specrt.bench.compare``, ``specrt.bench.real``) with the python of the venv it needs.
 It reads one JSON object per line on stdin and answers one per line on stdout:
 
     -> {"init": {...}}                            first line: settings of this worker
@@ -39,6 +39,7 @@ def claim_stdout() -> None:
 
 
 def send(obj: dict) -> None:
+    """Write ``obj`` as one JSON line on the protocol's stdout (claimed first)."""
     claim_stdout()
     _OUT.write(json.dumps(obj) + "\n")
     _OUT.flush()
@@ -62,6 +63,7 @@ def peak_rss_mb() -> float:
 
 
 def error_text(e: BaseException) -> str:
+    """``"Type: message"`` of ``e``, cut at 2,000 characters."""
     msg = f"{type(e).__name__}: {e}"
     return msg if len(msg) < 2000 else msg[:2000] + " ..."
 
@@ -130,9 +132,11 @@ class FirstTokenClock:
         self.first = None
 
     def put(self, value):
+        """A streamer's call: the second one (the first holds the prompt) stamps the first token's time."""
         self.calls += 1
         if self.calls == 2 and self.first is None:
             self.first = self.clock()
 
     def end(self):
+        """A streamer's end of generation: nothing to do."""
         pass

@@ -11,7 +11,7 @@ is sampled. Reports: requests sent, answered (200) and lost (no answer, or a 5xx
 warm-up x 1.10" (the KV buffers are allocated once per worker: the budget bounds what is
 kept in them, not what is allocated). Prints JSON and writes it to ``--out``.
 
-    python scripts/soak_prefix.py --engines engines/default --workers 4 --minutes 30 --out bench_out/soak_prefix.json
+    python -m specrt.bench.soak_prefix --engines engines/default --workers 4 --minutes 30 --out bench_out/soak_prefix.json
 """
 
 from __future__ import annotations
@@ -25,17 +25,15 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_structured import free_port, start, stop_all  # noqa: E402
-
-from specrt.runtime.machine import machine_record  # noqa: E402
+from specrt.bench.common import command, emit
+from specrt.bench.servers import free_port, post, read_metrics, start, stop_all
+from specrt.runtime.machine import machine_record
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from serving import post, read_metrics  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:
+    """Resident memory of process ``pid`` now, MiB (``/proc/PID/status`` VmRSS; NaN when absent)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
@@ -43,6 +41,9 @@ def rss_mib(pid: int) -> float:
 
 
 def client(port: int, prompts: list[str], seed: int, stop: float, max_chars: int, out: dict, lock: threading.Lock) -> None:
+    """One client thread until the time ``stop``: a conversation of random turns (random
+    budget, greedy or sampled, speculative or not), restarted past ``max_chars`` or at
+    random; counts sent, answered, lost and cached tokens into ``out`` under ``lock``."""
     rng = random.Random(seed)
     text = rng.choice(prompts)
     while time.time() < stop:
@@ -50,7 +51,7 @@ def client(port: int, prompts: list[str], seed: int, stop: float, max_chars: int
         if rng.random() < 0.3:
             body["speculative"] = False
         try:
-            status, resp, _ = post(port, body, timeout=600)
+            status, resp, _ = post(port, body, 600, path="/v1/completions")
         except OSError as e:
             status, resp = 0, {"error": str(e)}
         with lock:
@@ -69,6 +70,8 @@ def client(port: int, prompts: list[str], seed: int, stop: float, max_chars: int
 
 
 def main(argv=None) -> int:
+    """Serve, run the clients for ``--minutes`` while sampling the RSS, stop; print and write
+    the record. Returns 0 when the bound holds (nothing lost, RSS within 10%), else 1."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="engines/default")
     ap.add_argument("--workers", type=int, default=4)
@@ -108,7 +111,7 @@ def main(argv=None) -> int:
     rss_warm = warm[0]["rss_mib"] if warm else float("nan")
     peak = max(s["rss_mib"] for s in warm) if warm else float("nan")
     result = dict(
-        command=" ".join([Path(sys.executable).name] + sys.argv),
+        command=command(),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
         machine=machine_record(),
         settings=vars(a),
@@ -125,8 +128,7 @@ def main(argv=None) -> int:
         holds=bool(warm) and stats["lost"] == 0 and peak <= 1.10 * rss_warm,
         samples=samples,
     )
-    out_path.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+    emit(result, out_path, hide=("samples",))
     return 0 if result["holds"] else 1
 
 

@@ -1,7 +1,7 @@
 """Benchmark worker: specrt (onnxruntime, IO-bound KV), target-only or speculative.
 
 Runs in the main venv. Besides ``run`` it answers three analysis operations, used by
-``scripts/bench_compare.py`` on its target-only worker:
+``specrt.bench.compare`` on its target-only worker:
 
 - ``sweep``: ``specrt.runtime.lab.bench.run_bench`` over k_max x threshold (interleaved with
   target-only inside this process): acceptance rate, speedup, accepted-length histograms;
@@ -22,8 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _protocol import error_text, serve, set_thread_env  # noqa: E402
+try:  # imported as specrt.bench.workers.specrt_worker (the harness, the tests)
+    from ._protocol import error_text, serve, set_thread_env
+except ImportError:  # run as a file by a venv's python: Python puts this folder first on sys.path
+    from _protocol import error_text, serve, set_thread_env
 
 
 def _load(init: dict):
@@ -51,6 +53,7 @@ def _config(init: dict, max_new_tokens: int):
 
 
 def setup(init: dict):
+    """The protocol's setup: load the engine of ``init`` with its variant's settings and warm up; returns (generate, info, extra ops: sweep, costs, profile)."""
     import numpy as np
     import onnxruntime as ort
 
@@ -287,6 +290,7 @@ def _profiled_section(engine, prompts, cfg) -> int:
 
 
 def pyspy_main(settings_file: str) -> int:
+    """The ``--pyspy SETTINGS`` mode, run under py-spy: the speculative loop on the settings' prompts (repeated); writes the wall time and tokens to the settings' result file. Returns 0."""
     from specrt import GenerationConfig
 
     s = json.loads(Path(settings_file).read_text())

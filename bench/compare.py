@@ -22,7 +22,7 @@ Systems (rows), all on the same pair, the same prompt token ids, greedy, the sam
   specrt[LABEL] ...               another engine folder (--flavor LABEL=DIR): target-only and
                                   speculative at its manifest defaults
 
-Every system runs in its own worker process (scripts/bench_workers/*_worker.py, with the python
+Every system runs in its own worker process (bench/workers/*_worker.py, with the python
 of the venv it needs), loads once and warms up, then takes prompts over a JSON-lines pipe.
 Prompts are interleaved: for each prompt every system runs once, in an order rotated from
 prompt to prompt and repeat to repeat, so machine noise lands on all of them alike. Each
@@ -39,7 +39,7 @@ accepted lengths), per-call costs of draft and target (for the analytic bound
 (1 - a^(k+1)) / ((1 - a)(k c + 1))), and a profile of the speculative loop (cProfile, and
 py-spy when installed). Writes OUT/compare.json, OUT/table.md and PNG plots beside them.
 
-    python scripts/bench_compare.py --target models/target --draft models/draft \
+    python -m specrt.bench.compare --target models/target --draft models/draft \
         --engines engines/default --prompts data/humaneval_dev.jsonl --repeats 3 --out bench_out/compare
 """
 
@@ -59,18 +59,23 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from specrt.runtime.machine import machine_record, this_machine
+from specrt.bench.common import command, logger, say_machine, write_json
+from specrt.bench.compare_plots import make_plots
+from specrt.runtime.machine import machine_record
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKERS = Path(__file__).resolve().parent / "bench_workers"
+ROOT = Path(__file__).resolve().parents[1]  # the repository (bench/ sits at its top): the workers' folder, relative venv paths
+WORKERS = Path(__file__).resolve().parent / "workers"
 BASE = "specrt target-only"
+log = logger("bench-compare")
 
 
 # ---- workers ---------------------------------------------------------------------------
 
 
 class Worker:
-    """One worker process speaking the JSON-lines protocol of bench_workers/_protocol.py."""
+    """One worker process speaking the JSON-lines protocol of bench/workers/_protocol.py:
+    ``python script`` started in the repository with ``env``, its stderr in a log file of
+    ``log_dir``, sent ``{"init": init}`` at once (answers read with :meth:`recv`)."""
 
     def __init__(self, label: str, python: str, script: str, init: dict, log_dir: Path, env: dict):
         self.label = label
@@ -83,10 +88,15 @@ class Worker:
         self.send({"init": init})
 
     def send(self, obj: dict) -> None:
+        """Write ``obj`` as one JSON line to the worker's stdin."""
         self.proc.stdin.write(json.dumps(obj) + "\n")
         self.proc.stdin.flush()
 
     def recv(self, timeout: float) -> dict:
+        """The worker's next JSON line, waiting at most ``timeout`` seconds.
+
+        Raises:
+            RuntimeError: no answer in time (the worker is killed), or the worker exited."""
         end = time.monotonic() + timeout
         while True:
             left = end - time.monotonic()
@@ -102,10 +112,12 @@ class Worker:
                 return json.loads(line)
 
     def call(self, obj: dict, timeout: float) -> dict:
+        """Send ``obj`` and return the answer (:meth:`recv`'s errors)."""
         self.send(obj)
         return self.recv(timeout)
 
     def log_tail(self, n: int = 6) -> str:
+        """The last ``n`` non-empty lines of the worker's log, joined (at most 1,500 characters)."""
         self.log.flush()
         try:
             lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -114,6 +126,7 @@ class Worker:
         return " | ".join(lines[-n:])[-1500:]
 
     def close(self) -> None:
+        """Ask the worker to exit (killed when it does not within 30 s); close its log."""
         if self.proc.poll() is None:
             try:
                 self.send({"op": "exit"})
@@ -123,6 +136,7 @@ class Worker:
         self.log.close()
 
     def kill(self) -> None:
+        """Kill the worker process when it still runs, and reap it."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -142,6 +156,7 @@ def run_record(prompt: int, repeat: int, ans: dict) -> dict:
 
 
 def venv_python(path: str) -> str | None:
+    """The interpreter at ``path`` (relative: to the repository) when it exists, else None."""
     p = Path(path)
     if not p.is_absolute():
         p = ROOT / p
@@ -152,14 +167,20 @@ def venv_python(path: str) -> str | None:
 
 
 def quart(x) -> dict:
+    """``{"median", "q25", "q75"}`` of the values of ``x`` (None and NaN left out; all None when none remain)."""
     x = np.asarray([v for v in x if v is not None and not (isinstance(v, float) and math.isnan(v))], dtype=float)
     if not x.size:
         return dict(median=None, q25=None, q75=None)
     return dict(median=float(np.median(x)), q25=float(np.percentile(x, 25)), q75=float(np.percentile(x, 75)))
 
 
-def summarize(rows: list[dict], runs: dict[str, list[dict]], n_prompts: int) -> None:
-    base_runs = runs.get(BASE, [])
+def summarize(rows: list[dict], runs: dict[str, list[dict]], n_prompts: int, base: str = BASE) -> None:
+    """Fill every row in place from its run records (:func:`run_record`): tok/s overall and
+    per call (quartiles), decode tok/s, TTFT (ms), the ratios to the ``base`` row (overall
+    and per prompt and repeat), outputs equal to the base's and to the row's own
+    target-only row (first repeat), acceptance and accepted lengths, specrt's time split,
+    onnxruntime-genai's counters. Rows without runs get only ``runs = 0``."""
+    base_runs = runs.get(base, [])
     base_tok = {x["prompt"]: x["tokens"] for x in base_runs if x["repeat"] == 0}
     base_rate = {(x["prompt"], x["repeat"]): x["new_tokens"] / x["seconds"] for x in base_runs}
     base_tps = (sum(x["new_tokens"] for x in base_runs) / sum(x["seconds"] for x in base_runs)) if base_runs else None
@@ -289,127 +310,16 @@ def analyse_row(row: dict, costs: dict, threshold: float, k: int, measured: floa
     return out
 
 
-# ---- plots -----------------------------------------------------------------------------
-
-
-def make_plots(result: dict, out: Path) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = {}
-    rows = result["rows"]
-    # 1. tokens/s per system
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.6))
-    labels = [r["label"] for r in rows][::-1]
-    for y, r in enumerate(rows[::-1]):
-        tps = r.get("tokens_per_second")
-        if tps:
-            q = r["tokens_per_second_per_run"]
-            color = "tab:blue" if r["system"] == "specrt" else "tab:gray"
-            ax.barh(y, tps, color=color)
-            ax.errorbar(tps, y, xerr=[[max(0, tps - q["q25"])], [max(0, q["q75"] - tps)]], color="black", capsize=3, fmt="none")
-            ratio = r.get("ratio_to_specrt_target_only")
-            ax.text(max(tps, q["q75"] or tps), y, f"  {tps:.0f}" + (f" ({ratio:.2f}x)" if ratio else ""), va="center", fontsize=8)
-        else:
-            ax.text(0, y, f"  {r.get('status', 'failed')}: {(r.get('error') or '')[:70]}", va="center", fontsize=7, color="tab:red")
-    ax.set_yticks(range(len(labels)), labels, fontsize=8)
-    ax.set_xlabel("tokens/s (total new tokens / total time; bars: per-run quartiles)")
-    ax.set_title(
-        f"{result['settings']['prompts']} prompts x {result['settings']['repeats']} repeats, "
-        f"{result['settings']['max_new_tokens']} new tokens, greedy, {result['settings']['threads']} threads"
-    )
-    ax.margins(x=0.25)
-    fig.tight_layout()
-    paths["tokens_per_second"] = str(out / "tokens_per_second.png")
-    fig.savefig(paths["tokens_per_second"], dpi=110)
-    plt.close(fig)
-
-    sweep = result.get("sweep", {}).get("rows")
-    if sweep:
-        spec = [r for r in sweep if r["speculative"]]
-        ks = sorted({r["k_max"] for r in spec})
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-        for k in ks:
-            rs = sorted([r for r in spec if r["k_max"] == k], key=lambda r: r["threshold"])
-            th = [r["threshold"] for r in rs]
-            a1.plot(th, [r["acceptance_rate"] if r["acceptance_rate"] is not None else np.nan for r in rs], "o-", label=f"k_max={k}")
-            a2.plot(th, [r["speedup"] for r in rs], "o-", label=f"k_max={k}")
-        a1.set_xlabel("draft confidence threshold")
-        a1.set_ylabel("acceptance rate (accepted / proposed)")
-        a1.set_ylim(-0.02, 1.02)
-        a2.axhline(1.0, color="gray", lw=0.8, ls="--")
-        a2.set_xlabel("draft confidence threshold")
-        a2.set_ylabel("speedup over specrt target-only")
-        ths_all = [r["threshold"] for r in spec]
-        for a in (a1, a2):
-            a.set_xlim(min(ths_all) - 0.05, max(ths_all) + 0.05)
-            a.legend(fontsize=8)
-            a.grid(alpha=0.3)
-        fig.suptitle(f"specrt sweep: {result['sweep']['prompts']} prompts, {result['sweep']['max_new_tokens']} new tokens")
-        fig.tight_layout()
-        paths["threshold_sweep"] = str(out / "threshold_sweep.png")
-        fig.savefig(paths["threshold_sweep"], dpi=110)
-        plt.close(fig)
-
-    hists = [(r["label"], r["accepted_hist"]) for r in rows if r.get("accepted_hist") and r.get("proposed")]
-    if hists:
-        fig, ax = plt.subplots(figsize=(7, 3.8))
-        width = 0.8 / len(hists)
-        for j, (lab, h) in enumerate(hists):
-            h = np.asarray(h, float)
-            ax.bar(np.arange(len(h)) + j * width - 0.4 + width / 2, h / h.sum(), width=width, label=lab)
-        ax.set_xlabel("candidates accepted per verification pass")
-        ax.set_ylabel("share of passes")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3, axis="y")
-        fig.tight_layout()
-        paths["accepted_lengths"] = str(out / "accepted_lengths.png")
-        fig.savefig(paths["accepted_lengths"], dpi=110)
-        plt.close(fig)
-
-    bound = result.get("analytic", {})
-    pts = [b for b in bound.get("sweep", []) if b.get("bound_formula")]
-    main = [b for b in bound.get("rows", []) if b.get("bound_formula")]
-    if pts or main:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        if pts:
-            pts = sorted(pts, key=lambda b: b["k"])
-            ks = [b["k"] for b in pts]
-            ax.plot(ks, [b["bound_formula"] for b in pts], "o-", label="analytic bound (1-a^(k+1))/((1-a)(kc+1))")
-            ax.plot(ks, [b.get("bound_counts") or np.nan for b in pts], "s--", label="bound from this run's counters x call costs")
-            ax.plot(ks, [b.get("measured_speedup") or np.nan for b in pts], "^-", label="measured speedup (sweep, threshold 0)")
-        for b in main:
-            ax.plot([b["k"]], [b["measured_speedup"]], "k*", ms=10)
-            ax.plot([b["k"]], [b["bound_formula"]], "r*", ms=10)
-            ax.annotate(
-                f"{b['label']}\nmeasured {b['measured_speedup']:.2f} / bound {b['bound_formula']:.2f}",
-                (b["k"], b["measured_speedup"]),
-                fontsize=7,
-                xytext=(5, -18),
-                textcoords="offset points",
-            )
-        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.set_xlabel("k (draft tokens per round)")
-        ax.set_ylabel("speedup over target-only")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        paths["analytic_bound"] = str(out / "analytic_bound.png")
-        fig.savefig(paths["analytic_bound"], dpi=110)
-        plt.close(fig)
-    return paths
-
-
 # ---- table -----------------------------------------------------------------------------
 
 
 def fmt(v, spec=".1f", none="-"):
+    """``v`` formatted with ``spec``, ``none`` for None."""
     return none if v is None else format(v, spec)
 
 
 def format_table(result: dict) -> str:
+    """The markdown table of the rows (tok/s, ratios, TTFT ms, peak RSS MiB, equal outputs, acceptance, status) and a settings line."""
     n = result["settings"]["prompts"]
     head = "| system | tok/s | vs specrt target-only (per-prompt median [q25, q75]) | TTFT ms median [q25, q75] | peak RSS MiB | = target | = own target-only | accept | status |"
     lines = [head, "|" + "---|" * 9]
@@ -479,6 +389,7 @@ def format_details(result: dict) -> str:
 
 
 def parse_args(argv=None):
+    """The command line (see the module's docstring); argparse exits on a bad one."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="models/target", help="target: HF checkpoint folder")
     ap.add_argument("--draft", default="models/draft", help="draft: HF checkpoint folder")
@@ -531,10 +442,6 @@ def parse_args(argv=None):
     ap.add_argument("--setup-timeout", type=float, default=1800)
     ap.add_argument("--call-timeout", type=float, default=900)
     return ap.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(f"[bench-compare {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _context(a) -> SimpleNamespace:
@@ -735,7 +642,7 @@ def _settings(c) -> dict:
         best_threshold=c.best_th,
         fixed_k=c.fixed_k,
         systems=sorted(c.systems),
-        command=" ".join([Path(sys.executable).name] + sys.argv),
+        command=command(),
         machine=machine_record(),
         prompt_tokens=quart([len(x) for x in c.ids]),
     )
@@ -991,7 +898,7 @@ def write_outputs(c, rows: _Rows, runs: dict, result: dict) -> None:
         result["plots"] = make_plots(result, out)
     except Exception as e:  # noqa: BLE001
         result["plots"] = dict(error=f"{type(e).__name__}: {e}")
-    (out / "compare.json").write_text(json.dumps(result, indent=1, default=float))
+    write_json(out / "compare.json", result, default=float)
     table = format_table(result) + "\n\n" + format_details(result)
     (out / "table.md").write_text(table + "\n")
     print(table)
@@ -1002,8 +909,7 @@ def main(argv=None) -> int:
     """Define the rows, build, start the workers, interleave every prompt over them, analyse
     on the specrt baseline, then write compare.json, table.md and the plots."""
     a = parse_args(argv)
-    print(f"machine: {this_machine().describe()}", file=sys.stderr, flush=True)  # every figure below holds on this kind of CPU
-    sys.path.insert(0, str(ROOT))
+    say_machine()
     c = _context(a)
     rows = define_rows(c)
     result = dict(settings=_settings(c))
@@ -1070,8 +976,7 @@ def run_pyspy(a, engines: str, prompts: list, k: int, th: float, out: Path, env:
         errors.append(f"{' '.join(cmd[:5])}: exited {p.returncode}: {tail}")
     else:
         return dict(error="; ".join(errors))
-    sys.path.insert(0, str(WORKERS))
-    from specrt_worker import pyspy_breakdown  # noqa: E402  (only parses text; the fd swap of _protocol is harmless here)
+    from specrt.bench.workers.specrt_worker import pyspy_breakdown  # only parses text; the fd swap of _protocol is harmless here
 
     b = pyspy_breakdown(str(raw))
     try:

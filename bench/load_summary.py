@@ -1,9 +1,9 @@
-"""Summarize repeated load_test.py runs: per configuration (the file name after the
+"""Summarize repeated ``specrt.bench.load`` runs: per configuration (the file name after the
 ``r<k>_`` prefix) the median and range of completion tokens/s and of TTFT p50 over the
 repetitions, and per repetition the ratios of a batched run to the one-client run of the
 same repetition (runs of one repetition were made back to back, so they saw similar load).
 
-    python scripts/load_summary.py docs/bench/load_batching/reps --base c1_workers1 \\
+    python -m specrt.bench.load_summary docs/bench/load_batching/reps --base c1_workers1 \\
         --out docs/bench/load_batching/summary.json
 """
 
@@ -14,6 +14,8 @@ import json
 import re
 import statistics
 from pathlib import Path
+
+from specrt.bench.common import emit
 
 
 def main(argv=None) -> dict:
@@ -46,11 +48,7 @@ def main(argv=None) -> dict:
             rec["throughput_ratio_to_base"] = dict(per_rep=[round(x, 3) for x in tr], median=round(statistics.median(tr), 3)) if tr else None
             rec["ttft_p50_ratio_to_base"] = dict(per_rep=[round(x, 3) for x in fr], median=round(statistics.median(fr), 3)) if fr else None
         out["configs"][name] = rec
-    print(json.dumps(out, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
+    return emit(out, a.out)
 
 
 if __name__ == "__main__":
