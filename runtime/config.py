@@ -104,7 +104,7 @@ class GenerationConfig:
             (:mod:`specrt.runtime.decode`). False lets target-only decoding run its fastest
             width, 1 row per step (and the prefill any chunking): the baseline a user of the
             target alone would run, whose output may then differ from the speculative one at
-            near-ties. Benchmarks report both (``scripts/bench_real.py``).
+            near-ties. Benchmarks report both (``bench/real.py``).
         drafter: where candidates come from (None = the manifest's default, else
             ``model``): ``model`` (the draft model), ``ngram`` (prompt lookup: the sequence's
             own earlier continuation of its longest matching suffix, no model call) or
@@ -252,15 +252,16 @@ def check_sampling_params(temperature, top_k, top_p, seed=None) -> None:
 
 
 def check_drafter(name) -> str:
-    """``name`` if it is one of :data:`specrt.runtime.drafters.DRAFTERS`.
+    """``name`` if it is a known drafter (:func:`specrt.runtime.drafters.drafter_names`: the
+    built-ins and those registered with ``register_drafter``).
 
     Raises:
         InputError: (param ``drafter``) otherwise.
     """
-    from .drafters import DRAFTERS
+    from .drafters import drafter_names
 
-    if not isinstance(name, str) or name not in DRAFTERS:
-        raise InputError(f"drafter={name!r}; drafter must be one of {', '.join(DRAFTERS)}", "drafter")
+    if not isinstance(name, str) or name not in drafter_names():
+        raise InputError(f"drafter={name!r}; drafter must be one of {', '.join(drafter_names())}", "drafter")
     return name
 
 

@@ -51,7 +51,7 @@ import numpy as np
 from .adaptive import AdaptiveK
 from .backends.base import Model
 from .chunks import call_start, chunk_bounds, feed
-from .drafters import Drafter, make_drafter
+from .drafters import Drafter, drafter_is_free, make_drafter
 from .prefix import KVPrefix, prefill_calls
 from .speculative import chunk_passes, chunk_sizes, commit, draft_limit, head_blocks, propose, rollback_lengths
 
@@ -385,11 +385,12 @@ def commit_forced(committed: tuple[list[int], bool], seq_len: int, n_prompt: int
 
 def adaptive_policy(plan: Plan) -> AdaptiveK | None:
     """The adaptive-k policy of one generation (:class:`~specrt.runtime.adaptive.AdaptiveK`,
-    a free draft for the n-gram drafter), or None when ``plan.adaptive`` is off."""
+    a free draft step for a drafter without model calls, e.g. the n-gram), or None when
+    ``plan.adaptive`` is off."""
     if plan.adaptive is None or not plan.speculative:
         return None
     target_s, draft_s, prior = plan.adaptive
-    return AdaptiveK(target_s, 0.0 if plan.drafter == "ngram" else draft_s, prior)
+    return AdaptiveK(target_s, 0.0 if drafter_is_free(plan.drafter) else draft_s, prior)
 
 
 def length_finish(seq: list[int], n_prompt: int, plan: Plan) -> str | None:

@@ -29,15 +29,29 @@ without x) holds unchanged, and a greedy confidence is 1.
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
 from .backends.base import Model
 
-__all__ = ["DRAFTERS", "Drafter", "ModelDrafter", "one_hot_step", "NgramIndex", "NgramDrafter", "HybridDrafter", "make_drafter"]
+__all__ = [
+    "DRAFTERS",
+    "Drafter",
+    "DrafterKind",
+    "ModelDrafter",
+    "one_hot_step",
+    "NgramIndex",
+    "NgramDrafter",
+    "HybridDrafter",
+    "make_drafter",
+    "register_drafter",
+    "drafter_names",
+    "drafter_is_free",
+]
 
-DRAFTERS = ("model", "ngram", "hybrid")
+DRAFTERS = ("model", "ngram", "hybrid")  # the built-in drafters (the CLI's choices)
 NGRAM_MIN, NGRAM_MAX = 2, 4  # suffix lengths tried, longest first (HF's default lookup is 2..)
 
 
@@ -264,17 +278,71 @@ class HybridDrafter(NgramDrafter):
         return self._one_hot(toks, acc, steps) if toks else self.model.steps(seq, acc, steps, pre)
 
 
+@dataclass(frozen=True)
+class DrafterKind:
+    """One drafter name's recipe.
+
+    Attributes:
+        make: ``make(draft, vocab, k_max, kv) -> Drafter`` for one generation: ``draft`` the
+            engine's draft :class:`~specrt.runtime.backends.base.Model` (a drafter may ignore
+            it), ``vocab`` the width of a draft logits row, ``k_max`` the most candidates a
+            round may propose, ``kv`` the draft KV rows the prefix cache already holds for
+            this prompt (0 for a drafter that does not use the draft model).
+        free: its steps cost no model call, so adaptive k prices a draft step at 0 s
+            (:func:`specrt.runtime.decode.adaptive_policy`).
+    """
+
+    make: Callable[[Model, int, int, int], Drafter]
+    free: bool = False
+
+
+_KINDS: dict[str, DrafterKind] = {
+    "model": DrafterKind(lambda draft, vocab, k_max, kv: ModelDrafter(draft, kv)),
+    "ngram": DrafterKind(lambda draft, vocab, k_max, kv: NgramDrafter(vocab, k_max, kv=kv), free=True),
+    "hybrid": DrafterKind(lambda draft, vocab, k_max, kv: HybridDrafter(draft, vocab, k_max, kv=kv)),
+}
+
+
+def register_drafter(name: str, make: Callable[[Model, int, int, int], Drafter], *, free: bool = False) -> None:
+    """Make ``name`` a drafter every entry point of this process accepts
+    (``GenerationConfig(drafter=name)``, ``Engine.generate``, an in-process server's
+    ``drafter`` field); docs/howto/drafter.md walks through one.
+
+    Args:
+        name: the drafter's name; a built-in (:data:`DRAFTERS`) cannot be replaced.
+        make: ``make(draft, vocab, k_max, kv) -> Drafter``, called once per generation
+            (:class:`DrafterKind`).
+        free: True when its steps call no model (adaptive k then prices them at 0 s).
+
+    Raises:
+        ValueError: an empty or built-in name, or ``make`` not callable.
+    """
+    if not isinstance(name, str) or not name or name in DRAFTERS:
+        raise ValueError(f"drafter name {name!r}: give a non-empty name other than the built-ins {', '.join(DRAFTERS)}")
+    if not callable(make):
+        raise ValueError(f"drafter {name!r}: make must be callable as make(draft, vocab, k_max, kv), got {type(make).__name__}")
+    _KINDS[name] = DrafterKind(make, bool(free))
+
+
+def drafter_names() -> tuple[str, ...]:
+    """Every drafter name this process accepts: the built-ins, then the registered ones."""
+    return tuple(_KINDS)
+
+
+def drafter_is_free(name: str) -> bool:
+    """Whether drafter ``name`` drafts without a model call (False for an unknown name)."""
+    kind = _KINDS.get(name)
+    return kind is not None and kind.free
+
+
 def make_drafter(name: str, draft: Model, vocab: int, k_max: int, kv: int = 0) -> Drafter:
-    """The drafter ``name`` (one of :data:`DRAFTERS`) of one generation; ``kv``: rows the
-    draft's KV already holds for its prompt (prefix reuse, a multiple of ``draft.max_q``).
+    """The drafter ``name`` (one of :func:`drafter_names`) of one generation; ``kv``: rows
+    the draft's KV already holds for its prompt (prefix reuse, a multiple of ``draft.max_q``).
 
     Raises:
         ValueError: an unknown name.
     """
-    if name == "model":
-        return ModelDrafter(draft, kv)
-    if name == "ngram":
-        return NgramDrafter(vocab, k_max, kv=kv)
-    if name == "hybrid":
-        return HybridDrafter(draft, vocab, k_max, kv=kv)
-    raise ValueError(f"drafter={name!r}; choose one of {', '.join(DRAFTERS)}")
+    kind = _KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"drafter={name!r}; choose one of {', '.join(_KINDS)}")
+    return kind.make(draft, vocab, k_max, kv)

@@ -12,6 +12,7 @@ The four objects of the API (engine, settings, result, stream)::
 """
 
 from .runtime.config import GenerationConfig
+from .runtime.drafters import register_drafter
 from .runtime.engine import Engine, GenerationResult, Stream
 from .runtime.errors import BackendError, EngineError, InputError, NumericsError, SpecRTError
 from .runtime.stats import Stats
@@ -23,6 +24,7 @@ __all__ = [
     "GenerationResult",
     "Stream",
     "Stats",
+    "register_drafter",
     "SpecRTError",
     "EngineError",
     "InputError",
