@@ -135,6 +135,25 @@ SUPPORTED_ROPE_TYPES = STATIC_ROPE_TYPES + LENGTH_DEPENDENT_ROPE_TYPES
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def check_model_type(model_type: str | None, source: str | None = None, label: str = "model_type") -> ArchSpec:
+    """The :class:`ArchSpec` of a ``model_type`` in :data:`REGISTRY` (the one list of
+    supported families, for the full check :func:`spec_for` and the export's early one).
+
+    Args:
+        model_type: a Hugging Face ``model_type`` (``"qwen2"``, ...), or None.
+        source: what the value was read from, starting the message (e.g. the file), or None.
+        label: the value's name in the message (e.g. ``"GGUF general.architecture"``).
+
+    Raises:
+        UnsupportedModelError: ``model_type`` is not supported (the message lists the
+            supported ones).
+    """
+    if model_type not in REGISTRY:
+        where = f"{source}: " if source else ""
+        raise UnsupportedModelError(f"{where}{label}={model_type!r} is not supported; supported: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[model_type]
+
+
 def rope_type(config: Any) -> str | None:
     """The RoPE scaling type of a config (``"default"`` when none), ``None`` if it has no RoPE parameters."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
@@ -172,9 +191,7 @@ def spec_for(config: Any, max_ctx: int | None = None) -> ArchSpec:
             causal attention, which equals sliding attention only within the window).
     """
     mt = getattr(config, "model_type", None)
-    if mt not in REGISTRY:
-        raise UnsupportedModelError(f"model_type={mt!r} is not supported; supported: {', '.join(sorted(REGISTRY))}")
-    spec = REGISTRY[mt]
+    spec = check_model_type(mt)
     for flag in spec.must_be_off:
         if getattr(config, flag, False):
             raise UnsupportedModelError(f"{mt}: {flag}={getattr(config, flag)!r} is not supported by the export; it must be off")

@@ -7,7 +7,7 @@ GroupQueryAttention with past and present sharing one buffer, MatMulNBits weight
 blocks, SkipSimplifiedLayerNormalization; 101 nodes for the default target against 529 in
 specrt's standard graph. specrt then runs it with its own runtime through plain
 onnxruntime (:mod:`specrt.runtime.backends.ort_gqa`); onnxruntime-genai is not needed to
-serve it. Why this graph form and these defaults: docs/ENGINES.md.
+serve it. Why this graph form and these defaults: docs/guide/engines.md.
 
 How a model is built (memory-bounded; :mod:`specrt.export.prequantize`):
 
@@ -15,7 +15,7 @@ How a model is built (memory-bounded; :mod:`specrt.export.prequantize`):
    quantizer (the kernel the builder's own int4 path calls: symmetric, ``block_size``
    weights per block) into a prequantized checkpoint, so the builder repacks integer weights
    instead of holding the whole model as float32 (13.6 GB peak for a 1.5B model that way,
-   2-3x less this way; docs/REAL_PAIR.md);
+   2-3x less this way; docs/guide/real-pair.md);
 2. the builder (``--extra_options block_size accuracy_level``) emits the graph;
 3. for int4, the embedding table (a float Gather in the builder's graph) is quantized to
    int4 blocks (``GatherBlockQuantized``) with onnxruntime's ``MatMulNBitsQuantizer``: the
@@ -23,7 +23,7 @@ How a model is built (memory-bounded; :mod:`specrt.export.prequantize`):
    Qwen2.5-1.5B), and its quantized lookup is exact per row.
 
 The graph equals the builder's own ``-p int4 --extra_options op_types_to_quantize=MatMul/Gather``
-build bit for bit in its logits (checked on Qwen2.5-Coder-0.5B, docs/REAL_PAIR.md).
+build bit for bit in its logits (checked on Qwen2.5-Coder-0.5B, docs/guide/real-pair.md).
 
 Options: ``block_size`` (default 32) and ``accuracy_level`` (default 4: int8 activations, the
 fast CPU kernels; 0/1 compute in fp32 and were 2.5-35x slower per call in research r14);
@@ -181,7 +181,7 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     source = prequantize(model_dir, cache / f"{role}.prequantized", opts.bits, opts.block_size, head_bits, exact=exact, log=log)
     del exact
     phase("onnxruntime-genai model builder (child process)")
-    gcfg = _run_builder(source, tmp, cache, opts, extra, max_ctx, model_dir, meter)
+    gcfg = _run_builder(source, tmp, cache, opts, extra, max_ctx, model_dir, meter, log)
     graph, data = out / f"{role}.onnx", out / f"{role}.onnx.data"
     shutil.move(str(tmp / "model.onnx"), graph)
     shutil.move(str(tmp / "model.onnx.data"), data)
@@ -212,10 +212,10 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     return _entry(graph, data, cfg.model_type, gcfg, ins, outs, model_dir, opts.precision, quant)
 
 
-def _run_builder(source: Path, tmp: Path, cache: Path, opts: QuantOptions, extra: dict, max_ctx: int, model_dir: Path, meter) -> dict:
+def _run_builder(source: Path, tmp: Path, cache: Path, opts: QuantOptions, extra: dict, max_ctx: int, model_dir: Path, meter, log=None) -> dict:
     """Run the model builder in a child process on the prequantized ``source`` into ``tmp``
-    (its peak RSS recorded by ``meter``); returns the graph's ``genai_config.json`` model
-    record.
+    (its peak RSS recorded by ``meter``; a line to ``log`` every 30 s while it runs);
+    returns the graph's ``genai_config.json`` model record.
 
     Raises:
         ExportError: the builder failed (its last log lines).
@@ -225,7 +225,7 @@ def _run_builder(source: Path, tmp: Path, cache: Path, opts: QuantOptions, extra
 
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(tmp), "-p", opts.precision, "-e", "cpu", "-c", str(cache)]
     cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra.items())]
-    code, output, child_peak = run_measured(cmd)
+    code, output, child_peak = run_measured(cmd, log, "  model builder (child process)")
     if meter is not None:
         meter.child(child_peak)
     if code != 0 or not (tmp / "model.onnx").is_file():

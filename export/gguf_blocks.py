@@ -5,7 +5,7 @@ the asymmetric types a float offset (``Q4_1``: ``w = d q + m``; ``Q4_K``: ``w = 
 per 32 weights). onnxruntime's ``MatMulNBits`` computes ``w = s (q - z)`` with an integer
 zero point ``z`` per block; a float offset is not an integer zero point (and MatMulNBits'
 float zero points run on a slow fallback: 80-100 ms for a 1536 x 8960 layer against 1.1 ms,
-measured, docs/REAL_PAIR.md). So a layer is written as two terms::
+measured, docs/guide/real-pair.md). So a layer is written as two terms::
 
     W x = MatMulNBits(q, s, z) x - M . blocksum32(x)
 

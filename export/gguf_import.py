@@ -23,7 +23,7 @@ maintained libraries, never by a parser of our own:
 The folder's weights are float32 by default: the dequantized values exactly, and a folder
 PyTorch memory-maps without a copy when the export loads it in float32 for its parity check
 and quality reference (a float16 folder loaded as float32 peaked at 10.5 GB RSS for
-Qwen2.5-1.5B, the float32 one at the size of the file pages it touches; docs/REAL_PAIR.md).
+Qwen2.5-1.5B, the float32 one at the size of the file pages it touches; docs/guide/real-pair.md).
 ``dtype="float16"`` halves the disk (float16 rounds the values by < 2^-11 relative).
 A folder is reused while the GGUF file's size, mtime and the
 conversion settings are unchanged (``specrt_gguf.json`` records them and the file's SHA-256).
@@ -52,6 +52,8 @@ __all__ = [
     "import_gguf",
     "default_cache",
     "checkpoint_folder",
+    "conversion_folder",
+    "converted",
     "source_record",
 ]
 
@@ -216,17 +218,31 @@ def checkpoint_folder(path: str | Path, role: str, cache: str | Path | None = No
     Raises:
         ExportError: a file that is not GGUF (one line naming the role and the file).
     """
-    import os
-
     p = Path(path)
     if p.is_dir():
         return p, None
     if not is_gguf(p):
         raise ExportError(f"--{role} {p}: a file that is not GGUF; give a Hugging Face checkpoint folder or a .gguf file")
+    folder = import_gguf(p, conversion_folder(p, cache), dtype, log)
+    return folder, source_record(folder)
+
+
+def conversion_folder(path: str | Path, cache: str | Path | None = None) -> Path:
+    """The folder :func:`checkpoint_folder` converts the GGUF file ``path`` into:
+    ``cache/<file name>.hf`` (``cache`` None: beside the file, or
+    ``$XDG_CACHE_HOME/specrt/gguf`` when that folder is not writable)."""
+    import os
+
+    p = Path(path)
     if cache is None:
         cache = p.parent if os.access(p.parent, os.W_OK) else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specrt" / "gguf"
-    folder = import_gguf(p, Path(cache) / (p.name + ".hf"), dtype, log)
-    return folder, source_record(folder)
+    return Path(cache) / (p.name + ".hf")
+
+
+def converted(path: str | Path, folder: str | Path, dtype: str = "float32") -> bool:
+    """Whether ``folder`` holds the conversion of the GGUF file ``path`` that
+    :func:`import_gguf` would reuse (same size, mtime and settings)."""
+    return _cached(Path(folder), _stamp(Path(path), dtype))
 
 
 def source_record(folder: str | Path) -> dict:
@@ -342,6 +358,7 @@ def _write_weights(src: Path, config, out: Path, dtype: str, log) -> int:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
+    from .progress import Progress
     from .shards import ShardWriter
 
     reader = GGUFReader(str(src))
@@ -358,8 +375,8 @@ def _write_weights(src: Path, config, out: Path, dtype: str, log) -> int:
     writer = ShardWriter(out)
     parsed = {"config": config.to_dict(), "tensors": {}}
     n = len(reader.tensors)
-    step = max(1, n // 10)
-    for i, t in enumerate(reader.tensors):
+    prog = Progress(f"    {src.name}: dequantized", n, log, unit="tensors")
+    for t in reader.tensors:
         res = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name, tensor_key_mapping=name_map, parsed_parameters=parsed)
         if res.name not in name_map:
             if t.name.startswith("rope_") or t.name.endswith("rope_freqs.weight"):
@@ -373,8 +390,8 @@ def _write_weights(src: Path, config, out: Path, dtype: str, log) -> int:
             raise ExportError(f"{src}: tensor {t.name} overflows float16; convert with dtype float32")
         writer.add(name_map[res.name], tensor)
         del w, res, tensor
-        if (i + 1) % step == 0 or i + 1 == n:
-            log(f"    dequantized {i + 1}/{n} tensors")
+        prog.advance()
+    prog.done()
     missing = sorted(wanted - writer.names)
     if missing:
         raise ExportError(f"{src}: no tensor for {len(missing)} parameter(s) of the {config.model_type} model (e.g. {', '.join(missing[:3])})")

@@ -747,7 +747,7 @@ def row_correlation(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def runtime_parity(
-    hf_model, folder: Path, entry: ModelEntry, max_ctx: int, qs: tuple[int, ...], pasts: tuple[int, ...], seed: int = 0, release=None
+    hf_model, folder: Path, entry: ModelEntry, max_ctx: int, qs: tuple[int, ...], pasts: tuple[int, ...], seed: int = 0, release=None, log=None
 ) -> dict[str, float]:
     """Compare an exported graph, run by the runtime's own model class for its graph form
     (:func:`specrt.runtime.backends.cpu_model`), with a full PyTorch forward.
@@ -756,7 +756,8 @@ def runtime_parity(
     logits rows are compared with PyTorch's over the same P + q tokens. PyTorch's answers
     are computed first; ``release`` (when given) is then called, e.g. to drop the caller's
     last reference to the PyTorch model, so the two never share memory (a 1.5B model is
-    6 GB in float32). For a quantized
+    6 GB in float32). With ``log``, progress lines (forwards done and left, PyTorch's then
+    the graph's) go there every few seconds. For a quantized
     graph the figures are the quantization error (recorded, not a pass/fail tolerance;
     the quality record measures what it does to the output).
 
@@ -771,14 +772,19 @@ def runtime_parity(
     from specrt.runtime.backends import cpu_model
     from specrt.runtime.backends.base import ThreadConfig
 
+    from .progress import Progress
+
     n = max(pasts) + max(qs)
     rng = np.random.default_rng(seed)
+    prog = Progress("  parity check", 2 * len(qs) * len(pasts), log, unit="forwards") if log is not None else None
     cases = []  # PyTorch's answers first, so a caller can free the model before the graph loads
     for q in qs:
         for p in pasts:
             ids = rng.integers(0, hf_model.config.vocab_size, size=p + q)
             with torch.no_grad():
                 cases.append((q, p, ids, hf_model(input_ids=torch.from_numpy(ids[None].astype(np.int64))).logits[0, p:].float().numpy()))
+            if prog is not None:
+                prog.advance()
     vocab_size = hf_model.config.vocab_size
     del hf_model
     if release is not None:
@@ -795,6 +801,8 @@ def runtime_parity(
             raise ParityError(f"{entry.file}: non-finite logits for q={q}, past={p}")
         figures[f"logits_q{q}_L{p}"] = float(np.abs(rows - ref).max())
         corr.extend(row_correlation(rows, ref).tolist())
+        if prog is not None:
+            prog.advance()
     figures["logits_correlation"] = float(np.mean(corr))
     if figures["logits_correlation"] < WIRING_MIN_CORRELATION:
         raise ParityError(

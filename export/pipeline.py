@@ -25,6 +25,7 @@ from specrt.runtime.errors import PairError  # noqa: F401  (in the SpecRTError t
 from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, FileRecord, Manifest, sha256_file
 
 from .onnx_export import BODY_FILE, HEAD_FILE, export_model
+from .preflight import describe_vocab_difference
 from .resources import PhaseMeter
 from .tokenizer_check import check_tokenizer
 
@@ -48,25 +49,6 @@ def vocab_map(tokenizer_json: Path) -> dict[str, int]:
 def vocab_hash(tokenizer_json: Path) -> str:
     """SHA-256 of the token -> id map (added tokens included) of a ``tokenizer.json``."""
     return hashlib.sha256(json.dumps(sorted(vocab_map(tokenizer_json).items())).encode()).hexdigest()
-
-
-def describe_vocab_difference(draft: dict[str, int], target: dict[str, int], examples: int = 3) -> str:
-    """One line naming how two token -> id maps differ (sizes, tokens only in one, ids that moved)."""
-    only_d = sorted(set(draft) - set(target), key=draft.get)
-    only_t = sorted(set(target) - set(draft), key=target.get)
-    moved = sorted((t for t in set(draft) & set(target) if draft[t] != target[t]), key=target.get)
-
-    def ex(tokens, m):
-        return ", ".join(f"{t!r}={m[t]}" for t in tokens[:examples])
-
-    parts = [f"draft has {len(draft)} tokens, target {len(target)}"]
-    if only_d:
-        parts.append(f"{len(only_d)} only in the draft (e.g. {ex(only_d, draft)})")
-    if only_t:
-        parts.append(f"{len(only_t)} only in the target (e.g. {ex(only_t, target)})")
-    if moved:
-        parts.append(f"{len(moved)} with different ids (e.g. {', '.join(f'{t!r}: draft {draft[t]}, target {target[t]}' for t in moved[:examples])})")
-    return "; ".join(parts)
 
 
 def check_pair(draft_dir: Path, target_dir: Path) -> Path:
@@ -230,7 +212,7 @@ def _export_model(role: str, model_dir: Path, out: Path, precision: str, quant, 
             held = [load_hf(model_dir)]
             counts = dict(params=sum(p.numel() for p in held[0].parameters()), matmul_params=matmul_params(KVExportModel(held[0], max_ctx)))
             # PyTorch's answers first, then the model is freed before the graph's session loads
-            parity = runtime_parity(held[0], out, entry, max_ctx, qs=(1, k_max + 1), pasts=(0, 37), release=held.clear)
+            parity = runtime_parity(held[0], out, entry, max_ctx, qs=(1, k_max + 1), pasts=(0, 37), release=held.clear, log=log)
             entry = replace(entry, **counts, parity=parity)
             log(
                 f"  {precision} vs the fp32 PyTorch model (quantization, max |logit diff|): {max(v for k, v in parity.items() if k.startswith('logits_q')):.3g}, row correlation {parity['logits_correlation']:.3f}"
@@ -246,20 +228,27 @@ def _export_model(role: str, model_dir: Path, out: Path, precision: str, quant, 
     return exported.entry, exported.lazy_head, exported.files
 
 
-def measure_exactness(out: Path, entry, max_ctx: int, k_max: int, vocab: int) -> dict:
+def measure_exactness(out: Path, entry, max_ctx: int, k_max: int, vocab: int, log=None) -> dict:
     """Width exactness of an exported graph (:func:`specrt.runtime.lab.exactness.measure`):
     every width 1 .. k_max + 1 (each width the decode loop calls the target at, the last
     prefill chunk included: :func:`specrt.runtime.decode.chunk_bounds`) at row offsets 0, 1,
-    2, with 2 and 1 intra-op threads, on the runtime's own model class for the graph."""
+    2, with 2 and 1 intra-op threads, on the runtime's own model class for the graph.
+    ``log``: where progress lines go (patterns done and left, every few seconds), or None."""
     from specrt.runtime.backends import cpu_model
     from specrt.runtime.backends.base import ThreadConfig
     from specrt.runtime.lab.exactness import measure
+
+    from .progress import Progress
 
     widths = list(range(1, k_max + 2))
     length = min(max_ctx, max(40, 3 * (k_max + 1) + 4))
     q = 2 * widths[-1] + 2  # the widest pattern call (pattern_bounds folds a tail into the last call)
     models = [(f"t{t}", cpu_model(out, entry, length, q, ThreadConfig(t, False, t))) for t in (2, 1)]
-    return measure(models, vocab, widths, offsets=(0, 1, 2), length=length)
+    prog = Progress("  exactness probe", None, log, unit="patterns") if log is not None else None
+    rec = measure(models, vocab, widths, offsets=(0, 1, 2), length=length, progress=prog)
+    if prog is not None:
+        prog.done()
+    return rec
 
 
 @dataclass(frozen=True)
@@ -298,7 +287,7 @@ class ExportOptions:
         gguf_weights: ``exact`` (default): an integer target converted from GGUF takes every
             linear layer whose block type maps onto MatMulNBits from the file's own blocks
             (:mod:`specrt.export.gguf_blocks`; top-1 agreement with llama.cpp on the same
-            file 97.6% against 91.8% requantized, for an 18% slower step, docs/REAL_PAIR.md);
+            file 97.6% against 91.8% requantized, for an 18% slower step, docs/guide/real-pair.md);
             ``requantize``: every layer quantized again from the dequantized weights. The
             draft is always requantized (its speed matters, its exactness does not).
         draft_precision: the draft's flavor when it differs from the target's (None: the
@@ -368,6 +357,12 @@ def export_pair(draft_dir: str | Path, target_dir: str | Path, out: str | Path, 
     """Check the pair, export both models, check parity, measure the target's width
     exactness, and write the manifest.
 
+    Checked first, from metadata only (:func:`specrt.export.preflight.preflight`): both
+    architectures are supported, two GGUF inputs share one vocabulary, and the disk holds
+    what the export writes. Progress lines go to ``log`` every few seconds in the long
+    phases; the INFO records of the ONNX libraries are silenced for the export's duration
+    (:func:`specrt.export.progress.quiet_third_party_logs`).
+
     Pair rules, checked before anything is exported: one tokenizer (equal token -> id
     map hashes), whose ``tokenizer.json`` encodes like the target's ``AutoTokenizer``
     (:func:`specrt.export.tokenizer_check.check_tokenizer`; a missing NFC normalizer is
@@ -396,14 +391,23 @@ def export_pair(draft_dir: str | Path, target_dir: str | Path, out: str | Path, 
 
     Raises:
         PairError, TokenizerError, specrt.export.arch.UnsupportedModelError,
-        specrt.export.onnx_export.ParityError, ExportError (the model builder failed), and
-        what :meth:`ExportOptions.quants` raises.
+        specrt.export.onnx_export.ParityError, ExportError (the model builder failed, not
+        enough disk space), and what :meth:`ExportOptions.quants` raises.
     """
+    from .preflight import preflight
+    from .progress import quiet_third_party_logs
+
     o = replace(opts, **kw) if opts is not None else ExportOptions(**kw)
     quants = o.quants()
+    preflight(draft_dir, target_dir, out, o, log)  # architectures, GGUF vocabularies, disk: before any conversion
+    with quiet_third_party_logs():
+        return _export_pair(Path(draft_dir), Path(target_dir), Path(out), o, quants, log)
+
+
+def _export_pair(draft_dir: Path, target_dir: Path, out: Path, o: ExportOptions, quants: dict, log) -> Manifest:
+    """:func:`export_pair` after its options are checked and its preflight passed."""
     meter = PhaseMeter(log)
-    (draft_dir, target_dir), gguf = _from_gguf(Path(draft_dir), Path(target_dir), o, quants, meter, log)
-    out = Path(out)
+    (draft_dir, target_dir), gguf = _from_gguf(draft_dir, target_dir, o, quants, meter, log)
     for role, d in (("draft", draft_dir), ("target", target_dir)):
         if not (d / "config.json").is_file():
             raise ValueError(f"{role} folder {d} is not a Hugging Face checkpoint (no config.json)")
@@ -487,7 +491,7 @@ def _export_models(dirs: dict, out: Path, o: ExportOptions, quants: dict, n_voca
         if e.vocab_size < n_vocab:
             raise PairError(f"{role} has {e.vocab_size} logits but the tokenizer has {n_vocab} ids; they must come from one tokenizer")
     if o.exactness:
-        rec = measure_exactness(out, entries["target"], o.max_ctx, o.k_max, n_vocab)
+        rec = measure_exactness(out, entries["target"], o.max_ctx, o.k_max, n_vocab, log)
         entries["target"] = replace(entries["target"], exact_min_q=rec["exact_min_q"], exactness=rec)
         log(f"  width exactness of the target: {rec['note']} (q=1 vs wider: max |diff| {rec['max_abs_diff']['q1']:.3g})")
     return entries, lazy, files

@@ -4,7 +4,7 @@ onnxruntime-genai's model builder re-exports without ever holding the float mode
 Why: for ``--precision int4|int8`` the builder loads the checkpoint in PyTorch, emits an ONNX
 graph whose weights are all float32 *in memory*, and only then quantizes it with
 onnxruntime's ``MatMulNBitsQuantizer``: 13.6 GB peak RSS for Qwen2.5-Coder-1.5B (measured,
-docs/REAL_PAIR.md), whatever the checkpoint's dtype. A checkpoint that is already quantized
+docs/guide/real-pair.md), whatever the checkpoint's dtype. A checkpoint that is already quantized
 takes the builder's other path (its ``QuantModel`` loaders): the integer weights are repacked
 into MatMulNBits initializers directly and nothing is expanded to float32.
 
@@ -164,7 +164,7 @@ def prequantize(
     Raises:
         ExportError: no safetensors weights, a layer width the block size does not divide.
     """
-    from safetensors import safe_open
+    from .progress import Progress
 
     src, out = Path(folder), Path(out)
     files = sorted(src.glob("*.safetensors"))
@@ -175,35 +175,59 @@ def prequantize(
     cfg = json.loads((src / "config.json").read_text())
     t0 = time.perf_counter()
     w = _Checkpoint(out, bits, head_bits or bits, block_size, symmetric, dict(layer_bits or {}))
+    w.progress = Progress("  prequantize", _count_linear(files), log, unit="layers")
     where, embed = _copy_unquantized(files, w, quantize=exact is None)
-
-    def tensor(name: str):
-        with safe_open(str(where[name]), framework="pt") as sf:
-            return sf.get_tensor(name)
 
     tied = "lm_head.weight" not in where
     if tied and embed is None:
         raise ExportError(f"{src}: neither lm_head.weight nor model.embed_tokens.weight found")
-    if exact is not None:
-        names = sorted(where) + (["lm_head.weight"] if tied else [])
-        for group in _fused_groups([n for n in names if n != "model.embed_tokens.weight"]):
-            parts = [exact(n) for n in group]
-            if any(p is None for p in parts):
-                for n in group:
-                    w.add_linear(n, tensor(embed if n == "lm_head.weight" and tied else n))
-            else:
-                w.add_exact(group, parts)
-    elif tied:
-        w.add_linear("lm_head.weight", tensor(embed))
+    _add_linear_layers(w, where, embed, tied, exact)
     if tied:
         cfg["tie_word_embeddings"] = False  # the builder reads a separate (quantized) head
     shards = w.close(cfg, src)
+    if w.progress.lines:  # a run that printed progress says it ended; a short one only its summary below
+        w.progress.done()
     how = f"{w.counts['exact']} from the source's own blocks, " if w.counts["exact"] else ""
     log(
         f"  prequantized {w.counts['exact'] + w.counts['quantized']} linear layers ({how}{w.counts['quantized']} quantized: {bits}-bit, head {w.head_bits}-bit, "
         f"blocks of {block_size}) into {shards} shard(s): {time.perf_counter() - t0:.1f} s"
     )
     return out
+
+
+def _add_linear_layers(w: "_Checkpoint", where: dict, embed: str | None, tied: bool, exact) -> None:
+    """Write the linear layers :func:`_copy_unquantized` left: with ``exact``, each fused
+    group from the source's own blocks where it has them for every part, else quantized;
+    without, only a tied LM head (quantized from the embedding ``embed``)."""
+    from safetensors import safe_open
+
+    def tensor(name: str):
+        with safe_open(str(where[name]), framework="pt") as sf:
+            return sf.get_tensor(name)
+
+    if exact is None:
+        if tied:
+            w.add_linear("lm_head.weight", tensor(embed))
+        return
+    names = sorted(where) + (["lm_head.weight"] if tied else [])
+    for group in _fused_groups([n for n in names if n != "model.embed_tokens.weight"]):
+        parts = [exact(n) for n in group]
+        if any(p is None for p in parts):
+            for n in group:
+                w.add_linear(n, tensor(embed if n == "lm_head.weight" and tied else n))
+        else:
+            w.add_exact(group, parts)
+
+
+def _count_linear(files: list[Path]) -> int:
+    """Linear layers of a checkpoint (its LM head counted; a tied one is quantized from the embedding)."""
+    from safetensors import safe_open
+
+    names = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            names.update(sf.keys())
+    return sum(1 for n in names if _is_linear(n)) + 1
 
 
 def _copy_unquantized(files: list[Path], w: "_Checkpoint", quantize: bool) -> tuple[dict, str | None]:
@@ -241,6 +265,7 @@ class _Checkpoint:
         self.overrides.update({k: {"bits": b, "group_size": block_size} for k, b in layer_bits.items()})
         self.mins: dict[str, np.ndarray] = {}
         self.counts = {"exact": 0, "quantized": 0}
+        self.progress = None  # a Progress advanced per layer written (prequantize sets it)
 
     def write(self, base: str, q, s, z) -> None:
         """One MatMulNBits layer's olive tensors (qweight, scales, qzeros)."""
@@ -260,6 +285,8 @@ class _Checkpoint:
             ),
         )
         self.counts["quantized"] += 1
+        if self.progress is not None:
+            self.progress.advance()
 
     def add_exact(self, group: list[str], parts: list) -> None:
         """A fused group's exact blocks (:mod:`specrt.export.gguf_blocks`), regrouped to the
@@ -276,6 +303,8 @@ class _Checkpoint:
             if any_min:
                 self.mins[base] = p.mins if p.mins is not None else np.zeros((p.q.shape[0], p.q.shape[1] // 32), np.float32)
             self.counts["exact"] += 1
+            if self.progress is not None:
+                self.progress.advance()
 
     def close(self, cfg: dict, src: Path) -> int:
         """Finish the shards, write the offsets, ``config.json`` with

@@ -12,7 +12,7 @@ real model costs more memory than the rest of the export. The reference is score
 freed before the flavor is loaded. For large models the sets shrink so the record costs
 about what it costs a 0.5B model (:meth:`QualityConfig.scaled`).
 ``scripts/eval_quality.py`` computes the same figures against an fp32 engine folder (all
-100 HumanEval prompts) for docs/ENGINES.md.
+100 HumanEval prompts) for docs/guide/engines.md.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from specrt.runtime.lab.quality import WINDOW, compare, encode_texts, heldout_wi
 
 __all__ = ["QualityConfig", "QUALITY_BOUNDS", "export_quality", "holds"]
 
-# what "the quality holds" means for a flavor (docs/ENGINES.md): its argmax agrees with the
+# what "the quality holds" means for a flavor (docs/guide/engines.md): its argmax agrees with the
 # fp32 target's at >= 95% of the positions of both sets and its loss rises by <= 0.05 nats
 QUALITY_BOUNDS = {"min_top1_agreement": 0.95, "max_loss_delta": 0.05}
 
@@ -84,42 +84,38 @@ def greedy(model, ids: list[int], new_tokens: int, vocab: int, eos) -> list[int]
     return out
 
 
-def export_quality(manifest, out: Path, target_dir: Path, cfg: QualityConfig, log=print) -> dict:
-    """Score the exported target of ``out`` against the fp32 standard graph of ``target_dir``.
-
-    Returns:
-        ``{"reference", "bounds", "holds", "heldout_stdlib": {...}, "humaneval": {...},
-        "seconds"}``; a set that cannot be built (no prompts file, text too short) is
-        ``{"skipped": reason}``.
-    """
-    import shutil
-
-    from tokenizers import Tokenizer
-
+def _reference(m, target_dir: Path, scratch: Path, max_q: int, log):
+    """The fp32 reference of the quality record and the record's first keys: the float32
+    PyTorch model when the target is too large for one ONNX file, else the fp32 standard
+    graph exported into ``scratch``."""
     from specrt.runtime.backends import cpu_model
     from specrt.runtime.backends.base import ThreadConfig
-    from specrt.runtime.tokenizer import TextCodec
 
-    from .onnx_export import EXTERNAL_DATA_ABOVE, export_model, trim_heap
+    from .onnx_export import EXTERNAL_DATA_ABOVE, export_model
 
-    t0 = time.perf_counter()
-    m = manifest
-    cfg = cfg.scaled(m.target.params or 1)
-    scratch = out / ".quality_reference"
-    shutil.rmtree(scratch, ignore_errors=True)
-    max_q = max(256, m.k_max + 1)
     if 4 * m.target.params > EXTERNAL_DATA_ABOVE:
         from .torch_reference import TorchModel
 
-        ref = TorchModel(target_dir, m.max_ctx, max_q)
-        rec: dict = dict(reference=f"float32 PyTorch model of {target_dir}", bounds=QUALITY_BOUNDS)
-    else:
-        ref_entry = export_model(target_dir, scratch / "target.onnx", m.max_ctx, m.k_max, check=False).entry
-        ref = cpu_model(scratch, ref_entry, m.max_ctx, max_q, ThreadConfig())
-        rec = dict(reference=f"fp32 standard graph of {target_dir} (exported for the comparison)", bounds=QUALITY_BOUNDS)
-    vocab, min_q = m.vocab_size, m.min_q()
+        log(f"  quality record: loading the float32 PyTorch reference of {target_dir}")
+        return TorchModel(target_dir, m.max_ctx, max_q), dict(reference=f"float32 PyTorch model of {target_dir}", bounds=QUALITY_BOUNDS)
+    log(f"  quality record: exporting the fp32 reference graph of {target_dir}")
+    ref_entry = export_model(target_dir, scratch / "target.onnx", m.max_ctx, m.k_max, check=False).entry
+    ref = cpu_model(scratch, ref_entry, m.max_ctx, max_q, ThreadConfig())
+    return ref, dict(reference=f"fp32 standard graph of {target_dir} (exported for the comparison)", bounds=QUALITY_BOUNDS)
+
+
+def _scored_sets(m, out: Path, cfg: QualityConfig, ref, rec: dict, log, progress_every: float) -> dict:
+    """The sequences to score: ``name -> (sequences, first scored positions, record)`` for
+    the held-out stdlib windows and the HumanEval prompts with the reference's greedy
+    continuations; a set that cannot be built is recorded in ``rec`` as ``{"skipped": why}``."""
+    from tokenizers import Tokenizer
+
+    from specrt.runtime.tokenizer import TextCodec
+
+    from .progress import Progress
+
     window = min(cfg.window, m.max_ctx - 1)
-    sets: dict = {}  # name -> (sequences, first scored positions, record); the reference scored first
+    sets: dict = {}
     if cfg.heldout_windows > 0:
         tok = Tokenizer.from_file(str(out / m.tokenizer_file))
         try:
@@ -129,18 +125,64 @@ def export_quality(manifest, out: Path, target_dir: Path, cfg: QualityConfig, lo
         except ValueError as e:
             rec["heldout_stdlib"] = {"skipped": str(e)}
     path = Path(cfg.prompts) if cfg.prompts else None
-    if path and path.is_file() and cfg.humaneval_prompts > 0:
-        codec = TextCodec(out / m.tokenizer_file, m.bos_token_id, m.add_bos)
-        prompts = [json.loads(x)["prompt"] for x in path.read_text().splitlines() if x.strip()][: cfg.humaneval_prompts]
-        seqs, firsts = [], []
-        for p in prompts:
-            ids = codec.encode(p)[: m.max_ctx - cfg.new_tokens - 1]
-            seqs.append(ids + greedy(ref, ids, cfg.new_tokens, vocab, m.stop_ids()))
-            firsts.append(len(ids) - 1)
-        sets["humaneval"] = (seqs, firsts, dict(prompts=len(prompts), new_tokens=cfg.new_tokens, file=str(path)))
-    else:
+    if not (path and path.is_file() and cfg.humaneval_prompts > 0):
         rec["humaneval"] = {"skipped": f"no prompts file {cfg.prompts!r}"}
-    refs = {name: score_model(ref, seqs, firsts, vocab) for name, (seqs, firsts, _) in sets.items()}
+        return sets
+    codec = TextCodec(out / m.tokenizer_file, m.bos_token_id, m.add_bos)
+    prompts = [json.loads(x)["prompt"] for x in path.read_text().splitlines() if x.strip()][: cfg.humaneval_prompts]
+    seqs, firsts = [], []
+    # a greedy continuation costs one call per token, a scored row a few: each stage has its own estimate
+    gen = Progress("  quality record, fp32 greedy continuations", len(prompts), log, unit="prompts", every=progress_every)
+    for p in prompts:
+        ids = codec.encode(p)[: m.max_ctx - cfg.new_tokens - 1]
+        seqs.append(ids + greedy(ref, ids, cfg.new_tokens, m.vocab_size, m.stop_ids()))
+        firsts.append(len(ids) - 1)
+        gen.advance()
+    gen.done()
+    sets["humaneval"] = (seqs, firsts, dict(prompts=len(prompts), new_tokens=cfg.new_tokens, file=str(path)))
+    return sets
+
+
+def export_quality(manifest, out: Path, target_dir: Path, cfg: QualityConfig, log=print, progress_every: float = 10.0) -> dict:
+    """Score the exported target of ``out`` against the fp32 standard graph of ``target_dir``.
+
+    Writes ``log`` a progress line (:class:`~specrt.export.progress.Progress`) every
+    ``progress_every`` seconds while it runs, per stage: the reference's greedy
+    continuations (prompts done and left), then the rows (sequences) scored by the
+    reference and by the flavor, with the time elapsed and left.
+
+    Returns:
+        ``{"reference", "bounds", "holds", "heldout_stdlib": {...}, "humaneval": {...},
+        "seconds"}``; a set that cannot be built (no prompts file, text too short) is
+        ``{"skipped": reason}``.
+    """
+    import shutil
+
+    from specrt.runtime.backends import cpu_model
+    from specrt.runtime.backends.base import ThreadConfig
+
+    from .onnx_export import trim_heap
+    from .progress import Progress
+
+    t0 = time.perf_counter()
+    m = manifest
+    cfg = cfg.scaled(m.target.params or 1)
+    scratch = out / ".quality_reference"
+    shutil.rmtree(scratch, ignore_errors=True)
+    max_q = max(256, m.k_max + 1)
+    ref, rec = _reference(m, target_dir, scratch, max_q, log)
+    vocab, min_q = m.vocab_size, m.min_q()
+    sets = _scored_sets(m, out, cfg, ref, rec, log, progress_every)
+    # rows: every sequence of both sets, scored by the reference, then by the exported flavor
+    prog = Progress("  quality record, scoring", 2 * sum(len(seqs) for seqs, _, _ in sets.values()), log, unit="rows", every=progress_every)
+
+    def rows(base: int):
+        """A score_model progress callback counting its sequences after ``base`` rows."""
+        return lambda done, _total: prog.update(base + done)
+
+    refs = {}
+    for name, (seqs, firsts, _) in sets.items():
+        refs[name] = score_model(ref, seqs, firsts, vocab, progress=rows(prog.count))
     ref.close()
     del ref
     gc.collect()  # the PyTorch reference's memory-mapped weights are unmapped before the flavor loads
@@ -148,8 +190,9 @@ def export_quality(manifest, out: Path, target_dir: Path, cfg: QualityConfig, lo
     shutil.rmtree(scratch, ignore_errors=True)
     model = cpu_model(out, m.target, m.max_ctx, max_q, ThreadConfig())
     for name, (seqs, firsts, info) in sets.items():
-        rec[name] = dict(compare(refs[name], score_model(model, seqs, firsts, vocab, min_q)), **info)
+        rec[name] = dict(compare(refs[name], score_model(model, seqs, firsts, vocab, min_q, progress=rows(prog.count))), **info)
     model.close()
+    prog.done()
     rec["holds"] = holds(rec)
     rec["config"] = asdict(cfg)
     rec["seconds"] = round(time.perf_counter() - t0, 1)

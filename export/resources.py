@@ -47,8 +47,12 @@ def peak_rss_mib() -> float:
     return ru / (1024 * 1024) if sys.platform == "darwin" else ru / 1024
 
 
-def run_measured(cmd: list[str]) -> tuple[int, str, float | None]:
+def run_measured(cmd: list[str], log=None, what: str = "child process", every: float = 30.0) -> tuple[int, str, float | None]:
     """Run ``cmd`` to its end; ``(exit code, stdout + stderr, its peak RSS in MiB)``.
+
+    With ``log``, a line ``"<what>: running, N s elapsed"`` is written every ``every``
+    seconds while the child runs (its own output is collected, not shown: a long child
+    would otherwise leave the export's log silent for minutes).
 
     The peak is the child's own (``os.wait4``'s resource usage of that one process), not
     ``getrusage(RUSAGE_CHILDREN)``, which would also count any other child: a short helper
@@ -59,7 +63,21 @@ def run_measured(cmd: list[str]) -> tuple[int, str, float | None]:
     import subprocess
 
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = p.stdout.read()
+    stop = threading.Event()
+    if log is not None:
+        from .progress import format_seconds
+
+        t0 = time.monotonic()
+
+        def beat() -> None:
+            while not stop.wait(every):
+                log(f"{what}: running, {format_seconds(time.monotonic() - t0)} elapsed")
+
+        threading.Thread(target=beat, name="specrt-heartbeat", daemon=True).start()
+    try:
+        out = p.stdout.read()
+    finally:
+        stop.set()
     p.stdout.close()
     if not hasattr(os, "wait4"):
         return p.wait(), out, None

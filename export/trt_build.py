@@ -2,7 +2,7 @@
 manifest's ``extra`` (the format version is unchanged; the CPU runtime ignores the extra).
 
 Needs TensorRT >= 10.1 (refused otherwise, with the installed version named). NOT RUN WITH
-THE REAL TENSORRT YET (docs/GPU.md); the call sequence is tested on CPU
+THE REAL TENSORRT YET (docs/guide/gpu.md); the call sequence is tested on CPU
 against a recording stand-in (tests/fake_gpu.py).
 
 Per model (draft, target)::

@@ -23,7 +23,7 @@ pattern with all calls >= q is bit-identical to it (also across the thread count
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -68,6 +68,23 @@ def exact_min_q(by_width: dict[int, list[float]]) -> int | None:
     return exact
 
 
+def _check_measure(models, widths: Sequence[int], offsets: Sequence[int], length: int) -> tuple[list[int], list[int]]:
+    """:func:`measure`'s widths (1 added) and offsets (0 added), sorted, after checking
+    every model can run them; raises ValueError as :func:`measure` says."""
+    if not models:
+        raise ValueError("no model to measure")
+    widths = sorted({1, *(int(q) for q in widths)})
+    offsets = sorted({0, *(int(o) for o in offsets)})
+    widest = widths[-1]
+    if length <= widest + max(offsets):
+        raise ValueError(f"length {length} must exceed the widest call {widest} + offset {max(offsets)}")
+    need_q = 2 * widest + max(offsets)  # a folded tail makes a call up to 2q - 1 wide
+    for _, m in models:
+        if m.max_q < need_q or m.max_ctx < length:
+            raise ValueError(f"a model with max_q {m.max_q} / max_ctx {m.max_ctx} cannot run calls of up to {need_q} over {length} tokens")
+    return widths, offsets
+
+
 def measure(
     models: Sequence[tuple[str, object]],
     vocab_size: int,
@@ -76,6 +93,7 @@ def measure(
     length: int = 40,
     sequences: int = 2,
     seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict:
     """Measure the width exactness of one graph (see the module docstring).
 
@@ -90,6 +108,8 @@ def measure(
         length: tokens per sequence (<= ``max_ctx``; > the widest width + offset).
         sequences: random sequences.
         seed: numpy seed of the sequences.
+        progress: called after each pattern as ``progress(patterns done, patterns)`` (the
+            reference first; a real model's pattern takes seconds), or None.
 
     Returns:
         A JSON-ready record: ``exact_min_q`` (int, or None when no measured width is
@@ -101,50 +121,54 @@ def measure(
         ValueError: no models, or a width wider than a model's ``max_q`` / longer than the
             sequence.
     """
-    if not models:
-        raise ValueError("no model to measure")
-    widths = sorted({1, *(int(q) for q in widths)})
-    offsets = sorted({0, *(int(o) for o in offsets)})
+    widths, offsets = _check_measure(models, widths, offsets, length)
     widest = widths[-1]
-    if length <= widest + max(offsets):
-        raise ValueError(f"length {length} must exceed the widest call {widest} + offset {max(offsets)}")
-    need_q = 2 * widest + max(offsets)  # a folded tail makes a call up to 2q - 1 wide
-    for _, m in models:
-        if m.max_q < need_q or m.max_ctx < length:
-            raise ValueError(f"a model with max_q {m.max_q} / max_ctx {m.max_ctx} cannot run calls of up to {need_q} over {length} tokens")
     rng = np.random.default_rng(seed)
     seqs = [rng.integers(0, vocab_size, size=length).tolist() for _ in range(sequences)]
     patterns = [("q1", 1, 0)] + [(f"q{q}" + (f"+o{o}" if o else ""), q, o) for q in widths if q > 1 for o in offsets]
     ref_label = f"q{widest}"
     label0, model0 = models[0]
+    total = 1 + len(patterns) + len(widths) * (len(models) - 1)
+
+    def tick(done: int) -> None:
+        if progress is not None:
+            progress(done, total)
+
     ref = [run_pattern(model0, s, pattern_bounds(length, widest)) for s in seqs]
+    tick(1)
     diffs: dict[str, float] = {}
     by_width: dict[int, list[float]] = {q: [] for q in widths}
     for lab, q, o in patterns:
         d = max(float(np.abs(run_pattern(model0, s, pattern_bounds(length, q, o)) - r).max()) for s, r in zip(seqs, ref))
         diffs[lab] = d
         by_width[q].append(d)
+        tick(len(diffs) + 1)
     for lab, m in models[1:]:  # other thread counts: the reference pattern and each width at offset 0
         for q in widths:
             d = max(float(np.abs(run_pattern(m, s, pattern_bounds(length, q)) - r).max()) for s, r in zip(seqs, ref))
             diffs[f"q{q} [{lab}]"] = d
             by_width[q].append(d)
+            tick(len(diffs) + 1)
     exact = exact_min_q(by_width)
+    labels = [lab for lab, _ in models]
     return dict(
         exact_min_q=exact,
         widths=widths,
         offsets=offsets,
         sequences=sequences,
         length=length,
-        models=[lab for lab, _ in models],
+        models=labels,
         reference=f"{ref_label} [{label0}]",
         max_abs_diff=diffs,
-        note=(
-            f"rows are bit-identical for every call width >= {exact} (any offset, thread counts {', '.join(lab for lab, _ in models)})"
-            if exact
-            else f"no measured width gives bit-identical rows (largest difference {max(diffs.values()):.3g}); speculative output may differ from target-only at near-ties"
-        ),
+        note=_note(exact, labels, diffs),
     )
+
+
+def _note(exact: int | None, labels: list[str], diffs: dict[str, float]) -> str:
+    """The one-line summary of a :func:`measure` record."""
+    if exact:
+        return f"rows are bit-identical for every call width >= {exact} (any offset, thread counts {', '.join(labels)})"
+    return f"no measured width gives bit-identical rows (largest difference {max(diffs.values()):.3g}); speculative output may differ from target-only at near-ties"
 
 
 def measure_batched(batched, vocab_size: int, sizes: Sequence[int], steps: int = 12, prefix: int = 20, seed: int = 0) -> dict:

@@ -117,7 +117,9 @@ def score_rows(logits: np.ndarray, targets: np.ndarray, vocab: int, block: int =
     return Scores(arg, lp)
 
 
-def score_model(model, seqs: Sequence[Sequence[int]], first: Sequence[int], vocab: int, min_q: int = 1) -> Scores:
+def score_model(
+    model, seqs: Sequence[Sequence[int]], first: Sequence[int], vocab: int, min_q: int = 1, progress: Callable[[int, int], None] | None = None
+) -> Scores:
     """Teacher-forced scores of a runtime model over sequences.
 
     Args:
@@ -127,6 +129,8 @@ def score_model(model, seqs: Sequence[Sequence[int]], first: Sequence[int], voca
             only a continuation; 0 for all).
         vocab: the tokenizer's ids (padding columns ignored).
         min_q: narrowest call (:func:`specrt.runtime.decode.chunk_bounds`).
+        progress: called after each sequence as ``progress(sequences done, sequences)``
+            (e.g. the export's progress lines; a real model's sequence takes seconds), or None.
 
     Returns:
         :class:`Scores` of all scored positions, concatenated in order.
@@ -134,7 +138,7 @@ def score_model(model, seqs: Sequence[Sequence[int]], first: Sequence[int], voca
     from ..chunks import chunk_bounds
 
     arg, lp = [], []
-    for seq, f in zip(seqs, first):
+    for i, (seq, f) in enumerate(zip(seqs, first)):
         seq = list(seq)
         n = len(seq) - 1
         for lo, hi in chunk_bounds(n, model.max_q, min_q):
@@ -145,6 +149,8 @@ def score_model(model, seqs: Sequence[Sequence[int]], first: Sequence[int], voca
             s = score_rows(model.run(seq[lo:hi], lo)[a - lo :], np.asarray(seq[a + 1 : hi + 1]), vocab)
             arg.append(s.argmax)
             lp.append(s.logprob)
+        if progress is not None:
+            progress(i + 1, len(seqs))
     return Scores(np.concatenate(arg), np.concatenate(lp))
 
 

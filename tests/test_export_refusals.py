@@ -1,0 +1,150 @@
+"""Bad export input is refused before any conversion, in one line (issue 32, item 4).
+
+Tiny GGUF files (metadata, a vocabulary and one small tensor, written with the ``gguf``
+package's ``GGUFWriter``) stand in for real checkpoints; the GGUF conversion is replaced by
+a function that fails the test if called, so a refusal that came after it would show.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+from click.testing import CliRunner  # noqa: E402
+
+from specrt.cli import cli  # noqa: E402
+from specrt.export import gguf_import, preflight  # noqa: E402
+from specrt.runtime.errors import ExportError, PairError, UnsupportedModelError  # noqa: E402
+
+VOCAB = [f"tok{i}" for i in range(64)] + ["<|endoftext|>"]
+
+
+def write_gguf(path: Path, arch: str = "llama", tokens: list[str] = VOCAB, name: str = "tiny") -> Path:
+    """A GGUF file with ``general.architecture`` = ``arch``, the vocabulary ``tokens`` and
+    one float32 tensor ``[len(tokens), 8]`` (the token embedding)."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    w.add_name(name)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def no_conversion(monkeypatch):
+    """Replace the GGUF conversion with one that records its call and stops the export."""
+    calls = []
+
+    def convert(path, *a, **kw):
+        calls.append(Path(path).name)
+        raise ExportError("conversion started")
+
+    monkeypatch.setattr(gguf_import, "import_gguf", convert)
+    return calls
+
+
+def run_export(draft: Path, target: Path, out: Path, *extra: str):
+    return CliRunner().invoke(
+        cli, ["export", "--draft", str(draft), "--target", str(target), "--out", str(out), "--max-ctx", "64", "--precision", "int4", *extra]
+    )
+
+
+def one_line_error(result) -> str:
+    """The CLI's error: exit code 1 and one ``Error: ...`` line."""
+    assert result.exit_code == 1, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("Error: ")]
+    assert len(errors) == 1, result.output
+    return errors[0]
+
+
+def test_valid_gguf_pair_reaches_the_conversion(tmp_path, no_conversion):
+    """The control: a supported architecture with one vocabulary passes every check, so
+    the tests below see their refusal and not something else."""
+    d, t = write_gguf(tmp_path / "d.gguf"), write_gguf(tmp_path / "t.gguf")
+    err = one_line_error(run_export(d, t, tmp_path / "out"))
+    assert "conversion started" in err and no_conversion == ["d.gguf"]
+
+
+def test_unsupported_gguf_architecture_is_refused_before_any_conversion(tmp_path, no_conversion):
+    d = write_gguf(tmp_path / "d.gguf")
+    t = write_gguf(tmp_path / "gemma.gguf", arch="gemma3")
+    err = one_line_error(run_export(d, t, tmp_path / "out"))
+    assert "--target" in err and "gemma.gguf" in err
+    assert "GGUF general.architecture='gemma3' is not supported; supported: gpt2, llama, mistral, phi3, qwen2" in err
+    assert no_conversion == [] and not (tmp_path / "out").exists()
+
+
+def test_unsupported_folder_architecture_is_refused_first(tmp_path, no_conversion):
+    """A Hugging Face folder's config.json model_type, read before the (GGUF) target is converted."""
+    folder = tmp_path / "gemma"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}))
+    t = write_gguf(tmp_path / "t.gguf")
+    with pytest.raises(UnsupportedModelError, match=r"--draft .*gemma: config.json model_type='gemma3_text' is not supported; supported: gpt2"):
+        from specrt.export.pipeline import export_pair
+
+        export_pair(folder, t, tmp_path / "out", max_ctx=64, log=lambda *_: None)
+    assert no_conversion == []
+
+
+def test_different_gguf_vocabularies_are_refused_before_any_conversion(tmp_path, no_conversion):
+    d = write_gguf(tmp_path / "d.gguf")
+    other = VOCAB[:10] + ["zzz"] + VOCAB[10:]  # one token more: every later id moves
+    t = write_gguf(tmp_path / "t.gguf", tokens=other)
+    err = one_line_error(run_export(d, t, tmp_path / "out"))
+    assert "draft d.gguf and target t.gguf have different vocabularies" in err
+    assert "draft has 65 tokens, target 66" in err and "only in the target (e.g. 'zzz'=10)" in err and "different ids" in err
+    assert "pick a draft trained with the target's tokenizer" in err
+    assert no_conversion == []
+
+
+def test_vocabulary_rule_is_check_pairs_rule(tmp_path):
+    """The early check compares token -> id maps as the late check (pipeline.check_pair) does:
+    the same tokens in another order differ; equal lists pass."""
+    a = preflight.read_input("draft", write_gguf(tmp_path / "a.gguf"))
+    b = preflight.read_input("target", write_gguf(tmp_path / "b.gguf", tokens=list(reversed(VOCAB))))
+    with pytest.raises(PairError, match="different vocabularies.*with different ids"):
+        preflight.check_gguf_vocabularies(a, b)
+    preflight.check_gguf_vocabularies(a, preflight.read_input("target", write_gguf(tmp_path / "c.gguf")))
+
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def test_full_disk_is_refused_before_any_conversion(tmp_path, no_conversion, monkeypatch):
+    d, t = write_gguf(tmp_path / "d.gguf"), write_gguf(tmp_path / "t.gguf")
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: Usage(10**12, 10**12 - 1000, 1000))
+    err = one_line_error(run_export(d, t, tmp_path / "out"))
+    assert re.search(rf"not enough disk space: the export needs about \d+ kB in {re.escape(str(tmp_path / 'out'))} \(.*\), 1 kB free", err), err
+    assert "target float32 folder from GGUF" in err
+    assert no_conversion == []
+
+
+def test_disk_estimate_per_precision_and_conversion(tmp_path):
+    """The estimate: params x bytes per parameter of each flavor, the builder's copy for
+    int8/int4, the fp32 quality reference, and 4 bytes/param per GGUF folder to convert."""
+    from specrt.export.pipeline import ExportOptions
+    from specrt.export.quality import QualityConfig
+
+    n = 10**8
+    infos = [preflight.InputInfo("draft", tmp_path / "d.gguf", True, "qwen2", n), preflight.InputInfo("target", tmp_path / "t.gguf", True, "qwen2", 3 * n)]
+    out = tmp_path / "engine"
+    need = preflight.estimate_disk(infos, out, ExportOptions(precision="int4", quality=QualityConfig()), {"target": tmp_path / "t.gguf.hf"})
+    assert need[out]["bytes"] == (n + 3 * n) * 1.0 * 2 + 4 * 3 * n
+    assert need[tmp_path]["bytes"] == 4 * 3 * n
+    fp32 = preflight.estimate_disk(infos, out, ExportOptions(precision="fp32"))
+    assert fp32 == {out: {"bytes": 4 * 4 * n, "parts": ["draft fp32 0.4 GB", "target fp32 1.2 GB"]}}
+    assert preflight.check_disk({out: {"bytes": 10**6, "parts": []}})[0].startswith(f"about 1 MB in {out}, ")
