@@ -5,7 +5,7 @@ All requests are submitted at once to an in-process
 share batched steps), then each is generated alone with ``Engine.generate``. Reports, per
 policy, the requests whose tokens differ and, for each, the first differing position and
 the target's top-2 logit margin there (:func:`specrt.runtime.lab.bench.divergences`): a
-batched step's rows differ from batch-1 rows by the kernels' rounding (docs/SERVING.md),
+batched step's rows differ from batch-1 rows by the kernels' rounding (docs/guide/serving.md),
 so a divergence is expected only where the margin is of that order.
 
     python scripts/batch_equality.py --engines engines/default --requests 24 \\

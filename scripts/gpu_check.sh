@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (docs/GPU.md): on a machine with an NVIDIA GPU, TensorRT's Python package,
+# GPU check (docs/guide/gpu.md): on a machine with an NVIDIA GPU, TensorRT's Python package,
 # cuda-python and onnxruntime-gpu installed next to specrt[export,dev], build TensorRT
 # plans, run the GPU tests, compare the backends' greedy outputs, run a short bench, and
 # write ONE JSON of results. Budget: under 8 minutes (every step has a timeout).

@@ -13,7 +13,7 @@ tokenizer of the real vocabulary size (ids are all that matter for costs). Subco
     python scripts/real_shapes.py bound --costs F [--costs F2] --json F
 
 Every timing is a median over interleaved repeats, with the 1-minute load average sampled
-before and after (the machine is shared: 2 cores). docs/REAL_SHAPES.md holds the results.
+before and after (the machine is shared: 2 cores). docs/results/real-shapes.md holds the results.
 """
 
 from __future__ import annotations
@@ -474,7 +474,7 @@ def predict(costs: dict, alphas: dict[str, float], ks: list[int]) -> dict:
     return out
 
 
-# Published acceptance figures used for the predictions (docs/REAL_SHAPES.md cites them):
+# Published acceptance figures used for the predictions (docs/results/real-shapes.md cites them):
 # zxpmail, "I Benchmarked Speculative Decoding - a = 3.5 Wasn't Enough" (dev.to, 2025):
 # Qwen2.5-0.5B-Instruct drafting for Qwen2.5-1.5B-Instruct, greedy, k = 5, 5 prompts x 32
 # tokens per task; mean tokens per round a = 3.50 (JSON), 3.00 (code), 2.11 (story).

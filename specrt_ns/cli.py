@@ -77,7 +77,7 @@ def _backend_option(f):
         "--backend",
         type=click.Choice(BACKENDS),
         default=None,
-        help=f"model backend (default: {DEFAULT_BACKEND}; the GPU backends are unverified on a GPU, see docs/GPU.md)",
+        help=f"model backend (default: {DEFAULT_BACKEND}; the GPU backends are unverified on a GPU, see docs/guide/gpu.md)",
     )(f)
 
 
@@ -183,7 +183,7 @@ def fetch(name, cache, list_):
         for k, rec in known.items():
             click.echo(f"{k}\t{rec['bytes'] / 2**20:,.0f} MiB\t{rec['source']}")
         if name is None and not list_:
-            raise click.UsageError("give a NAME (one of the above)")
+            raise click.ClickException("give a NAME: one of the checkpoints listed above")
         return
     click.echo(fetch_gguf(name, cache, log=lambda m: click.echo(m, err=True)))
 
@@ -221,7 +221,7 @@ def _defaults_file(path: str, k_max: int) -> tuple[dict, dict | None]:
     default="fp32",
     show_default=True,
     help="fp32/fp16/bf16: specrt's standard graphs (fp16/bf16 compute for GPUs; bf16 does not run on onnxruntime's CPU provider); "
-    "int8/int4: weight-only quantized, fused graphs from onnxruntime-genai's model builder (the fast CPU flavors, docs/ENGINES.md)",
+    "int8/int4: weight-only quantized, fused graphs from onnxruntime-genai's model builder (the fast CPU flavors, docs/guide/engines.md)",
 )
 @click.option(
     "--draft-precision",
@@ -361,7 +361,7 @@ def export(
 @click.pass_context
 def plans(ctx, engines, precision, workspace_gb, prefill_q, past_pad, opt_level, if_available, skip_if_built):
     """Build TensorRT plans for ENGINES (dynamic-k profiles, q = 1..k_max+1) and record them
-    in its manifest (docs/GPU.md). Exit 0 built or skipped, 1 failed, 2 no TensorRT/GPU."""
+    in its manifest (docs/guide/gpu.md). Exit 0 built or skipped, 1 failed, 2 no TensorRT/GPU."""
     try:
         from .export.trt_build import TrtBuildConfig, build_folder
     except ImportError as e:
@@ -380,7 +380,7 @@ def plans(ctx, engines, precision, workspace_gb, prefill_q, past_pad, opt_level,
 )
 @click.option("--k-max", type=int, default=None, help="most draft candidates per verification (default: manifest)")
 @click.option("--threshold", type=float, default=None, help="draft confidence threshold in [0, 1] (default: manifest)")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True, help="most tokens generated per prompt")
 @click.option("--no-speculation", is_flag=True, help="run the target alone (baseline)")
 @click.option(
     "--drafter",
@@ -505,7 +505,7 @@ def generate(
     help='JSONL file, one {"prompt": TEXT} or {"messages": [...]} (a chat, rendered with the engine\'s template) per line',
 )
 @click.option("--limit", type=click.IntRange(1), default=None, help="use the first N prompts")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True, help="most tokens generated per prompt")
 @click.option("--k-max", "k_values", type=int, multiple=True, help="k_max values to try (repeatable; default: manifest)")
 @click.option("--threshold", "thresholds", type=float, multiple=True, help="thresholds to try (repeatable; default: manifest)")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="passes over the prompts (interleaved)")
@@ -653,7 +653,7 @@ DEFAULT_TUNE_KS = (1, 2, 3, 4, 6, 8)
     help='validation JSONL, one {"prompt": TEXT} or {"messages": [...]} per line (not with --from-trace)',
 )
 @click.option("--limit", type=click.IntRange(1), default=None, help="use the first N prompts")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=field_default("max_new_tokens"), show_default=True, help="most tokens generated per prompt")
 @click.option("--k-max", "k_values", type=int, multiple=True, help="k_max values to sweep (repeatable; default: 1 2 3 4 6 8 within the engine's range)")
 @click.option("--threshold", "thresholds", type=float, multiple=True, help="thresholds to sweep, in [0, 1] (repeatable; default: 0 0.1 0.2 0.3 0.5)")
 @click.option(
@@ -863,7 +863,7 @@ def _print_tune_report(result: dict, out: Path) -> None:
 @cli.command()
 @click.option("--engines", default=DEFAULT_ENGINES, show_default=True, type=click.Path(), help="engine folder")
 @click.option("--host", default=serve_default("host"), show_default=True, help="address to listen on")
-@click.option("--port", type=click.IntRange(0, 65535), default=serve_default("port"), show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=serve_default("port"), show_default=True, help="TCP port to listen on (0: any free port)")
 @click.option(
     "--workers",
     type=click.IntRange(1, 256),
@@ -875,7 +875,7 @@ def _print_tune_report(result: dict, out: Path) -> None:
     "--max-queue", type=click.IntRange(1), default=serve_default("max_queue"), show_default=True, help="requests that may wait for a worker (503 beyond)"
 )
 @click.option("--model-name", default=serve_default("model_name"), help="model id clients send (default: the engine folder's name)")
-@click.option("--log-level", type=click.Choice(LOG_LEVELS), default=serve_default("log_level"), show_default=True)
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default=serve_default("log_level"), show_default=True, help="server log level (uvicorn and specrt)")
 @click.option(
     "--chat-template",
     type=click.Path(exists=True, dir_okay=False),
@@ -920,7 +920,7 @@ def _print_tune_report(result: dict, out: Path) -> None:
     type=click.Choice(BATCH_POLICIES),
     default=serve_default("batch_policy"),
     show_default=True,
-    help="with --max-batch: auto = batched steps vs speculative rounds by measured cost; speculate = exact, per-row rounds only",
+    help="with --max-batch: auto = batched steps vs speculative rounds by measured cost; speculate = exact, per-row rounds only; batched = a batched step whenever two or more rows are ready",
 )
 @click.option(
     "--max-tokens-in-flight",
@@ -959,7 +959,7 @@ def serve(
     backend,
 ):
     """Serve ENGINES over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions
-    (SSE streaming), /v1/models, /metrics (docs/SERVING.md)."""
+    (SSE streaming), /v1/models, /metrics (docs/guide/serving.md)."""
     from .runtime.serve.server import serve as run_server
     from .runtime.serve.settings import ServeConfig
 

@@ -1,7 +1,7 @@
 """A short soak (tests/soak.py, 120 generations) on the tiny pair: mixed prompts and settings, streams equal
 to their results, invalid calls refused, forks made and dropped; the process's peak RSS
 after the warm-up must stay within 5% (the 1,000-generation run: ``python tests/soak.py
---engines FOLDER``, docs/HARDENING.md)."""
+--engines FOLDER``, docs/guide/hardening.md)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ tensorrt :class:`~.trt.TrtModel`                      tensorrt >= 10.1, cuda-pyt
 The default is ``ort-cpu``, the only backend that has run on real hardware; a GPU backend
 is used only when asked for by name (``--backend``, ``Engine(backend=...)``), and then
 refused with the reason when this machine cannot run it. The GPU backends have not been run
-on a GPU yet (docs/GPU.md); they are tested against a stand-in (tests/fake_gpu.py).
+on a GPU yet (docs/guide/gpu.md); they are tested against a stand-in (tests/fake_gpu.py).
 """
 
 from __future__ import annotations

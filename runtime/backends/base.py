@@ -110,7 +110,7 @@ class ThreadConfig:
             the draft (:meth:`for_draft`): one thread below :data:`DRAFT_ONE_THREAD_BELOW`
             parameters (the embedded 1.6M-parameter draft: 1.10 vs 1.47 ms per step with
             two, scripts/measure_costs.py), ``intra_op`` above (Qwen2.5-Coder-0.5B int4: 19.3 ms per
-            step on two threads, 26.0 on one, docs/REAL_PAIR.md).
+            step on two threads, 26.0 on one, docs/guide/real-pair.md).
     """
 
     intra_op: int = 2

@@ -1,7 +1,7 @@
 """onnxruntime on the GPU (CUDAExecutionProvider) with the in-place KV design of
 :mod:`specrt.runtime.backends.ort`, the KV buffers living in device memory.
 
-NOT RUN ON A GPU YET (docs/GPU.md). The same class runs with ``device_type="cpu"``
+NOT RUN ON A GPU YET (docs/guide/gpu.md). The same class runs with ``device_type="cpu"``
 (onnxruntime-allocated host buffers, CPU provider); the CPU tests use that mode, so
 everything but the provider and the device allocation is exercised on CPU machines.
 

@@ -19,7 +19,7 @@ and past context is given", measured on onnxruntime 1.32), so one target pass ca
 several rows' candidates; a row's speculative round is a batch-1 call on its slot.
 
 Numerics (measured with :func:`specrt.runtime.lab.exactness.measure_batched`, recorded in
-docs/SERVING.md): a batched q = 1 call over ``n >= 2`` rows runs MatMulNBits with M = n rows
+docs/guide/serving.md): a batched q = 1 call over ``n >= 2`` rows runs MatMulNBits with M = n rows
 (its GEMM path), and its rows are bit-identical to the rows of batch-1 calls at least
 ``exact_min_q`` wide; ``n = 1`` is the 1-row GEMV path, which rounds differently, so the
 scheduler never makes a batched call over one row.

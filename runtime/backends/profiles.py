@@ -20,7 +20,7 @@ rows), both as ``(min, opt, max)``. One profile per use:
 Past length. TensorRT supports empty (zero-volume) tensors and documents zero-length
 dimensions as ordinary ("Empty Tensors" in the TensorRT developer guide), so the first
 prompt chunk at L = 0 is in range with ``past_min = 0`` (:data:`PAST_MIN`). This has
-not been run on a GPU yet (docs/GPU.md). If a TensorRT version refuses a 0 in a profile,
+not been run on a GPU yet (docs/guide/gpu.md). If a TensorRT version refuses a 0 in a profile,
 the workaround is built in: ``pad = 1`` (``python -m specrt.export.trt_build --past-pad 1``) writes an
 ONNX in which every past input carries one leading dummy row that the graph slices off
 before use (:func:`specrt.export.onnx_precision.add_past_pad`), so TensorRT sees

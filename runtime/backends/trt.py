@@ -2,7 +2,7 @@
 profiles; the same interface as :class:`~specrt.runtime.backends.ort.OrtModel`. Needs
 TensorRT >= 10.1 (:data:`MIN_TENSORRT`).
 
-NOT RUN ON A GPU YET (docs/GPU.md): on CPU machines this module is tested against a
+NOT RUN ON A GPU YET (docs/guide/gpu.md): on CPU machines this module is tested against a
 stand-in for ``tensorrt`` and ``cuda.bindings.runtime`` that executes the ONNX model with
 onnxruntime and refuses what TensorRT documents as refused (tests/fake_gpu.py).
 

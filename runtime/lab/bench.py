@@ -225,7 +225,7 @@ def _measure(engine: Engine, prompts, configs, repeats: int, progress, trace) ->
     """Every (repeat, prompt, config) generation, the config order rotated per prompt; per
     config label, one dict of figures per generation. Every generation runs cold: the
     Engine's prefix cache is off meanwhile (the same prompt under the next config would
-    otherwise reuse the last one's rows; docs/PREFIX_CACHE.md)."""
+    otherwise reuse the last one's rows; docs/guide/prefix-cache.md)."""
     was, engine.prefix_cache, engine.cached = engine.prefix_cache, False, None
     try:
         return _measure_cold(engine, prompts, configs, repeats, progress, trace)

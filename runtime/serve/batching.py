@@ -35,7 +35,7 @@ Numerics: a row's speculative rounds are the single-sequence decode loop bit for
 slot is a batch-1 model of the same graph), so a greedy request that is only ever run
 speculatively equals the same request alone. A batched step's rows differ from batch-1
 rows by the kernels' rounding (GroupQueryAttention's q = 1 path; about 6e-6, amplified by
-int8 activation quantization in int4 accuracy-level-4 graphs; docs/SERVING.md), so greedy
+int8 activation quantization in int4 accuracy-level-4 graphs; docs/guide/serving.md), so greedy
 outputs after a batched step may differ from the request alone at near-ties.
 ``policy="speculate"`` never makes batched steps (exact, no batching speedup).
 """
