@@ -229,10 +229,17 @@ def test_bad_requests_get_4xx_json(server, raw, status, param, needle):
 def test_other_routes(server):
     status, text = get(server.port, "/v1/models")
     assert status == 200 and json.loads(text)["data"][0]["id"] == "tiny"
+    before = read_metrics(server.port)
     status, text = get(server.port, "/v1/completions")
     assert status == 405 and "not allowed" in json.loads(text)["error"]["message"]
     status, text = get(server.port, "/nope")
     assert status == 404 and "POST /v1/chat/completions" in json.loads(text)["error"]["message"]
+    after = read_metrics(server.port)
+    key = 'specrt_requests_total{outcome="invalid"}'
+    assert after[key] - before[key] == 2  # 404 and 405 are requests too
+    # a JSON body under another content type is not parsed: say so, not "got bytes"
+    status, out, _ = post(server.port, raw=b'{"prompt": "x"}', headers={"Content-Type": "text/plain"})
+    assert status == 400 and "Content-Type: application/json" in out["error"]["message"], out
     _, stream_err, _ = post_stream(server.port, dict(prompt="x", max_tokens=-1))  # refused before the stream starts
     assert "max_tokens" in stream_err[0]["error"]["message"]
 

@@ -308,8 +308,9 @@ def _install_error_handlers(app, metrics, fields: dict[str, list[str]]):
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        metrics.count("invalid")  # one count per HTTP request, unknown routes and methods included
         hint = {
-            404: f"no route {request.url.path}; routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /metrics, GET /health",
+            404: f"no route {request.url.path}; routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{{id}}, GET /metrics, GET /health, GET /docs",
             405: f"method {request.method} not allowed on {request.url.path}",
         }.get(exc.status_code, str(exc.detail))
         return err(exc.status_code, hint, None, "invalid_request_error")

@@ -84,7 +84,7 @@ def _common_fields():
         stop: Optional[Union[StrictStr, list[StrictStr]]] = Field(None, description=f"up to {OPENAI_MAX_STOPS} stop strings")
         stream: Optional[StrictBool] = None
         stream_options: Optional[StreamOptions] = None
-        seed: Optional[StrictInt] = Field(None, ge=0, le=2**63 - 1, description="choice i > 0 uses a seed derived from it (docs/SERVING.md)")
+        seed: Optional[StrictInt] = Field(None, ge=0, le=2**63 - 1, description="choice i > 0 uses a seed derived from it (docs/guide/serving.md)")
         presence_penalty: Optional[StrictFloat] = None
         frequency_penalty: Optional[StrictFloat] = None
         logit_bias: Optional[dict[str, Any]] = None
@@ -215,6 +215,9 @@ def validation_message(errors: list[dict], fields: Sequence[str]) -> tuple[str, 
             return f"request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})", None
         if not loc:
             got = err.get("input")
+            if isinstance(got, (bytes, str)):
+                # FastAPI parses JSON only under a JSON content type; anything else arrives raw
+                return "request body must be a JSON object sent with Content-Type: application/json (this body was not read as JSON)", None
             return f"request body must be a JSON object, got {type(got).__name__}", None
         by_field.setdefault(loc[0], []).append(dict(err, _loc=loc))
     parts = []
