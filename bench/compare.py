@@ -62,6 +62,7 @@ import numpy as np
 from specrt.bench.common import command, logger, say_machine, write_json
 from specrt.bench.compare_plots import make_plots
 from specrt.runtime.machine import machine_record
+from specrt.runtime.stats import acceptance_rate
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository (bench/ sits at its top): the workers' folder, relative venv paths
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -213,7 +214,7 @@ def summarize(rows: list[dict], runs: dict[str, list[dict]], n_prompts: int, bas
         prop = [x["extra"].get("proposed") for x in xs]
         acc = [x["extra"].get("accepted") for x in xs]
         if all(p is not None for p in prop) and all(a is not None for a in acc) and sum(prop) > 0:
-            row["acceptance_rate"] = sum(acc) / sum(prop)
+            row["acceptance_rate"] = acceptance_rate(sum(acc), sum(prop))  # the one definition (runtime/stats.py)
         if all("hist" in x["extra"] for x in xs):
             width = max(len(x["extra"]["hist"]) for x in xs)
             h = np.sum([np.pad(x["extra"]["hist"], (0, width - len(x["extra"]["hist"]))) for x in xs], axis=0)

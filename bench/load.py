@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 
 from specrt.bench.common import emit
 from specrt.bench.servers import free_port
+from specrt.runtime.stats import acceptance_rate, mean_accepted
 
 MAX_REQUESTS = 100_000
 MAX_SECONDS = 3600
@@ -291,6 +292,11 @@ METRIC_DELTAS = (
 )
 
 
+def _finite(x: float, digits: int) -> float | None:
+    """``x`` rounded, None when it is nan (a ratio over zero)."""
+    return None if x != x else round(x, digits)
+
+
 def _ratio(num: float, den: float, digits: int) -> float | None:
     """``num / den`` rounded, None when ``den`` is 0."""
     return round(num / den, digits) if den else None
@@ -343,8 +349,9 @@ def summarize(args: argparse.Namespace, run: dict) -> dict:
             q: r4(v) for q, v in (("p50", percentile(lat, 50)), ("p90", percentile(lat, 90)), ("p99", percentile(lat, 99)), ("max", max(lat) if lat else None))
         },
         "ttft_s": {q: r4(v) for q, v in (("p50", percentile(ttft, 50)), ("p99", percentile(ttft, 99)))} if args.stream else None,
-        "acceptance_rate": _ratio(d["specrt_draft_tokens_accepted_total"], d["specrt_draft_tokens_proposed_total"], 4),
-        "mean_accepted_length": _ratio(d["specrt_draft_tokens_accepted_total"], d["specrt_verify_passes_total"], 3),
+        # the one definition of each (runtime/stats.py), None where nothing was proposed
+        "acceptance_rate": _finite(acceptance_rate(d["specrt_draft_tokens_accepted_total"], d["specrt_draft_tokens_proposed_total"]), 4),
+        "mean_accepted_length": _finite(mean_accepted(d["specrt_draft_tokens_accepted_total"], d["specrt_verify_passes_total"]), 3),
         "cpu_count": os.cpu_count(),
         # other processes on the machine slow everything: the 1-minute load average at the
         # start and end of the run (2 cores: above 2 means the run did not have them alone)
