@@ -10,7 +10,7 @@ MAX_CTX ?= 1024
 # the CPU wheel of torch==2.13.0 lies here on this project's machines (an unpinned torch pulls a CUDA build)
 PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-# benchmark anchors (issues 5, 14): own venvs where their pins clash with the main one
+# benchmark anchors: own venvs where their pins clash with the main one
 OPT_VENV ?= .venv-optimum
 OG_VENV ?= .venv-ortgenai
 OV_VENV ?= .venv-openvino
@@ -37,7 +37,7 @@ install: $(BIN)/python
 # (docs/guide/engines.md); `make export PRECISION=fp32 ENGINES=engines/fp32` for the fp32 engines
 PRECISION ?= int4
 
-# models/tuned_defaults.json: the decoding defaults chosen with `specrt tune` (README, "Measured figures")
+# models/tuned_defaults.json: the decoding defaults chosen with `specrt tune` (docs/guide/engines.md, decoding defaults)
 # models/target/tokenizer_config.json holds the chat template copied into the engine folder
 $(ENGINES)/manifest.json: models/target/model.safetensors models/draft/model.safetensors models/tuned_defaults.json models/target/tokenizer_config.json
 	$(BIN)/specrt export --draft models/draft --target models/target --out $(ENGINES) --k-max $(K_MAX) --max-ctx $(MAX_CTX) --precision $(PRECISION) --defaults models/tuned_defaults.json

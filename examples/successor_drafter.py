@@ -33,10 +33,14 @@ class SuccessorDrafter:
 
     Args:
         vocab: width of the draft logits rows the acceptor reads (``engine.draft.vocab``).
+        kv: the draft KV rows the prefix cache holds for this prompt (``make``'s ``kv``).
 
     Attributes (the :class:`~specrt.runtime.drafters.Drafter` protocol):
         draft: None (no draft model: the draft's KV is never touched).
-        kv, aligned: 0 (no draft KV rows; nothing for the prefix cache to reuse).
+        kv, aligned: the draft KV rows the prefix cache holds for this prompt, passed
+            through untouched (as the n-gram drafter does): this drafter never calls the
+            draft model, so rows that were reusable stay reusable for a later request
+            that drafts with the model (0 without a prefix cache hit).
         model_calls: 0 (the decode loop resets it every round; nothing here counts).
         forced_steps: [] (the loop clears it every round; a constraint's forced token
             reaches this drafter only as a masked row, never as a forced step).
@@ -45,8 +49,8 @@ class SuccessorDrafter:
 
     draft = None
 
-    def __init__(self, vocab: int):
-        self.kv = self.aligned = 0
+    def __init__(self, vocab: int, kv: int = 0):
+        self.kv = self.aligned = kv  # the draft KV's reusable rows stay reusable
         self.model_calls = 0
         self.forced_steps: list[int] = []
         self.counts: dict[int, dict[int, int]] = {}
@@ -93,5 +97,5 @@ def register(name: str = "successor") -> str:
     Raises:
         ValueError: ``name`` is empty or a built-in drafter's.
     """
-    register_drafter(name, lambda draft, vocab, k_max, kv: SuccessorDrafter(vocab), free=True)
+    register_drafter(name, lambda draft, vocab, k_max, kv: SuccessorDrafter(vocab, kv), free=True)
     return name
