@@ -61,7 +61,7 @@ class ChatTemplate:
             from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError as e:
-            raise TemplateSourceError(f"chat templates need jinja2 (the [serve] extra): pip install 'specrt[serve]' ({e})") from None
+            raise TemplateSourceError(f"chat templates need jinja2 (the [serve] extra): pip install -e '.[serve]' in the specrt checkout ({e})") from None
 
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)

@@ -322,7 +322,9 @@ def export(
     try:
         from .export.pipeline import export_pair
     except ImportError as e:
-        raise click.ClickException(f"export needs the [export] extra (torch, transformers, onnx): pip install 'specrt[export]' ({e})") from None
+        raise click.ClickException(
+            f"export needs the [export] extra (torch, transformers, onnx): pip install -e '.[export]' in the specrt checkout ({e})"
+        ) from None
     try:
         export_pair(
             draft,
@@ -365,7 +367,7 @@ def plans(ctx, engines, precision, workspace_gb, prefill_q, past_pad, opt_level,
     try:
         from .export.trt_build import TrtBuildConfig, build_folder
     except ImportError as e:
-        raise click.ClickException(f"plans need the [export] extra (onnx): pip install 'specrt[export]' ({e})") from None
+        raise click.ClickException(f"plans need the [export] extra (onnx): pip install -e '.[export]' in the specrt checkout ({e})") from None
     cfg = TrtBuildConfig(precision, workspace_gb, prefill_q, past_pad, opt_level)
     ctx.exit(build_folder(engines, cfg, if_available, skip_if_built, log=lambda s: click.echo(s, err=True)))
 

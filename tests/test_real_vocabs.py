@@ -371,7 +371,10 @@ def test_tokenizer_guard_refuses_in_one_line(real_tokenizer, tmp_path):
         check_tokenizer(folder, folder / "tokenizer.json", log=lambda *_: None, auto=auto)
     assert err.value.param == "tokenizer" and repr(first) in str(err.value) and "Qwen2Tokenizer" in str(err.value)
     res = CliRunner().invoke(cli, ["export", "--draft", str(folder), "--target", str(folder), "--out", str(tmp_path / "e")])
-    assert res.exit_code != 0 and repr(first) in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    *before, last = res.output.strip().splitlines()
+    # the refusal is one line; before it only the export's first line (the disk estimate)
+    assert res.exit_code != 0 and last.startswith("Error:") and repr(first) in last, res.output
+    assert all(line.startswith("disk: ") for line in before), res.output
     assert not (tmp_path / "e" / "manifest.json").exists()
 
 

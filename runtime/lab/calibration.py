@@ -430,7 +430,7 @@ def plot_reliability(report: CalibrationReport, path) -> None:
     with the diagonal, the gap to it, and the share of positions per bin.
 
     Raises:
-        ImportError: matplotlib is not installed (``pip install 'specrt[tune]'``).
+        ImportError: matplotlib is not installed (``pip install -e '.[tune]' in the specrt checkout``).
     """
     import matplotlib
 

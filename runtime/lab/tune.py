@@ -501,7 +501,7 @@ def plot_results(result: dict, out_dir: str | Path) -> list[str]:
         the written paths.
 
     Raises:
-        ImportError: matplotlib is not installed (``pip install 'specrt[tune]'``).
+        ImportError: matplotlib is not installed (``pip install -e '.[tune]' in the specrt checkout``).
     """
     import matplotlib
 

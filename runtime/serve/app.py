@@ -40,7 +40,9 @@ def require_serve_extra() -> None:
         import prometheus_client  # noqa: F401
         import pydantic  # noqa: F401
     except ImportError as e:
-        raise ServeError(f"serving needs the [serve] extra (FastAPI, uvicorn, jinja2, prometheus_client): pip install 'specrt[serve]' ({e})") from None
+        raise ServeError(
+            f"serving needs the [serve] extra (FastAPI, uvicorn, jinja2, prometheus_client): pip install -e '.[serve]' in the specrt checkout ({e})"
+        ) from None
 
 
 class _ApiKey:

@@ -18,7 +18,7 @@ Two ways to start it::
     # Ray Serve's own CLI (also usable in a Serve config file for `serve deploy`)
     serve run specrt.runtime.serve.ray_serve:app_builder engines=/abs/engines/default num_replicas=2
 
-Requirements on every node: ``pip install 'specrt[serve,ray]'`` and the engine folder at
+Requirements on every node: ``pip install -e '.[serve,ray]' in the specrt checkout`` and the engine folder at
 the same path (or a shared file system). Ray is imported only inside these functions.
 """
 

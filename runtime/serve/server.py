@@ -175,7 +175,7 @@ def serve(cfg: ServeConfig | str | Path, **kw) -> None:
     try:
         import uvicorn
     except ImportError as e:
-        raise ServeError(f"serving needs the [serve] extra (FastAPI, uvicorn): pip install 'specrt[serve]' ({e})") from None
+        raise ServeError(f"serving needs the [serve] extra (FastAPI, uvicorn): pip install -e '.[serve]' in the specrt checkout ({e})") from None
     from ..backends.base import ThreadConfig
 
     _setup_log(cfg.log_level)
