@@ -143,6 +143,20 @@ class Worker:
             self.proc.wait()
 
 
+def call_row(worker: "Worker", row: dict, request: dict, timeout: float, where: str) -> dict | None:
+    """One worker call for ``row``; on an exception or a not-ok answer the row is marked
+    ``failed`` with ``where`` in its error and None is returned (the bench goes on)."""
+    try:
+        ans = worker.call(request, timeout)
+    except Exception as e:  # noqa: BLE001
+        row["status"], row["error"] = "failed", f"{where}: {type(e).__name__}: {e}"
+        return None
+    if not ans.get("ok"):
+        row["status"], row["error"] = "failed", f"{where}: {ans.get('error')}"
+        return None
+    return ans
+
+
 def run_record(prompt: int, repeat: int, ans: dict) -> dict:
     """One measured call as the summaries read it, from a worker's ``run`` answer."""
     return dict(
@@ -741,13 +755,8 @@ def interleave(c, rows: _Rows, workers: dict) -> dict:
                 break
             shift = (i + rep) % len(live)
             for r in live[shift:] + live[:shift]:
-                try:
-                    ans = workers[r["label"]].call({"op": "run", "ids": x, "max_new_tokens": a.max_new_tokens}, a.call_timeout)
-                except Exception as e:  # noqa: BLE001
-                    r["status"], r["error"] = "failed", f"prompt {i}: {type(e).__name__}: {e}"
-                    continue
-                if not ans.get("ok"):
-                    r["status"], r["error"] = "failed", f"prompt {i}: {ans.get('error')}"
+                ans = call_row(workers[r["label"]], r, {"op": "run", "ids": x, "max_new_tokens": a.max_new_tokens}, a.call_timeout, f"prompt {i}")
+                if ans is None:
                     continue
                 runs[r["label"]].append(run_record(i, rep, ans))
                 done += 1

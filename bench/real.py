@@ -37,7 +37,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from specrt.bench.common import command, logger, say_machine, write_json
-from specrt.bench.compare import WORKERS, Worker, run_record, summarize, venv_python
+from specrt.bench.compare import WORKERS, Worker, call_row, run_record, summarize, venv_python
 from specrt.runtime.machine import machine_record
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository (bench/ sits at its top)
@@ -85,15 +85,9 @@ def run_rows(rows: list[dict], ids: list, labels: list, repeats: int, max_new: i
             order = [r for r in live if r["status"] == "ok"]
             shift = (i + rep) % max(1, len(order))
             for r in order[shift:] + order[:shift]:
-                try:
-                    ans = workers[r["label"]].call({"op": "run", "ids": x, "max_new_tokens": max_new}, timeout)
-                except Exception as e:  # noqa: BLE001
-                    r["status"], r["error"] = "failed", f"{labels[i]}: {type(e).__name__}: {e}"
-                    continue
-                if not ans.get("ok"):
-                    r["status"], r["error"] = "failed", f"{labels[i]}: {ans.get('error')}"
-                    continue
-                runs[r["label"]].append(run_record(i, rep, ans))
+                ans = call_row(workers[r["label"]], r, {"op": "run", "ids": x, "max_new_tokens": max_new}, timeout, labels[i])
+                if ans is not None:
+                    runs[r["label"]].append(run_record(i, rep, ans))
             log(f"repeat {rep + 1}/{repeats}, prompt {i + 1}/{len(ids)} ({labels[i]}): {time.time() - t0:.0f} s")
     for r in rows:
         w = workers.get(r["label"])

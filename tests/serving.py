@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+# the benches' loopback helpers, shared with the tests (re-exported: tests import them from here)
+from specrt.bench.servers import HOST, free_port, read_metrics  # noqa: F401
 
 
 class Server:
@@ -111,19 +105,3 @@ def post_stream(port, body, timeout=120, path="/v1/completions", headers=None):
         return r.status, events, done
     finally:
         conn.close()
-
-
-def read_metrics(port) -> dict[str, float]:
-    """``/metrics`` as {sample with labels, ``model_name`` left out: value}."""
-    status, text = get(port, "/metrics")
-    assert status == 200
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            if "{" in name:
-                base, labels = name[:-1].split("{", 1)
-                kept = ",".join(p for p in labels.split(",") if not p.startswith("model_name="))
-                name = f"{base}{{{kept}}}" if kept else base
-            out[name] = float(value)
-    return out
