@@ -934,7 +934,7 @@ def _print_tune_report(result: dict, out: Path) -> None:
     "--prefix-cache-tokens",
     type=click.IntRange(0),
     default=serve_default("prefix_cache_tokens"),
-    help="prefix cache budget in tokens over all workers (default: each worker keeps its last prompt's reusable KV rows; 0: off); output is the same with or without it",
+    help="prefix cache budget in tokens over all workers or --max-batch slots (default: each worker or free slot keeps its last prompt's reusable KV rows; 0: off); output is the same with or without it",
 )
 @_threads_option
 @_backend_option

@@ -273,7 +273,7 @@ SCHEDULER_IMPORTS = {
     "specrt.runtime.costs": {"EMA", "BatchCosts", "measure_step_costs", "recorded_costs"},
     "specrt.runtime.engine": {"Engine"},
     "specrt.runtime.generation": {"Generation"},
-    "specrt.runtime.serve.jobs": {"Job", "ServeError", "ServerBusy", "fail", "finish", "run_prompt", "send_text"},
+    "specrt.runtime.serve.jobs": {"Job", "ServeError", "ServerBusy", "fail", "finish", "route_key", "run_prompt", "send_text"},
     "specrt.runtime.serve.metrics": {"BatchMetrics"},
     "specrt.runtime.serve.settings": {"BATCH_POLICIES", "DEFAULT_BATCH_POLICY", "DEFAULT_MAX_QUEUE"},
 }
@@ -282,13 +282,14 @@ SCHEDULER_IMPORTS = {
 SCHEDULER_DEFINES = {
     *("choose_mode", "_claim", "_Row", "done", "BatchPool", "__init__", "load", "workers", "busy", "queued", "steps", "attach_metrics"),
     *("submit", "submit_all", "close", "_loop", "_in_flight", "_iterate", "_admit_waiting", "_mode", "_admit", "_run", "_round"),
-    *("_batched_step", "_compact_ready", "_swap", "_end", "_release"),
+    *("_batched_step", "_compact_ready", "_end", "_release"),
+    *("_Spare", "rows", "_Spares", "exchange", "take", "keep"),  # prefix reuse: which slot's KV a request gets
 }
 # A generation (``gen``, ``row.gen``) is touched through its steps (called) and these reads,
 # each with the attributes it may be read further by; it is never written, so a copied
 # commit, rollback or length rule (which must set seq, kv, done or finish_reason, or read
 # n_prompt and the plan) shows.
-GENERATION_STEPS = {"prefill", "step", "push_row", "result"}
+GENERATION_STEPS = {"reuse", "prefill", "step", "push_row", "result", "prefix"}
 GENERATION_READS = {"done": set(), "seq": set(), "kv": {"target"}, "stats": {"target_calls"}, "logprobs": set(), "draft": set()}
 FINISH_REASONS = {"stop", "length", "constraint"}  # a generation's to decide (Generation.push)
 

@@ -25,11 +25,19 @@ def cold():
     return Engine(ENGINES, prefix_cache=False)
 
 
+# one worker, or the batch scheduler with two slots (policy speculate: exact) whose budget
+# gives each slot the same share
+POOLS = {"workers": (("--workers", "1"), 1), "max-batch": (("--max-batch", "2", "--batch-policy", "speculate"), 2)}
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
 @pytest.mark.parametrize("budget", [None, 300])
-def test_conversation_reuses_prefixes_and_reports_them(cold, budget):
+def test_conversation_reuses_prefixes_and_reports_them(cold, budget, pool):
     """Five completions, each the last prompt + its answer + one more prompt. With a budget of
-    300 tokens the 512-row records are cut to 256 rows (an eviction each) and still hit."""
-    args = ("--workers", "1", "--model-name", "m") + (("--prefix-cache-tokens", str(budget)) if budget else ())
+    300 tokens (per worker or slot) the 512-row records are cut to 256 rows (an eviction each)
+    and still hit."""
+    args, share = POOLS[pool]
+    args = args + ("--model-name", "m") + (("--prefix-cache-tokens", str(budget * share)) if budget else ())
     srv = Server(ENGINES, *args)
     try:
         before = read_metrics(srv.port)
@@ -58,8 +66,9 @@ def test_conversation_reuses_prefixes_and_reports_them(cold, budget):
     assert delta("specrt_prefix_cache_evicted_tokens_total") == (0 if budget is None else 256 + 256)
 
 
-def test_prefix_cache_off(cold):
-    srv = Server(ENGINES, "--workers", "1", "--prefix-cache-tokens", "0")
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_prefix_cache_off(cold, pool):
+    srv = Server(ENGINES, *POOLS[pool][0], "--prefix-cache-tokens", "0")
     try:
         text = PROMPTS[0] + PROMPTS[1] + PROMPTS[2]
         for _ in range(2):
@@ -112,9 +121,41 @@ def test_short_prefix_soak_loses_nothing_and_holds_memory(tmp_path):
     assert rep["prefix_cache_hits"] >= 1 and rep["cached_tokens"] >= 256
 
 
-def test_a_budget_with_the_batch_scheduler_is_refused():
-    from specrt.runtime.serve.jobs import ServeError
-    from specrt.runtime.serve.server import ServeConfig, _load_pool
+def test_batch_slots_route_conversations_back_to_their_kv(cold):
+    """Two conversations (one greedy, one sampled with a seed) send each turn together to
+    the batch scheduler's two slots (policy speculate); as rows finish, the KV they leave
+    moves to a free slot, and each follow-up turn is admitted on the slot holding its
+    history: every follow-up hits, and every output equals a cold Engine's."""
+    from test_batching import Events
 
-    with pytest.raises(ServeError, match="--prefix-cache-tokens applies to --workers"):
-        _load_pool(ServeConfig(ENGINES, max_batch=4, prefix_cache_tokens=1024))
+    from specrt.runtime.costs import BatchCosts
+    from specrt.runtime.serve.batching import BatchPool
+    from specrt.runtime.serve.jobs import Job
+
+    eng = Engine(ENGINES)
+    pool = BatchPool(eng, 2, policy="speculate", costs=BatchCosts([0.0, 1e-3, 1e-3]))
+    try:
+        convs = [PROMPTS[0] + PROMPTS[1] + PROMPTS[2], PROMPTS[3] + PROMPTS[4] + PROMPTS[0]]
+        cfgs = [GenerationConfig(max_new_tokens=16), GenerationConfig(max_new_tokens=20, temperature=0.8, seed=5)]
+        hits = []
+        for turn in range(3):
+            evs = [Events(), Events()]
+            pool.submit_all([Job(ids=eng.prompt_ids(c), config=eng.resolve(g), emit=ev) for c, g, ev in zip(convs, cfgs, evs)])
+            for c in range(2):
+                r = evs[c].result()
+                assert r.tokens == cold.generate(convs[c], cfgs[c]).tokens, (turn, c)
+                hits.append(r.stats.cached_tokens)
+                convs[c] += r.text + "\n# next\n"
+        assert hits[:2] == [0, 0] and all(h >= 256 for h in hits[2:]), hits
+        assert pool.queued == 0 and pool.busy == 0
+    finally:
+        pool.close()
+
+
+def test_batch_pool_refuses_a_negative_budget():
+    from specrt.runtime.costs import BatchCosts
+    from specrt.runtime.serve.batching import BatchPool
+    from specrt.runtime.serve.jobs import ServeError
+
+    with pytest.raises(ServeError, match="prefix_cache_tokens=-1; it must be >= 0"):
+        BatchPool(Engine(ENGINES), 2, costs=BatchCosts([0.0, 1e-3, 1e-3]), prefix_cache_tokens=-1)

@@ -16,8 +16,17 @@ Scheduler iteration (:meth:`BatchPool._iterate`)::
               draft fork, its own k, acceptance, commit, rollback) on its slot, batch-1;
               a row that finishes or is cancelled frees its slot at once and a waiting
               request joins before the next row's round
-    finish    rows that hit EOS, a stop string or their length leave; the last slot's KV
-              moves into the hole, so active slots stay a contiguous prefix
+    finish    rows that hit EOS, a stop string or their length leave; the last active
+              slot's KV is exchanged with the hole's, so active slots stay a contiguous
+              prefix and the finished row's KV stays in a free slot for reuse
+
+Prefix reuse (prefix caching): a free slot keeps the KV rows its last request leaves reusable
+(:meth:`Generation.prefix`, :mod:`specrt.runtime.prefix`: the prefill's full aligned chunks,
+target and draft) with the draft fork that holds the draft's rows. A request is admitted on
+the free slot whose record serves its prompt best (the longest reusable prefix, then the
+smallest record to lose, then the least recently used), moved to the next active slot, and
+its prefill skips the reused rows: the output is a cold run's bit for bit (the rows are the
+ones a cold prefill computes). ``prefix_cache_tokens`` bounds what each slot keeps.
 
 Why speculative rounds are batch-1: onnxruntime's CPU GroupQueryAttention refuses batch > 1
 with q > 1 after a past, so one target pass cannot verify several rows' candidates.
@@ -53,7 +62,7 @@ from ..backends.ort_gqa import OrtGqaModel
 from ..backends.ort_gqa_batch import BatchedGqaModel
 from ..costs import EMA, BatchCosts, measure_step_costs, recorded_costs
 from ..generation import Generation
-from .jobs import Job, ServeError, ServerBusy, fail, finish, run_prompt, send_text
+from .jobs import Job, ServeError, ServerBusy, fail, finish, route_key, run_prompt, send_text
 from .metrics import BatchMetrics
 from .settings import BATCH_POLICIES, DEFAULT_BATCH_POLICY, DEFAULT_MAX_QUEUE
 
@@ -93,6 +102,22 @@ def _claim(job: Job) -> int:
 
 
 @dataclass
+class _Spare:
+    """A free slot's draft fork and what the slot's target KV and the fork's draft KV hold
+    for reuse (a :class:`~specrt.runtime.prefix.KVPrefix`, or None), last used at ``used``
+    (a release counter: the least recently used record goes first)."""
+
+    draft: object
+    rec: object = None
+    used: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Target KV rows worth keeping when the slot's KV moves."""
+        return 0 if self.rec is None else self.rec.target_rows
+
+
+@dataclass
 class _Row:
     """One active request: its job, its :class:`~specrt.runtime.generation.Generation`
     (sequence, KV lengths, acceptor, text, stats, its draft fork), its slot, and the running
@@ -110,6 +135,63 @@ class _Row:
     def done(self) -> bool:
         """Ended (EOS, stop string, length, or an error)."""
         return self.failed or self.gen.done
+
+
+class _Spares:
+    """The free slots ``[active rows, max_batch)`` of a :class:`BatchedGqaModel` and what
+    each keeps for prefix reuse (module docstring): a :class:`_Spare` per free slot in
+    :attr:`free`. ``prefix_cache_tokens`` as :class:`BatchPool`'s; ``metrics`` (a
+    :class:`~specrt.runtime.serve.metrics.ServerMetrics`, once attached) counts the
+    budget's evictions.
+
+    Raises:
+        ServeError: a negative ``prefix_cache_tokens``.
+    """
+
+    def __init__(self, batched: BatchedGqaModel, engine, prefix_cache_tokens: int | None):
+        if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
+            raise ServeError(f"prefix_cache_tokens={prefix_cache_tokens}; it must be >= 0 (0: no prefix cache)")
+        self.batched, self.metrics = batched, None
+        self.on = prefix_cache_tokens != 0
+        self.share = None if prefix_cache_tokens is None else prefix_cache_tokens // batched.max_batch
+        self.t_step, self.d_step = engine.target.max_q, engine.draft.max_q
+        self.free = {s: _Spare(engine.draft.fork()) for s in range(batched.max_batch)}
+        self.released = 0
+
+    def exchange(self, a: int, b: int, rows_a: int, rows_b: int) -> None:
+        """Exchange KV rows ``[0, rows_a)`` of slot ``a`` and ``[0, rows_b)`` of slot ``b``
+        (every layer; a copy of b's rows keeps them while a's move)."""
+        if a == b:
+            return
+        bt = self.batched
+        keep = [buf[b, :, :rows_b].copy() for buf in (*bt.keys, *bt.values)]
+        bt.move(a, b, rows_a)
+        for buf, k in zip((*bt.keys, *bt.values), keep):
+            buf[a, :, :rows_b] = k
+
+    def take(self, slot: int, ids) -> _Spare:
+        """Remove and return the free slot record that serves prompt ``ids`` best
+        (:func:`route_key`, then the least recently used), its KV moved to free slot
+        ``slot`` (the next active one)."""
+        free = self.free
+        best = max(free, key=lambda s: (*route_key(free[s].rec, ids, self.t_step), -free[s].used))
+        if best != slot:
+            self.exchange(best, slot, free[best].rows, free[slot].rows)
+            free[best], free[slot] = free[slot], free[best]
+        return free.pop(slot)
+
+    def keep(self, row: _Row) -> _Spare:
+        """What ``row``'s slot keeps once it ends: its draft fork and, with the prefix cache,
+        its reusable rows (none after a failure or cancellation; a record is None when the
+        cache is off), cut to a slot's share of the budget (an eviction, counted)."""
+        rec = row.gen.prefix() if self.on and not row.failed else None
+        if rec is not None and self.share is not None and rec.size > self.share:
+            cut = rec.trimmed(self.share, self.t_step, self.d_step)
+            if self.metrics is not None:
+                self.metrics.prefix_evicted(rec.size - (cut.size if cut is not None else 0))
+            rec = cut
+        self.released += 1
+        return _Spare(row.gen.draft, rec, self.released)
 
 
 class BatchPool:
@@ -134,14 +216,17 @@ class BatchPool:
             two or more rows are ready).
         explore_every: in ``auto``, one row makes a speculative round every this many
             batched steps (keeps its acceptance statistics fresh).
+        prefix_cache_tokens: prefix cache budget over all slots (``// max_batch`` each;
+            module docstring); None: no limit but the KV buffers; 0: off.
         round_delay: test hook: seconds to sleep after each iteration.
         costs: :class:`BatchCosts` to start from (None: the manifest's
             ``extra.tune.batch_step_costs`` from ``specrt tune --batch-costs N`` when it
             covers 1..max_batch, else measured here, about ``6 * max_batch`` steps).
 
     Raises:
-        ServeError: max_batch < 1, max_queue < 1, max_tokens < 1, an unknown policy, or a
-            target that is not a builder graph on onnxruntime CPU.
+        ServeError: max_batch < 1, max_queue < 1, max_tokens < 1, an unknown policy, a
+            negative prefix_cache_tokens, or a target that is not a builder graph on
+            onnxruntime CPU.
     """
 
     def __init__(
@@ -154,6 +239,7 @@ class BatchPool:
         explore_every: int = 16,
         round_delay: float = 0.0,
         costs: BatchCosts | None = None,
+        prefix_cache_tokens: int | None = None,
     ):
         if max_batch < 1:
             raise ServeError(f"max_batch={max_batch}; it must be >= 1")
@@ -173,15 +259,12 @@ class BatchPool:
         self.policy, self.explore_every, self.round_delay = policy, explore_every, round_delay
         self.batched = BatchedGqaModel(engine.target, max_batch, engine.target.max_q)
         self.costs = costs or recorded_costs(engine.manifest, max_batch) or measure_step_costs(self.batched, vocab=engine.manifest.vocab_size)
-        self._free_drafts = [engine.draft.fork() for _ in range(max_batch)]
+        self.spares = _Spares(self.batched, engine, prefix_cache_tokens)
         self._queue: deque = deque()
         self._rows: list[_Row] = []
         self._cond = threading.Condition()
-        self._closed = False
-        self._since_explore = 0
-        self._explore_row = 0
-        # prometheus_client metrics: a registry of their own until attach_metrics puts them
-        # in the server's (CompletionService does)
+        self._closed, self._since_explore, self._explore_row = False, 0, 0
+        # prometheus_client metrics: their own registry until attach_metrics (CompletionService)
         self.metrics = BatchMetrics(engine.folder.name, max_batch, lambda: self.costs.step_s)
         self._thread = threading.Thread(target=self._loop, name="specrt-batch", daemon=True)
         self._thread.start()
@@ -224,6 +307,7 @@ class BatchPool:
         :class:`~specrt.runtime.serve.metrics.ServerMetrics`), labelled with its model name;
         they start from zero there."""
         self.metrics = BatchMetrics(server_metrics.model_name, self.max_batch, lambda: self.costs.step_s, server_metrics.registry)
+        self.spares.metrics = server_metrics
 
     def submit(self, job: Job) -> None:
         """Queue ``job`` (first come first served) without waiting.
@@ -360,17 +444,22 @@ class BatchPool:
 
     def _admit(self, job: Job) -> None:
         """Start ``job``: its prompt part (:func:`~specrt.runtime.serve.jobs.run_prompt`);
-        then, unless it only echoes, in the next free slot: its generation (on a draft
-        fork) and the prefill (first token)."""
-        eng = self.engine
+        then, unless it only echoes, on the free slot whose record serves it best (moved to
+        the next active slot): its generation (on that slot's draft fork, reusing the
+        record) and the prefill (first token)."""
+        eng, slot, spare = self.engine, len(self._rows), None
         try:
             if not run_prompt(eng, job):
                 return
-            row = _Row(job, eng.start(job.ids, job.config, draft=self._free_drafts[-1]), len(self._rows))
-            self._free_drafts.pop()  # taken once the generation exists (a refused config leaves it free)
+            spare = self.spares.take(slot, job.ids)
+            gen = eng.start(job.ids, job.config, draft=spare.draft)
+            gen.reuse(spare.rec)
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            if spare is not None:  # a refused config: the slot keeps its record
+                self.spares.free[slot] = spare
             fail(job, e)
             return
+        row = _Row(job, gen, slot)
         self._rows.append(row)
         self._run(row, lambda: row.gen.prefill(self.batched.slots[row.slot]))
 
@@ -429,16 +518,8 @@ class BatchPool:
         for r in ready:
             if r.slot >= n:
                 other = next(o for o in self._rows if o.slot < n and o not in ready)
-                self._swap(r, other)
-
-    def _swap(self, a: _Row, b: _Row) -> None:
-        """Exchange the slots (and KV rows) of two rows, through a free slot or a copy."""
-        bt = self.batched
-        keep = [(buf[b.slot, :, : b.gen.kv.target].copy()) for buf in (*bt.keys, *bt.values)]
-        bt.move(a.slot, b.slot, a.gen.kv.target)
-        for buf, k in zip((*bt.keys, *bt.values), keep):
-            buf[a.slot, :, : b.gen.kv.target] = k
-        a.slot, b.slot = b.slot, a.slot
+                self.spares.exchange(r.slot, other.slot, r.gen.kv.target, other.gen.kv.target)
+                r.slot, other.slot = other.slot, r.slot
         self._rows.sort(key=lambda r: r.slot)
 
     def _end(self, row: _Row, outcome: str, payload) -> None:
@@ -450,13 +531,15 @@ class BatchPool:
         self._release(row)
 
     def _release(self, row: _Row) -> None:
-        """Free ``row``'s slot and draft; the last slot's row moves into the hole."""
+        """Free ``row``'s slot and draft: the last active slot's row moves into the hole and
+        the hole's KV (what ``row`` leaves for reuse) into the slot it frees."""
         if row not in self._rows:
             return
         self._rows.remove(row)
-        self._free_drafts.append(row.gen.draft)
+        spare, free = self.spares.keep(row), row.slot
         last = max(self._rows, key=lambda r: r.slot, default=None)
         if last is not None and last.slot > row.slot:
-            self.batched.move(last.slot, row.slot, last.gen.kv.target)
-            last.slot = row.slot
+            self.spares.exchange(last.slot, row.slot, last.gen.kv.target, spare.rows)
+            free, last.slot = last.slot, row.slot
+        self.spares.free[free] = spare
         self._rows.sort(key=lambda r: r.slot)

@@ -29,7 +29,7 @@ from ..generation import prompt_only_result
 from ..prefix import aligned_match
 from .settings import DEFAULT_MAX_QUEUE
 
-__all__ = ["ServeError", "ServerBusy", "Job", "Pool", "WorkerPool", "run_prompt", "send_text", "finish", "fail"]
+__all__ = ["ServeError", "ServerBusy", "Job", "Pool", "WorkerPool", "run_prompt", "send_text", "finish", "fail", "route_key"]
 
 log = logging.getLogger("specrt.serve")
 
@@ -166,6 +166,22 @@ def send_text(job: Job, piece: str, logprobs: list | None) -> None:
         job.emit(("text", (piece, new)))
 
 
+def route_key(rec, ids: Sequence[int], step: int) -> tuple[int, int]:
+    """How well a KV holder serves a prompt, for routing a request (larger is better).
+
+    Args:
+        rec: what the holder's KV keeps for reuse (a :class:`~specrt.runtime.prefix.KVPrefix`),
+            or None.
+        ids: the request's prompt token ids.
+        step: the target's call width (rows are reused in whole aligned calls).
+
+    Returns:
+        ``(reusable target rows, -cached tokens)``: the longest reusable prefix first, then
+        the smallest record to lose; ``(0, 0)`` without a record.
+    """
+    return (0, 0) if rec is None else (min(rec.target_rows, aligned_match(rec, ids, step)), -rec.size)
+
+
 class WorkerPool:
     """A fixed number of generator threads, each owning one Engine, fed by a bounded queue
     (a :class:`Pool`).
@@ -297,8 +313,7 @@ class WorkerPool:
         best, key = None, None
         for w in sorted(self._idle):
             eng = self.engines[w]
-            rec = eng.cached  # an idle worker's record does not change meanwhile
-            k = (0, 0) if rec is None else (min(rec.target_rows, aligned_match(rec, job.ids, eng.target.max_q)), -rec.size)
+            k = route_key(eng.cached, job.ids, eng.target.max_q)  # an idle worker's record does not change meanwhile
             if key is None or k > key:
                 best, key = w, k
         return best

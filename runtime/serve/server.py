@@ -54,14 +54,13 @@ log = logging.getLogger("specrt.serve")
 
 
 def _load_pool(cfg: ServeConfig) -> Pool:
-    """The worker pool, or the batch scheduler with ``max_batch``.
+    """The worker pool, or the batch scheduler with ``max_batch`` (each with the prefix
+    cache's budget).
 
     Raises:
-        ServeError: a prefix-cache budget with ``max_batch`` (the scheduler keeps no prefix).
+        ServeError: bad pool settings (the pools' own checks).
     """
     if cfg.max_batch > 0:
-        if cfg.prefix_cache_tokens:
-            raise ServeError("--prefix-cache-tokens applies to --workers; the --max-batch scheduler keeps no prefix between requests (drop one of them)")
         from .batching import BatchPool
 
         return BatchPool.load(
@@ -73,6 +72,7 @@ def _load_pool(cfg: ServeConfig) -> Pool:
             max_tokens=cfg.max_tokens_in_flight,
             policy=cfg.batch_policy,
             round_delay=cfg.round_delay,
+            prefix_cache_tokens=cfg.prefix_cache_tokens,
         )
     return WorkerPool.load(
         cfg.engines,

@@ -43,9 +43,10 @@ class ServeConfig:
         max_batch: > 0: continuous batching of up to this many requests in one scheduler
             (:class:`~specrt.runtime.serve.batching.BatchPool`; ``workers`` is ignored).
         batch_policy, max_tokens_in_flight: the BatchPool's ``policy`` and ``max_tokens``.
-        prefix_cache_tokens: the workers' prefix-cache budget in tokens
-            (:class:`~specrt.runtime.serve.jobs.WorkerPool`); None: no limit but the KV
-            buffers; 0: off. Not used with ``max_batch`` (the scheduler keeps no prefix).
+        prefix_cache_tokens: the prefix cache's budget in tokens over all workers
+            (:class:`~specrt.runtime.serve.jobs.WorkerPool`) or batch slots
+            (:class:`~specrt.runtime.serve.batching.BatchPool`); None: no limit but the KV
+            buffers; 0: off.
     """
 
     engines: str | Path
