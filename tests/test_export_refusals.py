@@ -25,15 +25,22 @@ from specrt.runtime.errors import ExportError, PairError, UnsupportedModelError 
 VOCAB = [f"tok{i}" for i in range(64)] + ["<|endoftext|>"]
 
 
-def write_gguf(path: Path, arch: str = "llama", tokens: list[str] = VOCAB, name: str = "tiny") -> Path:
-    """A GGUF file with ``general.architecture`` = ``arch``, the vocabulary ``tokens`` and
-    one float32 tensor ``[len(tokens), 8]`` (the token embedding)."""
+def write_gguf(
+    path: Path, arch: str = "llama", tokens: list[str] = VOCAB, name: str = "tiny", token_types: list[int] | None = None, merges: list[str] | None = None
+) -> Path:
+    """A GGUF file with ``general.architecture`` = ``arch``, the vocabulary ``tokens`` (with
+    ``token_types`` and BPE ``merges`` when given) and one float32 tensor ``[len(tokens), 8]``
+    (the token embedding)."""
     from gguf import GGUFWriter
 
     w = GGUFWriter(str(path), arch)
     w.add_name(name)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
+    if token_types is not None:
+        w.add_token_types(token_types)
+    if merges is not None:
+        w.add_token_merges(merges)
     w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -148,3 +155,88 @@ def test_disk_estimate_per_precision_and_conversion(tmp_path):
     fp32 = preflight.estimate_disk(infos, out, ExportOptions(precision="fp32"))
     assert fp32 == {out: {"bytes": 4 * 4 * n, "parts": ["draft fp32 0.4 GB", "target fp32 1.2 GB"]}}
     assert preflight.check_disk({out: {"bytes": 10**6, "parts": []}})[0].startswith(f"about 1 MB in {out}, ")
+
+
+# A GGUF file beside a Hugging Face folder (tokenizer.json): compared before the conversion.
+MERGES = ["t o", "to k", "tok 1", "tok 2"]
+PADDED = VOCAB + ["[PAD65]", "[PAD66]", "[PAD67]"]  # llama.cpp pads a vocabulary so (Qwen: 151,665 -> 151,936)
+PADDED_TYPES = [1] * 64 + [3] + [5] * 3  # NORMAL, CONTROL (<|endoftext|>), UNUSED
+
+
+def write_folder(path: Path, vocab: list[str] = VOCAB, merges: list = MERGES, pairs: bool = True) -> Path:
+    """A Hugging Face folder with a config.json (llama) and a BPE tokenizer.json: ``vocab``'s
+    last entry as an added token, the others as the model vocabulary; ``merges`` written as
+    [a, b] pairs (``pairs``, tokenizers >= 0.20) or as "a b" strings."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    tok = {
+        "version": "1.0",
+        "added_tokens": [
+            {"id": len(vocab) - 1, "content": vocab[-1], "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+        ],
+        "model": {"type": "BPE", "vocab": {t: i for i, t in enumerate(vocab[:-1])}, "merges": [m.split(" ") if pairs else m for m in merges]},
+    }
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    return path
+
+
+def padded_gguf(path: Path, tokens: list[str] = PADDED, types: list[int] | None = PADDED_TYPES, merges: list[str] = MERGES) -> Path:
+    return write_gguf(path, tokens=tokens, token_types=types, merges=merges)
+
+
+@pytest.mark.parametrize("gguf_role", ["draft", "target"])
+@pytest.mark.parametrize("pairs", [True, False], ids=["merge-pairs", "merge-strings"])
+def test_gguf_and_folder_with_one_vocabulary_reach_the_conversion(tmp_path, no_conversion, gguf_role, pairs):
+    """The control: the GGUF's ids beyond tokenizer.json's are padding (type UNUSED), the
+    merges equal whichever way tokenizer.json stores them; the export reaches the conversion."""
+    g, f = padded_gguf(tmp_path / "m.gguf"), write_folder(tmp_path / "hf", pairs=pairs)
+    d, t = (g, f) if gguf_role == "draft" else (f, g)
+    err = one_line_error(run_export(d, t, tmp_path / "out"))
+    assert "conversion started" in err and no_conversion == ["m.gguf"]
+
+
+@pytest.mark.parametrize("gguf_role", ["draft", "target"])
+def test_gguf_and_folder_differing_in_one_token_are_refused_before_any_conversion(tmp_path, no_conversion, gguf_role):
+    g = padded_gguf(tmp_path / "m.gguf")
+    f = write_folder(tmp_path / "hf", vocab=[*VOCAB[:5], "tox5", *VOCAB[6:]])
+    d, t = (g, f) if gguf_role == "draft" else (f, g)
+    err = one_line_error(run_export(d, t, tmp_path / "out"))
+    gd, ft = ("draft", "target") if gguf_role == "draft" else ("target", "draft")
+    names = {"draft": "m.gguf", "target": str(f)} if gguf_role == "draft" else {"draft": str(f), "target": "m.gguf"}
+    assert f"draft {names['draft']} and target {names['target']} have different vocabularies (draft has 65 tokens, target 65;" in err
+    assert f"1 only in the {gd} (e.g. 'tok5'=5)" in err and f"1 only in the {ft} (e.g. 'tox5'=5)" in err
+    assert "pick a draft trained with the target's tokenizer" in err
+    assert no_conversion == [] and not (tmp_path / "out").exists()
+
+
+def test_gguf_and_folder_differing_in_one_merge_are_refused_before_any_conversion(tmp_path, no_conversion):
+    g = padded_gguf(tmp_path / "m.gguf")
+    f = write_folder(tmp_path / "hf", merges=[MERGES[0], "to kk", *MERGES[2:]])
+    err = one_line_error(run_export(g, f, tmp_path / "out"))
+    assert f"draft m.gguf and target {f} have the same tokens but different BPE merges (draft has 4 merges, target 4; " in err
+    assert "first difference at rank 1: draft 'to k', target 'to kk'" in err
+    assert no_conversion == []
+
+
+def test_gguf_ids_beyond_the_folder_must_be_padding(tmp_path):
+    """A GGUF id beyond tokenizer.json's is allowed only as padding: token type UNUSED, or,
+    in a file without token types, text "[PADn]"."""
+    f = preflight.read_input("target", write_folder(tmp_path / "hf"))
+
+    def check(name, **kw):
+        preflight.check_gguf_folder_vocabularies(preflight.read_input("draft", padded_gguf(tmp_path / name, **kw)), f)
+
+    check("no-types.gguf", types=None)  # "[PADn]" texts, no token types
+    with pytest.raises(PairError, match=r"draft has 66 tokens, target 65; 1 only in the draft \(e.g. 'extra'=65\)"):
+        check("normal.gguf", tokens=[*VOCAB, "extra", "[PAD66]"], types=[*PADDED_TYPES[:65], 1, 5])
+    with pytest.raises(PairError, match=r"1 only in the draft \(e.g. 'extra'=65\)"):
+        check("no-types-extra.gguf", tokens=[*VOCAB, "extra"], types=None)
+    with pytest.raises(PairError, match=r"draft has 64 tokens, target 65; 1 only in the target \(e.g. '<\|endoftext\|>'=64\)"):
+        check("short.gguf", tokens=VOCAB[:-1], types=None)
+
+
+def test_folder_beside_a_gguf_needs_a_tokenizer_json(tmp_path, no_conversion):
+    f = write_folder(tmp_path / "hf")
+    (f / "tokenizer.json").unlink()
+    err = one_line_error(run_export(f, padded_gguf(tmp_path / "m.gguf"), tmp_path / "out"))
+    assert f"draft checkpoint {f} has no tokenizer.json" in err and no_conversion == []
