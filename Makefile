@@ -195,3 +195,40 @@ models: install
 
 clean:
 	rm -rf $(ENGINES)/*.onnx $(ENGINES)/manifest.json $(ENGINES)/tokenizer.json bench_out
+
+# kernel spike (spikes/kernel/README.md, docs/results/kernel-spike.md): a Q4_K/Q6_K matmul straight
+# from the GGUF's blocks against onnxruntime's MatMulNBits and ggml's mul_mat, q = 1..9 (real target GGUF).
+# ggml: the CPU library only, from the llama-cpp-python sdist, native ISA without AMX (AMX segfaults here)
+KS_DIR := spikes/kernel
+KS_BUILD := $(KS_DIR)/build
+KS_LL := $(KS_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON)
+KS_NOAMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+KS_OUT ?= docs/bench/kernel_spike/intel_xeon_avx512vnni_amx.json
+KS_REPS ?= 15
+
+$(KS_BUILD)/libq4k.so: $(KS_DIR)/q4k.c
+	mkdir -p $(KS_BUILD)
+	gcc -O3 -march=native $(KS_NOAMX) -ffp-contract=off -fopenmp -shared -fPIC -Wall -o $@ $<
+
+$(KS_LL)/.unpacked:
+	mkdir -p $(KS_BUILD)
+	$(BIN)/pip download -q --no-binary :all: --no-deps -d $(KS_BUILD) llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	tar xzf $(KS_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(KS_BUILD)
+	touch $@
+
+$(KS_BUILD)/ggml-build/bin/libggml-cpu.so: $(KS_LL)/.unpacked
+	cmake -S $(KS_LL)/vendor/llama.cpp -B $(KS_BUILD)/ggml-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+		-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_OPENMP=ON \
+		-DCMAKE_C_FLAGS="$(KS_NOAMX)" -DCMAKE_CXX_FLAGS="$(KS_NOAMX)" \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF \
+		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+	cmake --build $(KS_BUILD)/ggml-build --target ggml-cpu ggml -j 2
+
+$(KS_BUILD)/libggml_harness.so: $(KS_DIR)/ggml_harness.c $(KS_BUILD)/ggml-build/bin/libggml-cpu.so
+	gcc -O2 -shared -fPIC -o $@ $< -I$(KS_LL)/vendor/llama.cpp/ggml/include -L$(KS_BUILD)/ggml-build/bin \
+		-lggml -lggml-base -lggml-cpu -Wl,-rpath,'$$ORIGIN/ggml-build/bin'
+
+kernel-spike: $(KS_BUILD)/libq4k.so $(KS_BUILD)/libggml_harness.so
+	$(BIN)/python $(KS_DIR)/bench.py --reps $(KS_REPS) --out $(KS_OUT)
+
+.PHONY: kernel-spike
