@@ -358,7 +358,7 @@ def export_pair(draft_dir: str | Path, target_dir: str | Path, out: str | Path, 
     exactness, and write the manifest.
 
     Checked first, from metadata only (:func:`specrt.export.preflight.preflight`): both
-    architectures are supported, two GGUF inputs share one vocabulary, and the disk holds
+    architectures are supported, a GGUF input shares one vocabulary with the other input (GGUF or folder), and the disk holds
     what the export writes. Progress lines go to ``log`` every few seconds in the long
     phases; the INFO records of the ONNX libraries are silenced for the export's duration
     (:func:`specrt.export.progress.quiet_third_party_logs`).
@@ -399,7 +399,7 @@ def export_pair(draft_dir: str | Path, target_dir: str | Path, out: str | Path, 
 
     o = replace(opts, **kw) if opts is not None else ExportOptions(**kw)
     quants = o.quants()
-    preflight(draft_dir, target_dir, out, o, log)  # architectures, GGUF vocabularies, disk: before any conversion
+    preflight(draft_dir, target_dir, out, o, log)  # architectures, vocabularies of GGUF inputs, disk: before any conversion
     with quiet_third_party_logs():
         return _export_pair(Path(draft_dir), Path(target_dir), Path(out), o, quants, log)
 

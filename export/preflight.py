@@ -12,8 +12,9 @@ headers) and refuses, with one line saying what was wrong and what is allowed:
   the files' ``tokenizer.ggml.tokens`` before either is converted (two folders are compared
   by that check, which comes before anything heavy);
 * a GGUF file and a folder whose tokenizers differ (:func:`check_gguf_folder_vocabularies`):
-  every id of the folder's ``tokenizer.json`` must be the same token in the GGUF file, GGUF
-  ids beyond them must be padding, and the BPE merges must be equal;
+  the GGUF's tokens must be the folder's ``tokenizer.json`` id for id (the check on the
+  converted folders' rule: the conversion keeps every GGUF token, padding included) and the
+  BPE merges must be equal;
 * a disk without room for what the export writes (:func:`estimate_disk`).
 
 A GGUF header is read with the ``gguf`` package's ``GGUFReader`` (memory-mapped, nothing
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import struct
 from dataclasses import dataclass, field
@@ -66,8 +66,6 @@ class InputInfo:
             transformers does), or None when a folder has no readable ``config.json``.
         params: parameters (elements of every weight tensor), 0 when unknown.
         tokens: a GGUF file's vocabulary, id -> token text (empty for a folder).
-        token_types: a GGUF file's ``tokenizer.ggml.token_type`` (``gguf.TokenType``
-            values, one per token; empty when absent or for a folder).
         merges: a GGUF file's ``tokenizer.ggml.merges`` (``"a b"`` strings, rank order), or
             None when absent or for a folder.
     """
@@ -78,7 +76,6 @@ class InputInfo:
     model_type: str | None
     params: int = 0
     tokens: list[str] = field(default_factory=list)
-    token_types: list[int] = field(default_factory=list)
     merges: list[str] | None = None
 
 
@@ -117,19 +114,13 @@ def _gguf_info(role: str, path: Path) -> InputInfo:
     # transformers' GGUF loader reads llama.cpp's "llama" as Mistral when the model is named so
     mtype = "mistral" if "llama" in arch and "mistral" in name.lower() else arch
 
-    def array(key: str) -> list | None:
+    def strings(key: str) -> list[str] | None:
+        # bytes decoded as the conversion's reader does, a bad byte replaced (never a traceback)
         f = r.fields.get(key)
-        return None if f is None else list(f.contents())
+        return None if f is None else [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
 
     return InputInfo(
-        role,
-        path,
-        True,
-        mtype,
-        sum(int(t.n_elements) for t in r.tensors),
-        array("tokenizer.ggml.tokens") or [],
-        array("tokenizer.ggml.token_type") or [],
-        array("tokenizer.ggml.merges"),
+        role, path, True, mtype, sum(int(t.n_elements) for t in r.tensors), strings("tokenizer.ggml.tokens") or [], strings("tokenizer.ggml.merges")
     )
 
 
@@ -218,9 +209,6 @@ def check_gguf_vocabularies(draft: InputInfo, target: InputInfo) -> None:
         )
 
 
-_PAD_TEXT = re.compile(r"\[PAD\d+\]")  # llama.cpp's converter names padding ids so (type UNUSED)
-
-
 def _tokenizer_json(role: str, folder: Path) -> tuple[dict[int, str], list[str] | None]:
     """``(id -> token of the model vocabulary and the added tokens, BPE merges as "a b"
     strings or None)`` of ``folder/tokenizer.json``.
@@ -256,11 +244,14 @@ def check_gguf_folder_vocabularies(draft: InputInfo, target: InputInfo) -> None:
     """Refuse a GGUF file and a Hugging Face folder whose tokenizers would give different
     ids; no-op unless exactly one input is a GGUF file.
 
-    The rule: every id the folder's ``tokenizer.json`` defines (model vocabulary and added
-    tokens) is the same token text in the GGUF's ``tokenizer.ggml.tokens``; a GGUF id beyond
-    them must be padding (token type UNUSED, or text ``[PADn]`` when the file has no token
-    types: llama.cpp pads Qwen's 151,665 ids to 151,936 so); and where both have BPE merges
-    (``tokenizer.ggml.merges``, ``model.merges``), they are equal, in order.
+    The rule is the one :func:`specrt.export.pipeline.check_pair` applies after the
+    conversion (equal token -> id maps), on the GGUF's ``tokenizer.ggml.tokens`` against the
+    folder's ``tokenizer.json`` (model vocabulary and added tokens), so a pair it refuses
+    is refused here before minutes of conversion: the conversion keeps every GGUF token, so
+    padding ids (llama.cpp pads Qwen's 151,665 ids to 151,936 as ``[PADn]``) that the
+    folder lacks make the converted vocabularies differ too. Where both have BPE merges
+    (``tokenizer.ggml.merges``, ``model.merges``), they must also be equal, in order (the
+    same text would split into other ids).
 
     Raises:
         PairError: the message names the sizes, tokens only in one, ids that differ (or the
@@ -270,20 +261,13 @@ def check_gguf_folder_vocabularies(draft: InputInfo, target: InputInfo) -> None:
         return
     g, f = (draft, target) if draft.gguf else (target, draft)
     ids, merges = _tokenizer_json(f.role, f.path)
-    tokens, types = g.tokens, g.token_types
-
-    def padding(i: int) -> bool:
-        return types[i] == 5 if len(types) == len(tokens) else bool(_PAD_TEXT.fullmatch(tokens[i]))  # 5: gguf.TokenType.UNUSED
-
-    wrong = next((i for i, t in sorted(ids.items()) if i >= len(tokens) or tokens[i] != t), None)
-    extra = next((i for i in range(len(tokens)) if i not in ids and not padding(i)), None)
-    if wrong is not None or extra is not None:
-        gmap = {t: i for i, t in enumerate(tokens) if i in ids or not padding(i)}
-        fmap = {t: i for i, t in ids.items()}
+    tokens = g.tokens
+    if len(ids) != len(tokens) or any(tokens[i] != t if i < len(tokens) else True for i, t in ids.items()):
+        gmap, fmap = {t: i for i, t in enumerate(tokens)}, {t: i for i, t in ids.items()}
         d, t = (gmap, fmap) if g is draft else (fmap, gmap)
         diff = describe_vocab_difference(d, t)
         if d == t:  # the same maps, yet an id differs: a token text held by two ids
-            i = wrong if wrong is not None else extra
+            i = next(i for i in range(max(len(tokens), max(ids, default=-1) + 1)) if (tokens[i] if i < len(tokens) else None) != ids.get(i))
             diff += f"; id {i} is {tokens[i] if i < len(tokens) else None!r} in {g.path.name}, {ids.get(i)!r} in {f.path.name}/tokenizer.json"
         raise PairError(
             f"draft {_label(draft)} and target {_label(target)} have different vocabularies ({diff}); "

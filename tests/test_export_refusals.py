@@ -187,9 +187,10 @@ def padded_gguf(path: Path, tokens: list[str] = PADDED, types: list[int] | None 
 @pytest.mark.parametrize("gguf_role", ["draft", "target"])
 @pytest.mark.parametrize("pairs", [True, False], ids=["merge-pairs", "merge-strings"])
 def test_gguf_and_folder_with_one_vocabulary_reach_the_conversion(tmp_path, no_conversion, gguf_role, pairs):
-    """The control: the GGUF's ids beyond tokenizer.json's are padding (type UNUSED), the
-    merges equal whichever way tokenizer.json stores them; the export reaches the conversion."""
-    g, f = padded_gguf(tmp_path / "m.gguf"), write_folder(tmp_path / "hf", pairs=pairs)
+    """The control: the GGUF's padding ids are in tokenizer.json too (a folder converted from
+    such a GGUF), the merges equal whichever way tokenizer.json stores them; the export
+    reaches the conversion."""
+    g, f = padded_gguf(tmp_path / "m.gguf"), write_folder(tmp_path / "hf", vocab=PADDED, pairs=pairs)
     d, t = (g, f) if gguf_role == "draft" else (f, g)
     err = one_line_error(run_export(d, t, tmp_path / "out"))
     assert "conversion started" in err and no_conversion == ["m.gguf"]
@@ -198,12 +199,12 @@ def test_gguf_and_folder_with_one_vocabulary_reach_the_conversion(tmp_path, no_c
 @pytest.mark.parametrize("gguf_role", ["draft", "target"])
 def test_gguf_and_folder_differing_in_one_token_are_refused_before_any_conversion(tmp_path, no_conversion, gguf_role):
     g = padded_gguf(tmp_path / "m.gguf")
-    f = write_folder(tmp_path / "hf", vocab=[*VOCAB[:5], "tox5", *VOCAB[6:]])
+    f = write_folder(tmp_path / "hf", vocab=[*VOCAB[:5], "tox5", *PADDED[6:]])
     d, t = (g, f) if gguf_role == "draft" else (f, g)
     err = one_line_error(run_export(d, t, tmp_path / "out"))
     gd, ft = ("draft", "target") if gguf_role == "draft" else ("target", "draft")
     names = {"draft": "m.gguf", "target": str(f)} if gguf_role == "draft" else {"draft": str(f), "target": "m.gguf"}
-    assert f"draft {names['draft']} and target {names['target']} have different vocabularies (draft has 65 tokens, target 65;" in err
+    assert f"draft {names['draft']} and target {names['target']} have different vocabularies (draft has 68 tokens, target 68;" in err
     assert f"1 only in the {gd} (e.g. 'tok5'=5)" in err and f"1 only in the {ft} (e.g. 'tox5'=5)" in err
     assert "pick a draft trained with the target's tokenizer" in err
     assert no_conversion == [] and not (tmp_path / "out").exists()
@@ -211,26 +212,27 @@ def test_gguf_and_folder_differing_in_one_token_are_refused_before_any_conversio
 
 def test_gguf_and_folder_differing_in_one_merge_are_refused_before_any_conversion(tmp_path, no_conversion):
     g = padded_gguf(tmp_path / "m.gguf")
-    f = write_folder(tmp_path / "hf", merges=[MERGES[0], "to kk", *MERGES[2:]])
+    f = write_folder(tmp_path / "hf", vocab=PADDED, merges=[MERGES[0], "to kk", *MERGES[2:]])
     err = one_line_error(run_export(g, f, tmp_path / "out"))
     assert f"draft m.gguf and target {f} have the same tokens but different BPE merges (draft has 4 merges, target 4; " in err
     assert "first difference at rank 1: draft 'to k', target 'to kk'" in err
     assert no_conversion == []
 
 
-def test_gguf_ids_beyond_the_folder_must_be_padding(tmp_path):
-    """A GGUF id beyond tokenizer.json's is allowed only as padding: token type UNUSED, or,
-    in a file without token types, text "[PADn]"."""
+def test_gguf_ids_the_folder_lacks_are_refused_padding_too(tmp_path, no_conversion):
+    """A GGUF id tokenizer.json lacks is refused before the conversion, padding included: the
+    conversion keeps every GGUF token, so the check on the converted folders
+    (pipeline.check_pair) would refuse the pair after it; and an id the GGUF lacks."""
     f = preflight.read_input("target", write_folder(tmp_path / "hf"))
 
     def check(name, **kw):
         preflight.check_gguf_folder_vocabularies(preflight.read_input("draft", padded_gguf(tmp_path / name, **kw)), f)
 
-    check("no-types.gguf", types=None)  # "[PADn]" texts, no token types
-    with pytest.raises(PairError, match=r"draft has 66 tokens, target 65; 1 only in the draft \(e.g. 'extra'=65\)"):
-        check("normal.gguf", tokens=[*VOCAB, "extra", "[PAD66]"], types=[*PADDED_TYPES[:65], 1, 5])
-    with pytest.raises(PairError, match=r"1 only in the draft \(e.g. 'extra'=65\)"):
-        check("no-types-extra.gguf", tokens=[*VOCAB, "extra"], types=None)
+    check("same.gguf", tokens=VOCAB, types=None)
+    with pytest.raises(PairError, match=r"draft has 68 tokens, target 65; 3 only in the draft \(e.g. '\[PAD65\]'=65"):
+        check("padded.gguf")
+    err = one_line_error(run_export(padded_gguf(tmp_path / "m.gguf"), f.path, tmp_path / "out"))
+    assert "3 only in the draft (e.g. '[PAD65]'=65" in err and no_conversion == []
     with pytest.raises(PairError, match=r"draft has 64 tokens, target 65; 1 only in the target \(e.g. '<\|endoftext\|>'=64\)"):
         check("short.gguf", tokens=VOCAB[:-1], types=None)
 

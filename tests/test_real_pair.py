@@ -189,3 +189,39 @@ def test_agent_turns_with_the_prefix_cache_equal_cold_runs(engine):
                 assert a.tokens == b.tokens, (conv["id"], e)
                 hits.append(a.stats.cached_tokens)
             assert hits[0] == 0 and all(h >= 256 for h in hits[1:]), hits
+
+
+def test_batch_slots_reuse_agent_histories_and_equal_cold_runs(engine):
+    """The continuous-batching scheduler's prefix reuse on the real pair: two coding-agent
+    conversations (data/agent_conversations.jsonl) send their first two turns together to
+    two batch slots (policy speculate); each output equals a cold Engine's and the second
+    turn of each reuses its history's rows from the slot it left them in."""
+    from test_batching import Events
+
+    from specrt.runtime.chat import ChatTemplate, normalize_messages, special_token_strings
+    from specrt.runtime.costs import BatchCosts
+    from specrt.runtime.serve.batching import BatchPool
+    from specrt.runtime.serve.jobs import Job
+
+    tpl = ChatTemplate(engine.chat_template, "chat_template.jinja", special_token_strings(engine))
+    cold = Engine(ENGINES, prefix_cache=False, verify_hashes=False)
+    convs = [json.loads(x) for x in (REPO / "data" / "agent_conversations.jsonl").read_text().splitlines()[:2]]
+    turns = [[i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"][:2] for c in convs]
+    cfg = GenerationConfig(max_new_tokens=16)
+    pool = BatchPool(engine, 2, policy="speculate", costs=BatchCosts([0.0, 1.0, 1.0]))
+    try:
+        hits = []
+        for t in range(2):
+            ids = [
+                engine.codec.encode(tpl.render(normalize_messages(c["messages"][: e[t]]), tools=c["tools"]), add_special_tokens=False)
+                for c, e in zip(convs, turns)
+            ]
+            evs = [Events() for _ in ids]
+            pool.submit_all([Job(ids=x, config=engine.resolve(cfg), emit=ev) for x, ev in zip(ids, evs)])
+            for x, ev in zip(ids, evs):
+                res = ev.result(timeout=900)
+                assert res.tokens == cold.generate(x, cfg).tokens, (t, len(x))
+                hits.append(res.stats.cached_tokens)
+        assert hits[:2] == [0, 0] and all(h >= 256 for h in hits[2:]), hits
+    finally:
+        pool.close()

@@ -182,9 +182,10 @@ class _Spares:
 
     def keep(self, row: _Row) -> _Spare:
         """What ``row``'s slot keeps once it ends: its draft fork and, with the prefix cache,
-        its reusable rows (none after a failure or cancellation; a record is None when the
-        cache is off), cut to a slot's share of the budget (an eviction, counted)."""
-        rec = row.gen.prefix() if self.on and not row.failed else None
+        its reusable rows, cut to a slot's share of the budget (an eviction, counted); a
+        cancelled or failed row keeps them too (rows proved reusable are never rewritten
+        after its prefill, as in :meth:`Engine._run`; none before it ends)."""
+        rec = row.gen.prefix() if self.on else None
         if rec is not None and self.share is not None and rec.size > self.share:
             cut = rec.trimmed(self.share, self.t_step, self.d_step)
             if self.metrics is not None:
