@@ -25,25 +25,9 @@ from specrt.runtime.errors import PairError  # noqa: F401  (in the SpecRTError t
 from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, FileRecord, Manifest, sha256_file
 
 from .onnx_export import BODY_FILE, HEAD_FILE, export_model
-from .preflight import describe_vocab_difference
+from .preflight import describe_vocab_difference, tokenizer_json, vocab_map
 from .resources import PhaseMeter
 from .tokenizer_check import check_tokenizer
-
-
-def vocab_map(tokenizer_json: Path) -> dict[str, int]:
-    """The token -> id map (added tokens included) of a ``tokenizer.json``.
-
-    Raises:
-        PairError: the file is not readable JSON.
-    """
-    try:
-        d = json.loads(Path(tokenizer_json).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise PairError(f"{tokenizer_json} is not a readable tokenizer.json ({e})") from None
-    vocab = dict(d.get("model", {}).get("vocab", {}))
-    for t in d.get("added_tokens", []):
-        vocab[t["content"]] = t["id"]
-    return vocab
 
 
 def vocab_hash(tokenizer_json: Path) -> str:
@@ -58,12 +42,7 @@ def check_pair(draft_dir: Path, target_dir: Path) -> Path:
         PairError: a folder has no ``tokenizer.json``, or the two token -> id maps differ
             (the message names the sizes, tokens only in one, and ids that differ).
     """
-    files = {}
-    for role, d in (("draft", draft_dir), ("target", target_dir)):
-        p = Path(d) / "tokenizer.json"
-        if not p.is_file():
-            raise PairError(f"{role} checkpoint {d} has no tokenizer.json; both models need the same fast tokenizer saved beside them")
-        files[role] = p
+    files = {role: tokenizer_json(role, d) for role, d in (("draft", draft_dir), ("target", target_dir))}
     hd, ht = vocab_hash(files["draft"]), vocab_hash(files["target"])
     if hd != ht:
         diff = describe_vocab_difference(vocab_map(files["draft"]), vocab_map(files["target"]))

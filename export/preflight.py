@@ -41,6 +41,8 @@ __all__ = [
     "check_architectures",
     "check_gguf_vocabularies",
     "check_gguf_folder_vocabularies",
+    "tokenizer_json",
+    "vocab_map",
     "estimate_disk",
     "check_disk",
     "preflight",
@@ -209,30 +211,39 @@ def check_gguf_vocabularies(draft: InputInfo, target: InputInfo) -> None:
         )
 
 
-def _tokenizer_json(role: str, folder: Path) -> tuple[dict[int, str], list[str] | None]:
-    """``(id -> token of the model vocabulary and the added tokens, BPE merges as "a b"
-    strings or None)`` of ``folder/tokenizer.json``.
+def tokenizer_json(role: str, folder: Path) -> Path:
+    """``folder/tokenizer.json``, the file both models' vocabularies are compared on.
 
     Raises:
-        PairError: no ``tokenizer.json``, or one that is not readable JSON.
+        PairError: the folder has none.
     """
-    p = folder / "tokenizer.json"
+    p = Path(folder) / "tokenizer.json"
     if not p.is_file():
         raise PairError(f"{role} checkpoint {folder} has no tokenizer.json; both models need the same fast tokenizer saved beside them")
+    return p
+
+
+def _read_tokenizer_json(path: Path) -> dict:
     try:
-        d = json.loads(p.read_text(encoding="utf-8"))
-        model = d.get("model") or {}
-        vocab = model.get("vocab") or {}
-        # BPE/WordPiece/WordLevel: {token: id}; Unigram: [[token, score], ...] (id = position)
-        ids = {int(i): t for t, i in vocab.items()} if isinstance(vocab, dict) else {i: e[0] for i, e in enumerate(vocab)}
-        for t in d.get("added_tokens") or []:
-            ids[int(t["id"])] = t["content"]
-        merges = model.get("merges")
-        # tokenizers >= 0.20 writes [a, b] pairs, older ones "a b" strings (as GGUF does)
-        merges = [m if isinstance(m, str) else " ".join(m) for m in merges] if merges is not None else None
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
-        raise PairError(f"{p} is not a readable tokenizer.json ({type(e).__name__}: {e})") from None
-    return ids, merges
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PairError(f"{path} is not a readable tokenizer.json ({e})") from None
+
+
+def _vocab(d: dict) -> dict[str, int]:
+    vocab = dict(d.get("model", {}).get("vocab", {}))
+    for t in d.get("added_tokens", []):
+        vocab[t["content"]] = t["id"]
+    return vocab
+
+
+def vocab_map(tokenizer_json: Path) -> dict[str, int]:
+    """The token -> id map (added tokens included) of a ``tokenizer.json``.
+
+    Raises:
+        PairError: the file is not readable JSON.
+    """
+    return _vocab(_read_tokenizer_json(tokenizer_json))
 
 
 def _label(info: InputInfo) -> str:
@@ -260,15 +271,16 @@ def check_gguf_folder_vocabularies(draft: InputInfo, target: InputInfo) -> None:
     if draft.gguf == target.gguf:
         return
     g, f = (draft, target) if draft.gguf else (target, draft)
-    ids, merges = _tokenizer_json(f.role, f.path)
-    tokens = g.tokens
-    if len(ids) != len(tokens) or any(tokens[i] != t if i < len(tokens) else True for i, t in ids.items()):
-        gmap, fmap = {t: i for i, t in enumerate(tokens)}, {t: i for i, t in ids.items()}
-        d, t = (gmap, fmap) if g is draft else (fmap, gmap)
-        diff = describe_vocab_difference(d, t)
-        if d == t:  # the same maps, yet an id differs: a token text held by two ids
-            i = next(i for i in range(max(len(tokens), max(ids, default=-1) + 1)) if (tokens[i] if i < len(tokens) else None) != ids.get(i))
-            diff += f"; id {i} is {tokens[i] if i < len(tokens) else None!r} in {g.path.name}, {ids.get(i)!r} in {f.path.name}/tokenizer.json"
+    d = _read_tokenizer_json(tokenizer_json(f.role, f.path))
+    fmap, merges = _vocab(d), d.get("model", {}).get("merges")
+    # tokenizers >= 0.20 writes [a, b] pairs, older ones "a b" strings (as GGUF does)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges] if merges is not None else None
+    gmap = {t: i for i, t in enumerate(g.tokens)}
+    if gmap != fmap or len(gmap) != len(g.tokens):
+        dm, tm = (gmap, fmap) if g is draft else (fmap, gmap)
+        diff = describe_vocab_difference(dm, tm)
+        if dm == tm:  # the same maps, yet the GGUF holds a token text at two ids
+            diff += f"; {g.path.name} holds {len(g.tokens)} ids for {len(gmap)} token texts"
         raise PairError(
             f"draft {_label(draft)} and target {_label(target)} have different vocabularies ({diff}); "
             "speculative decoding needs the draft to propose ids the target understands: pick a draft trained with the target's tokenizer"

@@ -68,7 +68,7 @@ def nbits_session(n: int, k: int, bits: int, block: int, zp: bool, threads: int,
         inits.append(helper.make_tensor("Z", TensorProto.UINT8, z.shape, z.tobytes(), raw=True))
         inputs.append("Z")
     node = helper.make_node("MatMulNBits", inputs, ["y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block, accuracy_level=4)
-    return _session(node, inits, k, n, threads)
+    return layer_session(node, inits, k, n, threads)
 
 
 def offsets_session(n: int, k: int, threads: int, rng) -> ort.InferenceSession:
@@ -81,10 +81,12 @@ def offsets_session(n: int, k: int, threads: int, rng) -> ort.InferenceSession:
         helper.make_node("ReduceSum", ["r", "axes"], ["s"], keepdims=0),
         helper.make_node("MatMul", ["s", "M"], ["y"]),
     ]
-    return _session(nodes, [onnx.numpy_helper.from_array(m, "M"), shape, axes], k, n, threads)
+    return layer_session(nodes, [onnx.numpy_helper.from_array(m, "M"), shape, axes], k, n, threads)
 
 
-def _session(nodes, inits, k: int, n: int, threads: int) -> ort.InferenceSession:
+def layer_session(nodes, inits, k: int, n: int, threads: int) -> ort.InferenceSession:
+    """A session of one layer's ``nodes`` and initializers: input ``x`` [q, k], output ``y``
+    [q, n] (float32), ``threads`` intra-op threads, idle threads not spinning (as the runtime)."""
     nodes = nodes if isinstance(nodes, list) else [nodes]
     graph = helper.make_graph(
         nodes,

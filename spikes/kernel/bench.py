@@ -32,6 +32,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before libgomp loads: no 
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # one session builder with the layer-kinds record
+from measure_layer_kinds import layer_session  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "build"
 GGUF = Path.home() / ".cache/specrt/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -100,7 +103,6 @@ def ort_session(blocks, k, n, threads=2):
     32 with a zero-point input (z = 0) plus the offsets branch; Q6_K as 8-bit blocks of 16 with
     zero points (z = 32), no offsets. accuracy_level 4 (int8 activations), the export's setting.
     Sessions as scripts/measure_layer_kinds.py builds them (intra-op threads, spinning off)."""
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     bits, group = blocks.bits, blocks.group
@@ -134,19 +136,7 @@ def ort_session(blocks, k, n, threads=2):
             helper.make_node("MatMul", ["sums", "MT"], ["offset"]),
             helper.make_node("Sub", ["raw", "offset"], ["y"]),
         ]
-    graph = helper.make_graph(
-        nodes,
-        "layer",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["q", k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["q", n])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return layer_session(nodes, inits, k, n, threads)
 
 
 def ort_noop(k, threads=2):
