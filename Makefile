@@ -19,6 +19,8 @@ LLAMA_CPP_PYTHON ?= 0.3.36
 LL_SRC := $(LL_VENV)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON)
 # no download at build time (the web UI, curl/openssl) and this CPU's instructions (AVX2/FMA)
 LL_CMAKE := -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+# no AMX code in ggml: its AMX matmul segfaults on the Intel Xeon (AMX) hosts; a no-op where the CPU lacks AMX
+NOAMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 REPEATS ?= 3
 THREADS ?= 2
 COMPARE_OUT ?= bench_out/compare
@@ -157,7 +159,8 @@ $(LL_SRC)/.unpacked: $(LL_VENV)/.installed
 	touch $@
 
 $(LL_VENV)/bin/llama-server: $(LL_SRC)/.unpacked
-	cmake -S $(LL_SRC)/vendor/llama.cpp -B $(LL_VENV)/src/build -G Ninja -DCMAKE_BUILD_TYPE=Release $(LL_CMAKE) -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
+	cmake -S $(LL_SRC)/vendor/llama.cpp -B $(LL_VENV)/src/build -G Ninja -DCMAKE_BUILD_TYPE=Release $(LL_CMAKE) \
+		-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DCMAKE_C_FLAGS="$(NOAMX)" -DCMAKE_CXX_FLAGS="$(NOAMX)" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
 	cmake --build $(LL_VENV)/src/build --target llama-server -j 2
 	cp $(LL_VENV)/src/build/bin/llama-server $@
 
@@ -202,7 +205,7 @@ clean:
 KS_DIR := spikes/kernel
 KS_BUILD := $(KS_DIR)/build
 KS_LL := $(KS_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON)
-KS_NOAMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+KS_NOAMX := $(NOAMX)
 KS_OUT ?= docs/bench/kernel_spike/intel_xeon_avx512vnni_amx.json
 KS_REPS ?= 15
 

@@ -1,6 +1,7 @@
 """Coding-agent conversations on the real pair: per-turn time to first token and total time,
 specrt (prefix cache on and off; speculative, target-only, n-gram) against llama-server
-(its slot prompt cache on; target-only, draft model, ngram-simple) on the same GGUF target.
+(its slot prompt cache on; target-only, draft model, ngram-simple) on the same GGUF target,
+and onnxruntime-genai (int4 from its model builder on the converted folders).
 
 The conversations (``data/agent_conversations.jsonl``, written for this benchmark from this
 repository's own files and test output) are scripted agent sessions: a system prompt, four
@@ -16,6 +17,16 @@ Rows run a whole conversation each, in a shuffled order per conversation and rep
 a row's conversation its server answers an unrelated short prompt, so its first turn starts
 cold. TTFT is the time to the first streamed text; total is the whole request. specrt's
 outputs with the cache on are compared with the cache off, turn by turn (text equal).
+
+onnxruntime-genai has no server and no prefix cache: its rows run in a worker process
+(``bench/workers/ortgenai_worker.py``, its own venv) fed the prompt's token ids (the engine's
+``tokenizer.json``, as specrt's server encodes a completion prompt), timed inside the
+process (no HTTP: a slight advantage to it). Two ways a user runs it: a new generator per
+request (cold), and one generator kept across a conversation's requests, rewound
+(``Generator.rewind_to``) to the longest common prefix of its sequence and the next prompt
+(its own chat example keeps the generator; the rewind is the best a user can do with its API).
+Its kept outputs are compared with its cold ones. The build is cached in ``--ortgenai-models``
+(shared with ``make bench-real``). ``--rows`` picks rows by substring.
 Prints the table and writes JSON to ``--out``.
 
     python -m specrt.bench.agents --engines engines/qwen2.5-coder --out bench_out/agents
@@ -34,6 +45,7 @@ import time
 from pathlib import Path
 
 from specrt.bench.common import GGUF_CACHE, command, say_machine, write_json
+from specrt.bench.compare import Worker, build_ortgenai, venv_python
 from specrt.bench.servers import free_port, start, start_llama_servers, stop_all
 from specrt.runtime.machine import machine_record
 
@@ -86,7 +98,11 @@ ROWS = [
     dict(label="llama-server target-only, cache on", server="llama", extra=dict(cache_prompt=True)),
     dict(label="llama-server draft, cache on", server="llama-draft", extra=dict(cache_prompt=True)),
     dict(label="llama-server ngram-simple, cache on", server="llama-ngram", extra=dict(cache_prompt=True)),
+    dict(label="ort-genai int4 target-only, new generator per request", server="ortgenai", extra=dict(op="run")),
+    dict(label="ort-genai int4 target-only, generator kept", server="ortgenai", extra=dict(op="turn")),
+    dict(label="ort-genai int4 speculative (k=4), generator kept", server="ortgenai-spec", extra=dict(op="turn")),
 ]
+OG_COLD, OG_KEPT = ROWS[-3]["label"], ROWS[-2]["label"]
 
 
 def summarize(records: list[dict], convs: list[str], labels: list[str]) -> list[dict]:
@@ -146,19 +162,77 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--draft-gguf", default=str(GGUF_CACHE / "qwen2.5-coder-0.5b-instruct.gguf"))
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--ortgenai-python", default=".venv-ortgenai/bin/python")
+    ap.add_argument("--ortgenai-models", default="bench_out/real_pair/anchors/ortgenai-int4", help="onnxruntime-genai's builds (cached)")
+    ap.add_argument("--rows", default="", help="comma-separated substrings: run only the rows whose label holds one (default: all)")
     ap.add_argument("--out", default="bench_out/agents")
     return ap.parse_args(argv)
 
 
-def start_servers(a: argparse.Namespace, out: Path, env: dict, has_llama: bool, procs: dict, ports: dict) -> None:
+def start_servers(a: argparse.Namespace, out: Path, env: dict, has_llama: bool, procs: dict, ports: dict, need: set) -> None:
     """specrt serve with the prefix cache on (``specrt``) and off (``specrt-nocache``), and
-    the three llama-server variants when there is one; into ``procs`` and ``ports``."""
+    the three llama-server variants when there is one and a row in ``need`` (server names)
+    uses one; into ``procs`` and ``ports``."""
     for name, args in (("specrt", []), ("specrt-nocache", ["--prefix-cache-tokens", "0"])):
+        if name not in need:
+            continue
         ports[name] = free_port()
         cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", ports[name], "--threads", a.threads, "--log-level", "warning"]
         procs[name] = start(cmd + args, ports[name], "/health", out / f"{name}.log", env)
-    if has_llama:
+    if has_llama and any(n.startswith("llama") for n in need):
         start_llama_servers(a.llama_server, a.target_gguf, a.draft_gguf, a.threads, a.ctx, out, env, procs, ports)
+
+
+def start_ortgenai(a: argparse.Namespace, out: Path, env: dict, rows: list[dict], procs: dict) -> dict:
+    """onnxruntime-genai's workers for the rows that need them (``ortgenai``: the int4
+    target; ``ortgenai-spec``: the speculative model at k 4), after its model builder (cached).
+    Returns ``{server: error}`` for those that cannot run (their rows are dropped); workers go
+    into ``procs``."""
+    need = {r["server"] for r in rows if r["server"].startswith("ortgenai")}
+    if not need:
+        return {}
+    py = venv_python(a.ortgenai_python)
+    if not py:
+        return {n: f"no python at {a.ortgenai_python}: run `make bench-envs`" for n in need}
+    root = Path(a.ortgenai_models).resolve()
+    hf = {r: str(Path(g + ".hf")) for r, g in (("target", a.target_gguf), ("draft", a.draft_gguf))}
+    build = build_ortgenai(py, hf["target"], hf["draft"], root, 4, env, out / "ortgenai_build.log")
+    if not build.get("speculative_config", {}).get("ok"):
+        return {n: f"model builder: {json.dumps(build)[:400]}" for n in need}
+    errors = {}
+    for name in sorted(need):
+        spec = name == "ortgenai-spec"
+        init = dict(threads=a.threads, spinning=False, warmup=[], max_length=a.ctx, model_dir=str(root if spec else root / "target"))
+        init["variant"] = dict(speculative=spec, max_draft_tokens=4)
+        w = Worker(name, py, "ortgenai_worker.py", init, out, env)
+        ans = w.recv(900)
+        if ans.get("ready"):
+            procs[name] = w
+        else:
+            errors[name] = f"setup: {ans.get('error')}"
+            w.close()
+    return errors
+
+
+def worker_turn(a: argparse.Namespace, row: dict, worker, codec, prompt: str) -> dict:
+    """One request on an onnxruntime-genai worker: the prompt's ids (``codec``, a
+    ``tokenizers.Tokenizer``), ``row["extra"]["op"]`` ("run": a new generator; "turn": the
+    kept one, rewound); the same fields as :func:`one_turn`.
+
+    Raises:
+        RuntimeError: the worker answered an error or nothing in time."""
+    ids = codec.encode(prompt, add_special_tokens=False).ids
+    ans = worker.call({"op": row["extra"]["op"], "ids": ids, "max_new_tokens": a.max_tokens}, a.timeout)
+    if not ans.get("ok"):
+        raise RuntimeError(f"{row['label']}: {ans.get('error')}")
+    return dict(
+        prompt_tokens=len(ids),
+        cached_tokens=ans.get("cached"),
+        tokens=len(ans["tokens"]),
+        ttft=ans["ttft"] if ans["ttft"] is not None else ans["seconds"],
+        seconds=ans["seconds"],
+        text=codec.decode(ans["tokens"], skip_special_tokens=False),
+    )
 
 
 def one_turn(a: argparse.Namespace, row: dict, port: int, prompt: str) -> dict:
@@ -183,9 +257,10 @@ def one_turn(a: argparse.Namespace, row: dict, port: int, prompt: str) -> dict:
     )
 
 
-def run_conversations(a: argparse.Namespace, rows: list[dict], convs: list[dict], prompts: dict, ports: dict) -> list[dict]:
+def run_conversations(a: argparse.Namespace, rows: list[dict], convs: list[dict], prompts: dict, ports: dict, workers: dict, codec) -> list[dict]:
     """Every conversation on every row, rows shuffled per conversation and repeat, each
-    row's server flushed with an unrelated prompt first; one record per request."""
+    row's server (or kept generator) flushed with an unrelated prompt first; one record per
+    request. ``workers``: onnxruntime-genai's, by server name; ``codec``: their tokenizer."""
     records: list[dict] = []
     rng = random.Random(0)
     for rep in range(a.repeats):
@@ -193,11 +268,14 @@ def run_conversations(a: argparse.Namespace, rows: list[dict], convs: list[dict]
             order = list(rows)
             rng.shuffle(order)
             for row in order:
-                port = ports[row["server"]]
-                stream(port, "/v1/completions", dict(prompt=FLUSH, max_tokens=1, temperature=0), a.timeout)
+                w = workers.get(row["server"])
+                if w is not None:
+                    worker_turn(a, row, w, codec, FLUSH)
+                else:
+                    stream(ports[row["server"]], "/v1/completions", dict(prompt=FLUSH, max_tokens=1, temperature=0), a.timeout)
                 for turn, prompt in enumerate(prompts[conv["id"]]):
                     rec = dict(row=row["label"], conv=conv["id"], turn=turn, repeat=rep)
-                    rec.update(one_turn(a, row, port, prompt))
+                    rec.update(worker_turn(a, row, w, codec, prompt) if w is not None else one_turn(a, row, ports[row["server"]], prompt))
                     records.append(rec)
                     print(
                         f"rep {rep} {conv['id']:<20} turn {turn} {row['label']:<38} prompt {rec['prompt_tokens']:5} cached {rec['cached_tokens']!s:>5} "
@@ -205,6 +283,16 @@ def run_conversations(a: argparse.Namespace, rows: list[dict], convs: list[dict]
                         flush=True,
                     )
     return records
+
+
+def same_text(records: list[dict], kept: str, cold: str) -> dict[str, bool]:
+    """``{"conv#turn#repeat": text of row kept == text of row cold}`` over the requests both ran."""
+    base = {(x["conv"], x["turn"], x["repeat"]): x["text"] for x in records if x["row"] == cold}
+    return {
+        f"{r['conv']}#{r['turn']}#{r['repeat']}": base[k] == r["text"]
+        for r in records
+        if r["row"] == kept and (k := (r["conv"], r["turn"], r["repeat"])) in base
+    }
 
 
 def cache_on_equals_off(records: list[dict]) -> dict[str, bool]:
@@ -238,16 +326,25 @@ def main(argv=None) -> int:
     convs = [json.loads(x) for x in (ROOT / a.conversations).read_text().splitlines() if x.strip()]
     prompts = {c["id"]: requests_of(c, template) for c in convs}
     has_llama = Path(a.llama_server).is_file()
-    rows = [r for r in ROWS if has_llama or not r["server"].startswith("llama")]
+    pick = [x.strip() for x in a.rows.split(",") if x.strip()]
+    rows = [r for r in ROWS if (has_llama or not r["server"].startswith("llama")) and (not pick or any(x in r["label"] for x in pick))]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
-    procs, ports = {}, {}
+    procs, ports, workers, skipped = {}, {}, {}, {}
     t_start, load_start = time.time(), os.getloadavg()
     try:
-        start_servers(a, out, env, has_llama, procs, ports)
-        records = run_conversations(a, rows, convs, prompts, ports)
+        start_servers(a, out, env, has_llama, procs, ports, {r["server"] for r in rows})
+        skipped = start_ortgenai(a, out, env, rows, workers)
+        rows = [r for r in rows if r["server"] not in skipped]
+        from tokenizers import Tokenizer
+
+        codec = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        records = run_conversations(a, rows, convs, prompts, ports, workers, codec)
     finally:
         stop_all(procs.values())
+        for w in workers.values():
+            w.close()
     same = cache_on_equals_off(records)
+    og_same = same_text(records, OG_KEPT, OG_COLD)
     labels = [r["label"] for r in rows]
     summary = summarize(records, [c["id"] for c in convs], labels)
     ref = "llama-server draft, cache on" if has_llama else labels[0]
@@ -260,6 +357,8 @@ def main(argv=None) -> int:
         max_tokens=a.max_tokens,
         conversations=[dict(id=c["id"], requests=len(prompts[c["id"]])) for c in convs],
         cached_equals_cold=f"{sum(same.values())}/{len(same)}",
+        ortgenai_kept_equals_cold=f"{sum(og_same.values())}/{len(og_same)}",
+        skipped_rows=skipped,
         seconds=time.time() - t_start,
         summary=summary,
         records=records,
@@ -268,6 +367,9 @@ def main(argv=None) -> int:
     (out / "table.md").write_text(table(summary, ref) + "\n")
     print(table(summary, ref))
     print("specrt cache on == cache off, per turn:", result["cached_equals_cold"])
+    print("onnxruntime-genai generator kept == new generator, per turn:", result["ortgenai_kept_equals_cold"])
+    for name, why in skipped.items():
+        print(f"not run: {name}: {why}")
     return 0
 
 

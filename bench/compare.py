@@ -73,6 +73,22 @@ log = logger("bench-compare")
 # ---- workers ---------------------------------------------------------------------------
 
 
+def build_ortgenai(python: str, target_hf: str, draft_hf: str, out_root: Path, k: int, env: dict, log_file: Path) -> dict:
+    """onnxruntime-genai's model builder (int4, CPU) on two Hugging Face folders into
+    ``out_root/target`` and ``out_root/draft`` plus the speculative config at ``k``
+    (``ortgenai_worker.py --build``, cached by its stamps); the builder's log goes to
+    ``log_file``. Returns the worker's build record (``speculative_config.ok`` true when both
+    built), or ``{"ok": False, "error": ...}`` when its output was not JSON."""
+    cmd = [python, str(WORKERS / "ortgenai_worker.py"), "--build", "--target", target_hf, "--draft", draft_hf]
+    cmd += ["--out", str(out_root), "--k", str(k), "--precision", "int4"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    log_file.write_text(p.stderr)
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return dict(ok=False, error=p.stderr[-600:])
+
+
 class Worker:
     """One worker process speaking the JSON-lines protocol of bench/workers/_protocol.py:
     ``python script`` started in the repository with ``env``, its stderr in a log file of

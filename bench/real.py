@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 from specrt.bench.common import command, logger, say_machine, write_json
-from specrt.bench.compare import WORKERS, Worker, call_row, run_record, summarize, venv_python
+from specrt.bench.compare import Worker, build_ortgenai, call_row, run_record, summarize, venv_python
 from specrt.runtime.machine import machine_record
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository (bench/ sits at its top)
@@ -289,14 +288,7 @@ def ortgenai_rows(c: SimpleNamespace, result: dict) -> list[dict]:
     miss = None if c.py_og else f"no python at {c.a.ortgenai_python}: run `make bench-envs`"
     if c.py_og:
         log("onnxruntime-genai: its model builder on the converted folders (cached) ...")
-        cmd = [c.py_og, str(WORKERS / "ortgenai_worker.py"), "--build", "--target", c.hf["target"], "--draft", c.hf["draft"]]
-        cmd += ["--out", str(og_root), "--k", str(c.k), "--precision", "int4"]
-        p = subprocess.run(cmd, capture_output=True, text=True, env=c.env)
-        (c.logs / "ortgenai_build.log").write_text(p.stderr)
-        try:
-            build = json.loads(p.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            build = dict(ok=False, error=p.stderr[-600:])
+        build = build_ortgenai(c.py_og, c.hf["target"], c.hf["draft"], og_root, c.k, c.env, c.logs / "ortgenai_build.log")
         result["ortgenai_build"] = build
         if not build.get("speculative_config", {}).get("ok"):
             miss = f"model builder: {json.dumps(build)[:400]}"

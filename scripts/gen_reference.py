@@ -461,6 +461,7 @@ METRIC_UNITS: dict[str, str] = {
     "specrt_prefix_cache_cached_tokens": "tokens",
     "specrt_prefix_cache_evictions": "records",
     "specrt_prefix_cache_evicted_tokens": "tokens",
+    "specrt_prefix_cache_tokens": "tokens",
     "specrt_draft_tokens_proposed_by_position": "verification passes",
     "specrt_draft_tokens_accepted_by_position": "tokens",
     "specrt_acceptance_rate": "ratio (0..1)",

@@ -5,6 +5,7 @@ the cached tokens and the budget's evictions; every answer equals a cold Engine'
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,11 @@ def test_conversation_reuses_prefixes_and_reports_them(cold, budget, pool):
             cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
             text += out["choices"][0]["text"]
         after = read_metrics(srv.port)
+        # the gauge of tokens held now (the last record is released just after its answer)
+        deadline = time.time() + 10
+        while after["specrt_prefix_cache_tokens"] == 0 and time.time() < deadline:
+            time.sleep(0.1)
+            after = read_metrics(srv.port)
     finally:
         srv.stop()
 
@@ -64,6 +70,10 @@ def test_conversation_reuses_prefixes_and_reports_them(cold, budget, pool):
     assert delta("specrt_prefix_cache_cached_tokens_total") == sum(cached)
     assert delta('specrt_prefix_cache_evictions_total{reason="budget"}') == (0 if budget is None else 2)
     assert delta("specrt_prefix_cache_evicted_tokens_total") == (0 if budget is None else 256 + 256)
+    # held now: the last record (256 rows after the cut, 512+ without a budget), and with two
+    # slots an earlier turn's record in the other one; never above the whole budget
+    held = after["specrt_prefix_cache_tokens"]
+    assert held % 256 == 0 and (256 <= held <= budget * share if budget else held >= 512), held
 
 
 @pytest.mark.parametrize("pool", sorted(POOLS))
@@ -106,19 +116,24 @@ def test_worker_pool_routes_a_conversation_back_to_its_kv(cold):
         pool.close()
 
 
-def test_short_prefix_soak_loses_nothing_and_holds_memory(tmp_path):
-    """specrt.bench.soak_prefix for 40 s: random multi-turn chats of 3 clients on 3 workers with a 1,024-token
-    budget; every request answered, RSS after the warm-up within 10%, the cache used."""
+@pytest.mark.parametrize("pool", [["--workers", "3"], ["--max-batch", "3"]], ids=["workers", "max-batch"])
+def test_short_prefix_soak_loses_nothing_and_holds_memory(tmp_path, pool):
+    """specrt.bench.soak_prefix for 40 s: random multi-turn chats of 3 clients on 3 workers
+    (or 3 batch slots) with a 1,024-token budget; every request answered, RSS after the
+    warm-up within 10%, the cache used, the budget's KV bytes those of the engine's buffers."""
     from specrt.bench import soak_prefix
 
     out = tmp_path / "soak.json"
-    rc = soak_prefix.main(
-        ["--engines", str(ENGINES), "--workers", "3", "--clients", "3", "--budget", "1024", "--minutes", "0.67", "--warmup-minutes", "0.2", "--out", str(out)]
-    )
+    args = ["--engines", str(ENGINES), *pool, "--clients", "3", "--budget", "1024", "--minutes", "0.67", "--warmup-minutes", "0.2", "--out", str(out)]
+    rc = soak_prefix.main(args)
     rep = json.loads(out.read_text())
     assert rc == 0 and rep["holds"], {k: v for k, v in rep.items() if k != "samples"}
     assert rep["requests_lost"] == 0 and rep["requests_sent"] > 10
     assert rep["prefix_cache_hits"] >= 1 and rep["cached_tokens"] >= 256
+    eng = Engine(ENGINES)
+    per_token = sum(sum(a.nbytes for a in m.keys + m.values) / m.max_ctx for m in (eng.draft, eng.target))
+    assert rep["budget_kv_mib"] == round(1024 * per_token / 2**20, 1) > 0
+    assert rep["rss_loaded_mib"] > 0 and rep["peak_over_weights_plus_budget"] > 0
 
 
 def test_batch_slots_route_conversations_back_to_their_kv(cold):

@@ -20,6 +20,12 @@ worker (default)
     ``append_tokens(prompt)``, ``generate_next_token()`` until ``is_done()``; creating the
     generator is timed with the rest (a user does it per request). onnxruntime-genai has
     no confidence threshold: its speculative decoding drafts a fixed k per round.
+
+    ``{"op": "turn", "ids": [...], "max_new_tokens": N}`` (the agent bench): one generator
+    kept across requests, as onnxruntime-genai's own chat example keeps it; each request
+    rewinds it (``Generator.rewind_to``) to the longest common prefix of its sequence and the
+    new prompt, appends the rest and generates (greedy). Answers the "run" fields plus
+    ``cached`` (the tokens kept). A failed request drops the generator (the next starts cold).
 """
 
 from __future__ import annotations
@@ -187,6 +193,59 @@ def make_generate(og, model, spec: bool, k: int):
     return generate
 
 
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (ints)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def make_turn(og, model, spec: bool, k: int, max_length: int):
+    """``turn(msg) -> dict``: the "turn" op: the kept generator rewound to the common prefix
+    of its sequence and ``msg["ids"]`` (at most len(ids) - 1 tokens: the last prompt token is
+    always fed, so the first new token comes from a forward pass), the rest appended, then up
+    to ``max_new_tokens`` greedy tokens; ``{"tokens", "seconds", "ttft", "cached", "extra"}``.
+    ``max_length``: the generator's whole-sequence limit (the context)."""
+    import numpy as np
+
+    clock = time.perf_counter
+    state = {"gen": None}
+
+    def turn(msg):
+        ids = [int(x) for x in msg["ids"]]
+        n_new = int(msg["max_new_tokens"])
+        t = clock()
+        gen = state["gen"]
+        keep = 0
+        if gen is not None:
+            keep = min(common_prefix([int(x) for x in gen.get_sequence(0)], ids), len(ids) - 1)
+            gen.rewind_to(keep)
+        else:
+            params = og.GeneratorParams(model)
+            params.set_search_options(do_sample=False, max_length=max_length)
+            if spec:
+                params.set_speculative_options(max_draft_tokens=k)
+            gen = og.Generator(model, params)
+        state["gen"] = None  # held again only after a whole request
+        gen.append_tokens(np.asarray([ids[keep:]], dtype=np.int32))
+        ttft, made = None, 0
+        start = len(ids)
+        while not gen.is_done() and made < n_new:
+            gen.generate_next_token()
+            if ttft is None:
+                ttft = clock() - t
+            made = len(gen.get_sequence(0)) - start
+        seconds = clock() - t
+        seq = [int(x) for x in gen.get_sequence(0)]
+        state["gen"] = gen
+        return dict(tokens=seq[start : start + n_new], seconds=seconds, ttft=ttft, cached=keep, extra={})
+
+    return turn
+
+
 def setup(init: dict):
     """The protocol's setup: load the model of ``init`` (threads, spinning, model_dir,
     variant: speculative, max_draft_tokens), warm up on up to two prompts; returns
@@ -206,6 +265,7 @@ def setup(init: dict):
         ort_version = version("onnxruntime")
     except Exception:  # noqa: BLE001
         ort_version = None
+    ops = {"turn": make_turn(og, model, spec, int(v.get("max_draft_tokens", 4)), int(init.get("max_length", 4096)))}
     info = dict(
         system="onnxruntime-genai",
         onnxruntime_genai=og.__version__,
@@ -215,7 +275,7 @@ def setup(init: dict):
         model_dir=init["model_dir"],
         session_options=so,
     )
-    return generate, info, {}
+    return generate, info, ops
 
 
 if __name__ == "__main__":

@@ -299,6 +299,11 @@ class BatchPool:
         return len(self._queue)
 
     @property
+    def prefix_tokens(self) -> int:
+        """Tokens whose KV rows the free slots keep for reuse now."""
+        return sum(sp.rec.size for sp in list(self.spares.free.values()) if sp.rec is not None)
+
+    @property
     def steps(self) -> dict[str, int]:
         """Scheduler iterations so far by mode (``batched``, ``speculate``)."""
         return {m: int(self.metrics.value("specrt_batch_iterations_total", mode=m)) for m in BatchMetrics.MODES}

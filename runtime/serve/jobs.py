@@ -86,6 +86,8 @@ class Pool(Protocol):
         engines: loaded Engines; ``engines[0]`` validates and tokenizes for the service.
         max_queue: jobs that may wait (:class:`ServerBusy` beyond).
         workers: generations that can run at once. busy: running now. queued: waiting.
+        prefix_tokens: tokens whose KV rows the prefix cache holds now (idle workers or
+            free slots; a record in use by a generation is not counted).
     """
 
     engines: list
@@ -99,6 +101,9 @@ class Pool(Protocol):
 
     @property
     def queued(self) -> int: ...
+
+    @property
+    def prefix_tokens(self) -> int: ...
 
     def submit_all(self, jobs: Sequence[Job]) -> None:
         """Queue all ``jobs`` or none, without waiting; raises :class:`ServerBusy`."""
@@ -276,6 +281,12 @@ class WorkerPool:
     def queued(self) -> int:
         """Jobs waiting for a worker."""
         return len(self._waiting)
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens whose KV rows the idle workers' Engines keep for reuse now (a worker
+        running a job holds its record outside ``Engine.cached`` and is not counted)."""
+        return sum(rec.size for rec in [e.cached for e in self.engines] if rec is not None)
 
     def attach_metrics(self, server_metrics) -> None:
         """Keep ``server_metrics`` to count prefix-cache evictions (the server's own gauges

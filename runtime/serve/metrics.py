@@ -40,6 +40,8 @@ class ServerMetrics:
         model_name: value of the ``model_name`` label.
         k_max: most draft positions (the ``position`` labels ``0..k_max-1`` exist from the start).
         pool_gauges: callable returning ``(workers, busy, queued, capacity)`` now.
+        prefix_tokens: callable returning the tokens the prefix cache holds now
+            (``specrt_prefix_cache_tokens``); None: the gauge reads 0.
 
     Outcomes of ``specrt_requests_total{outcome}`` (one per HTTP request): ``ok``,
     ``cancelled`` (the client left), ``invalid`` (4xx), ``rejected`` (503, queue full),
@@ -51,7 +53,7 @@ class ServerMetrics:
 
     OUTCOMES = ("ok", "cancelled", "invalid", "rejected", "error")
 
-    def __init__(self, model_name: str, k_max: int, pool_gauges: Callable[[], tuple[int, int, int, int]]):
+    def __init__(self, model_name: str, k_max: int, pool_gauges: Callable[[], tuple[int, int, int, int]], prefix_tokens: Callable[[], int] | None = None):
         import prometheus_client as pc
 
         pc.disable_created_metrics()
@@ -85,6 +87,8 @@ class ServerMetrics:
         self._evicted = counter("specrt_prefix_cache_evictions", "Prefix-cache records cut or dropped to stay within --prefix-cache-tokens.", ["reason"])
         self._evicted_tokens = counter("specrt_prefix_cache_evicted_tokens", "Cached tokens given up to stay within --prefix-cache-tokens.").labels(name)
         self._evicted.labels(name, "budget")
+        g = pc.Gauge("specrt_prefix_cache_tokens", "Tokens whose KV rows the prefix cache holds now (idle workers, free batch slots).", L, registry=reg)
+        g.labels(name).set_function(prefix_tokens or (lambda: 0))
         self._prop_pos = counter(
             "specrt_draft_tokens_proposed_by_position", "Verification passes that proposed a candidate at draft position i (0-based).", ["position"]
         )

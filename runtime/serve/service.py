@@ -69,7 +69,7 @@ class CompletionService:
         self.model_name = model_name
         self.engine = pool.engines[0]  # validation and tokenizing only (no generation)
         manifest = self.engine.manifest
-        self.metrics = ServerMetrics(model_name, manifest.k_max, lambda: (pool.workers, pool.busy, pool.queued, pool.max_queue))
+        self.metrics = ServerMetrics(model_name, manifest.k_max, lambda: (pool.workers, pool.busy, pool.queued, pool.max_queue), lambda: pool.prefix_tokens)
         pool.attach_metrics(self.metrics)  # a pool's own metrics (the BatchPool's) join this registry
         self.chat_template = chat_template
         self.created = int(time.time())
