@@ -97,9 +97,10 @@ bench-real: real-pair $(LL_VENV)/bin/llama-server $(OG_VENV)/.installed
 	$(BIN)/python -m specrt.bench.real --engines $(REAL_ENGINES) --repeats $(REAL_REPEATS) --threads $(THREADS) --out $(REAL_BENCH_OUT)
 
 # coding-agent conversations, each turn the whole history: specrt prefix cache on/off vs llama-server
+# and onnxruntime-genai (a new generator per request, or one kept and rewound)
 # (docs/guide/prefix-cache.md)
 AGENTS_OUT ?= bench_out/agents
-bench-agents: real-pair $(LL_VENV)/bin/llama-server
+bench-agents: real-pair $(LL_VENV)/bin/llama-server $(OG_VENV)/.installed
 	$(BIN)/python -m specrt.bench.agents --engines $(REAL_ENGINES) --threads $(THREADS) --llama-server $(LL_VENV)/bin/llama-server --out $(AGENTS_OUT)
 
 # speculative == target-only on the real pair (not CI: it needs `make real-pair`)

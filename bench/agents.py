@@ -25,7 +25,9 @@ process (no HTTP: a slight advantage to it). Two ways a user runs it: a new gene
 request (cold), and one generator kept across a conversation's requests, rewound
 (``Generator.rewind_to``) to the longest common prefix of its sequence and the next prompt
 (its own chat example keeps the generator; the rewind is the best a user can do with its API).
-Its kept outputs are compared with its cold ones. The build is cached in ``--ortgenai-models``
+The target-only kept outputs are compared with the cold ones (the speculative kept row has no
+cold twin). Its TTFT is the time to its first computed token inside the worker (tokenizing
+before and detokenizing after are not timed), where the HTTP rows' is the first streamed text. The build is cached in ``--ortgenai-models``
 (shared with ``make bench-real``). ``--rows`` picks rows by substring.
 Prints the table and writes JSON to ``--out``.
 
@@ -100,7 +102,7 @@ ROWS = [
     dict(label="llama-server ngram-simple, cache on", server="llama-ngram", extra=dict(cache_prompt=True)),
     dict(label="ort-genai int4 target-only, new generator per request", server="ortgenai", extra=dict(op="run")),
     dict(label="ort-genai int4 target-only, generator kept", server="ortgenai", extra=dict(op="turn")),
-    dict(label="ort-genai int4 speculative (k=4), generator kept", server="ortgenai-spec", extra=dict(op="turn")),
+    dict(label="ort-genai int4 speculative, generator kept", server="ortgenai-spec", extra=dict(op="turn")),
 ]
 OG_COLD, OG_KEPT = ROWS[-3]["label"], ROWS[-2]["label"]
 
@@ -135,11 +137,14 @@ def summarize(records: list[dict], convs: list[str], labels: list[str]) -> list[
     return out
 
 
-def table(summary: list[dict], ref: str) -> str:
-    """The markdown table of :func:`summarize`'s rows, totals relative to the row ``ref``."""
+def table(summary: list[dict], ref: str | None) -> str:
+    """The markdown table of :func:`summarize`'s rows, totals relative to the row ``ref``
+    (None or absent: "-")."""
     base = next((s["total_seconds"] for s in summary if s["row"] == ref), None)
     lines = [
-        "| row | total s (3 conversations) | vs " + ref + " | TTFT turn 1 (median s) | TTFT later turns (median s) | later TTFT / cold TTFT, 2000+ tokens |",
+        "| row | total s (3 conversations) | vs "
+        + (ref or "-")
+        + " | TTFT turn 1 (median s) | TTFT later turns (median s) | later TTFT / cold TTFT, 2000+ tokens |",
         "|---|---|---|---|---|---|",
     ]
     for s in summary:
@@ -170,9 +175,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def start_servers(a: argparse.Namespace, out: Path, env: dict, has_llama: bool, procs: dict, ports: dict, need: set) -> None:
-    """specrt serve with the prefix cache on (``specrt``) and off (``specrt-nocache``), and
-    the three llama-server variants when there is one and a row in ``need`` (server names)
-    uses one; into ``procs`` and ``ports``."""
+    """Those of the servers that rows use (``need``: server names): specrt serve with the
+    prefix cache on (``specrt``) and off (``specrt-nocache``), and the three llama-server
+    variants when there is one; into ``procs`` and ``ports``. Raises what
+    :func:`~specrt.bench.servers.start` raises."""
     for name, args in (("specrt", []), ("specrt-nocache", ["--prefix-cache-tokens", "0"])):
         if name not in need:
             continue
@@ -183,11 +189,11 @@ def start_servers(a: argparse.Namespace, out: Path, env: dict, has_llama: bool, 
         start_llama_servers(a.llama_server, a.target_gguf, a.draft_gguf, a.threads, a.ctx, out, env, procs, ports)
 
 
-def start_ortgenai(a: argparse.Namespace, out: Path, env: dict, rows: list[dict], procs: dict) -> dict:
+def start_ortgenai(a: argparse.Namespace, out: Path, env: dict, rows: list[dict], procs: dict, k: int) -> dict:
     """onnxruntime-genai's workers for the rows that need them (``ortgenai``: the int4
-    target; ``ortgenai-spec``: the speculative model at k 4), after its model builder (cached).
-    Returns ``{server: error}`` for those that cannot run (their rows are dropped); workers go
-    into ``procs``."""
+    target; ``ortgenai-spec``: the speculative model drafting ``k`` tokens, the engine's
+    ``k_max``), after its model builder (cached; offline). Returns ``{server: error}`` for
+    those that cannot run (their rows are dropped); workers go into ``procs``."""
     need = {r["server"] for r in rows if r["server"].startswith("ortgenai")}
     if not need:
         return {}
@@ -196,16 +202,19 @@ def start_ortgenai(a: argparse.Namespace, out: Path, env: dict, rows: list[dict]
         return {n: f"no python at {a.ortgenai_python}: run `make bench-envs`" for n in need}
     root = Path(a.ortgenai_models).resolve()
     hf = {r: str(Path(g + ".hf")) for r, g in (("target", a.target_gguf), ("draft", a.draft_gguf))}
-    build = build_ortgenai(py, hf["target"], hf["draft"], root, 4, env, out / "ortgenai_build.log")
+    build = build_ortgenai(py, hf["target"], hf["draft"], root, k, dict(env, HF_HUB_OFFLINE="1"), out / "ortgenai_build.log")
     if not build.get("speculative_config", {}).get("ok"):
         return {n: f"model builder: {json.dumps(build)[:400]}" for n in need}
     errors = {}
     for name in sorted(need):
         spec = name == "ortgenai-spec"
         init = dict(threads=a.threads, spinning=False, warmup=[], max_length=a.ctx, model_dir=str(root if spec else root / "target"))
-        init["variant"] = dict(speculative=spec, max_draft_tokens=4)
+        init["variant"] = dict(speculative=spec, max_draft_tokens=k)
         w = Worker(name, py, "ortgenai_worker.py", init, out, env)
-        ans = w.recv(900)
+        try:
+            ans = w.recv(900)
+        except RuntimeError as e:  # the worker died or hung while loading
+            ans = dict(ready=False, error=str(e))
         if ans.get("ready"):
             procs[name] = w
         else:
@@ -257,10 +266,12 @@ def one_turn(a: argparse.Namespace, row: dict, port: int, prompt: str) -> dict:
     )
 
 
-def run_conversations(a: argparse.Namespace, rows: list[dict], convs: list[dict], prompts: dict, ports: dict, workers: dict, codec) -> list[dict]:
+def run_conversations(a: argparse.Namespace, rows: list[dict], convs: list[dict], prompts: dict, ports: dict, workers: dict, codec, failed: dict) -> list[dict]:
     """Every conversation on every row, rows shuffled per conversation and repeat, each
     row's server (or kept generator) flushed with an unrelated prompt first; one record per
-    request. ``workers``: onnxruntime-genai's, by server name; ``codec``: their tokenizer."""
+    request. ``workers``: onnxruntime-genai's, by server name; ``codec``: their tokenizer. A
+    request that fails (an HTTP error, a worker's error or silence) drops its row: its
+    label and why go into ``failed`` and none of its records are returned."""
     records: list[dict] = []
     rng = random.Random(0)
     for rep in range(a.repeats):
@@ -268,21 +279,27 @@ def run_conversations(a: argparse.Namespace, rows: list[dict], convs: list[dict]
             order = list(rows)
             rng.shuffle(order)
             for row in order:
+                if row["label"] in failed:
+                    continue
                 w = workers.get(row["server"])
-                if w is not None:
-                    worker_turn(a, row, w, codec, FLUSH)
-                else:
-                    stream(ports[row["server"]], "/v1/completions", dict(prompt=FLUSH, max_tokens=1, temperature=0), a.timeout)
-                for turn, prompt in enumerate(prompts[conv["id"]]):
-                    rec = dict(row=row["label"], conv=conv["id"], turn=turn, repeat=rep)
-                    rec.update(worker_turn(a, row, w, codec, prompt) if w is not None else one_turn(a, row, ports[row["server"]], prompt))
-                    records.append(rec)
-                    print(
-                        f"rep {rep} {conv['id']:<20} turn {turn} {row['label']:<38} prompt {rec['prompt_tokens']:5} cached {rec['cached_tokens']!s:>5} "
-                        f"ttft {rec['ttft']:6.2f}s total {rec['seconds']:6.2f}s",
-                        flush=True,
-                    )
-    return records
+                try:
+                    if w is not None:
+                        worker_turn(argparse.Namespace(**dict(vars(a), max_tokens=1)), row, w, codec, FLUSH)
+                    else:
+                        stream(ports[row["server"]], "/v1/completions", dict(prompt=FLUSH, max_tokens=1, temperature=0), a.timeout)
+                    for turn, prompt in enumerate(prompts[conv["id"]]):
+                        rec = dict(row=row["label"], conv=conv["id"], turn=turn, repeat=rep)
+                        rec.update(worker_turn(a, row, w, codec, prompt) if w is not None else one_turn(a, row, ports[row["server"]], prompt))
+                        records.append(rec)
+                        print(
+                            f"rep {rep} {conv['id']:<20} turn {turn} {row['label']:<38} prompt {rec['prompt_tokens']:5} cached {rec['cached_tokens']!s:>5} "
+                            f"ttft {rec['ttft']:6.2f}s total {rec['seconds']:6.2f}s",
+                            flush=True,
+                        )
+                except (RuntimeError, OSError) as e:  # a failed request drops its row (all its records), the others go on
+                    failed[row["label"]] = f"{conv['id']}: {type(e).__name__}: {e}"[:500]
+                    print(f"row dropped: {row['label']}: {failed[row['label']]}", flush=True)
+    return [r for r in records if r["row"] not in failed]
 
 
 def same_text(records: list[dict], kept: str, cold: str) -> dict[str, bool]:
@@ -296,19 +313,16 @@ def same_text(records: list[dict], kept: str, cold: str) -> dict[str, bool]:
 
 
 def cache_on_equals_off(records: list[dict]) -> dict[str, bool]:
-    """Sets each record's ``cold_ttft`` (the cache-off TTFT of the same turn); returns
-    ``{"conv#turn#repeat": cache-on text == cache-off text}`` for specrt speculative."""
-    cold = {(r["conv"], r["turn"], r["repeat"]): r["ttft"] for r in records if r["row"] == "specrt speculative, cache off"}
+    """Sets each record's ``cold_ttft``: the TTFT of the same turn on its system's cold row
+    (specrt rows: "specrt speculative, cache off"; onnxruntime-genai rows: a new generator per
+    request; llama-server: None, it has no cold row); returns ``{"conv#turn#repeat": cache-on
+    text == cache-off text}`` for specrt speculative (:func:`same_text`)."""
+    cold_rows = {"specrt": "specrt speculative, cache off", "ort-genai": OG_COLD}
+    cold = {(r["row"], r["conv"], r["turn"], r["repeat"]): r["ttft"] for r in records if r["row"] in cold_rows.values()}
     for r in records:
-        r["cold_ttft"] = cold.get((r["conv"], r["turn"], r["repeat"]))
-    off = {(x["conv"], x["turn"], x["repeat"]): x for x in records if x["row"] == "specrt speculative, cache off"}
-    same = {}
-    for r in records:
-        if r["row"] == "specrt speculative, cache on":
-            o = off.get((r["conv"], r["turn"], r["repeat"]))
-            if o is not None:
-                same[f"{r['conv']}#{r['turn']}#{r['repeat']}"] = o["text"] == r["text"]
-    return same
+        base = cold_rows.get(r["row"].split(" ")[0])
+        r["cold_ttft"] = cold.get((base, r["conv"], r["turn"], r["repeat"])) if base else None
+    return same_text(records, "specrt speculative, cache on", "specrt speculative, cache off")
 
 
 def main(argv=None) -> int:
@@ -322,32 +336,42 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     folder = Path(a.engines)
-    template = load_chat_template(folder / load_manifest(folder, verify_hashes=False).chat_template_file)
+    manifest = load_manifest(folder, verify_hashes=False)
+    template = load_chat_template(folder / manifest.chat_template_file)
     convs = [json.loads(x) for x in (ROOT / a.conversations).read_text().splitlines() if x.strip()]
     prompts = {c["id"]: requests_of(c, template) for c in convs}
     has_llama = Path(a.llama_server).is_file()
     pick = [x.strip() for x in a.rows.split(",") if x.strip()]
     rows = [r for r in ROWS if (has_llama or not r["server"].startswith("llama")) and (not pick or any(x in r["label"] for x in pick))]
+    if not rows:
+        raise SystemExit(
+            f"--rows {a.rows!r} picks no row; rows: {'; '.join(r['label'] for r in ROWS)}"
+            + ("" if has_llama else " (no llama-server rows: none at --llama-server)")
+        )
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
-    procs, ports, workers, skipped = {}, {}, {}, {}
+    procs, ports, workers, skipped, failed = {}, {}, {}, {}, {}
     t_start, load_start = time.time(), os.getloadavg()
+    k = int(manifest.defaults.get("k_max", 4))
     try:
-        start_servers(a, out, env, has_llama, procs, ports, {r["server"] for r in rows})
-        skipped = start_ortgenai(a, out, env, rows, workers)
+        skipped = start_ortgenai(a, out, env, rows, workers, k)  # first: its model builder is the memory peak
         rows = [r for r in rows if r["server"] not in skipped]
+        if not rows:
+            raise SystemExit("no row can run: " + "; ".join(f"{n}: {w}" for n, w in skipped.items()))
+        start_servers(a, out, env, has_llama, procs, ports, {r["server"] for r in rows})
         from tokenizers import Tokenizer
 
         codec = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        records = run_conversations(a, rows, convs, prompts, ports, workers, codec)
+        records = run_conversations(a, rows, convs, prompts, ports, workers, codec, failed)
     finally:
         stop_all(procs.values())
         for w in workers.values():
             w.close()
     same = cache_on_equals_off(records)
     og_same = same_text(records, OG_KEPT, OG_COLD)
-    labels = [r["label"] for r in rows]
+    labels = [r["label"] for r in rows if r["label"] not in failed]
     summary = summarize(records, [c["id"] for c in convs], labels)
-    ref = "llama-server draft, cache on" if has_llama else labels[0]
+    # the reference: llama-server's draft row, else the first row that ran
+    ref = next((x for x in ("llama-server draft, cache on", *labels) if x in labels), None)
     result = dict(
         command=command(),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
@@ -358,7 +382,9 @@ def main(argv=None) -> int:
         conversations=[dict(id=c["id"], requests=len(prompts[c["id"]])) for c in convs],
         cached_equals_cold=f"{sum(same.values())}/{len(same)}",
         ortgenai_kept_equals_cold=f"{sum(og_same.values())}/{len(og_same)}",
+        ortgenai_speculative_k=k,
         skipped_rows=skipped,
+        failed_rows=failed,
         seconds=time.time() - t_start,
         summary=summary,
         records=records,
@@ -366,10 +392,10 @@ def main(argv=None) -> int:
     write_json(out / "bench_agents.json", result)
     (out / "table.md").write_text(table(summary, ref) + "\n")
     print(table(summary, ref))
-    print("specrt cache on == cache off, per turn:", result["cached_equals_cold"])
+    print("specrt cache on == cache off, per turn:", result["cached_equals_cold"], "" if same else "(no cache-off row: not compared)")
     print("onnxruntime-genai generator kept == new generator, per turn:", result["ortgenai_kept_equals_cold"])
-    for name, why in skipped.items():
-        print(f"not run: {name}: {why}")
+    for name, why in {**skipped, **failed}.items():
+        print(f"not run or dropped: {name}: {why}")
     return 0
 
 

@@ -177,7 +177,7 @@ class _Spares:
         best = max(free, key=lambda s: (*route_key(free[s].rec, ids, self.t_step), -free[s].used))
         if best != slot:
             self.exchange(best, slot, free[best].rows, free[slot].rows)
-            free[best], free[slot] = free[slot], free[best]
+            free.update({best: free[slot], slot: free[best]})  # one update: a metrics read sees both or neither
         return free.pop(slot)
 
     def keep(self, row: _Row) -> _Spare:

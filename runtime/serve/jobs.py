@@ -285,8 +285,10 @@ class WorkerPool:
     @property
     def prefix_tokens(self) -> int:
         """Tokens whose KV rows the idle workers' Engines keep for reuse now (a worker
-        running a job holds its record outside ``Engine.cached`` and is not counted)."""
-        return sum(rec.size for rec in [e.cached for e in self.engines] if rec is not None)
+        running a job holds its record outside ``Engine.cached`` and is not counted; a record
+        just left by a job counts at most the worker's share: it is cut to it right after)."""
+        cap = self.share if self.share is not None else float("inf")
+        return int(sum(min(rec.size, cap) for rec in [e.cached for e in self.engines] if rec is not None))
 
     def attach_metrics(self, server_metrics) -> None:
         """Keep ``server_metrics`` to count prefix-cache evictions (the server's own gauges
