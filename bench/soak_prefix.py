@@ -13,7 +13,8 @@ with the RSS) never above ``--budget`` (the KV buffers are allocated once per wo
 kept in them, not what is allocated). Beside it, the peak against "model weights + the
 budget's KV bytes" (the weights: the folder's ONNX files on disk; the budget's bytes: ``--budget``
 tokens at the manifest's KV bytes per token, draft and target) and against "RSS once loaded +
-the budget's KV bytes" (reported, not part of ``holds``: the budget does not bound the RSS;
+the budget's KV bytes" and against "RSS once loaded + the KV buffers of every worker or
+slot at ``max_ctx``" (reported, not part of ``holds``: the budget does not bound the RSS;
 the KV buffers' pages become resident as rows are first written, up to workers or slots x
 ``max_ctx`` rows, and stay; onnxruntime's arenas and the prefill's activations come on top). ``--max-batch N`` serves through N continuous-batching slots instead of
 ``--workers``. Prints JSON and writes it to ``--out``.
@@ -114,6 +115,8 @@ def main(argv=None) -> int:
     proc = start(cmd, port, "/health", out_path.with_suffix(".log"), dict(os.environ))
     rss_loaded = rss_mib(proc.pid)
     budget_mib = a.budget * kv_bytes_per_token(Path(a.engines)) / 2**20
+    slots = a.max_batch if a.max_batch > 0 else a.workers
+    kv_alloc_mib = slots * json.loads((Path(a.engines) / "manifest.json").read_text())["max_ctx"] * kv_bytes_per_token(Path(a.engines)) / 2**20
     weights_mib = sum(f.stat().st_size for f in Path(a.engines).iterdir() if ".onnx" in f.name) / 2**20
     t0 = time.time()
     stop = t0 + 60 * a.minutes
@@ -159,6 +162,8 @@ def main(argv=None) -> int:
         weights_mib=round(weights_mib, 1),
         peak_over_weights_plus_budget=peak / (weights_mib + budget_mib) if warm else None,
         peak_over_loaded_plus_budget=peak / (rss_loaded + budget_mib) if warm else None,
+        kv_allocated_mib=round(kv_alloc_mib, 1),
+        peak_over_loaded_plus_allocated=peak / (rss_loaded + kv_alloc_mib) if warm else None,
         cache_tokens_max=max_held,
         cache_tokens_samples_missing=sum(s["cache_tokens"] is None for s in samples),
         holds=bool(warm) and stats["lost"] == 0 and peak <= 1.10 * rss_warm and max_held <= a.budget,
