@@ -58,6 +58,15 @@ def kv_bytes_per_token(engines: Path) -> int:
     return sum(m[k]["n_layers"] * 2 * m[k]["n_kv_heads"] * m[k]["head_dim"] * itemsize for k in ("draft", "target"))
 
 
+def memory_sizes(engines: Path, budget: int, slots: int) -> tuple[float, float, float]:
+    """(the budget's KV, the KV buffers of ``slots`` workers or slots at ``max_ctx``, the
+    folder's ONNX files), MiB (:func:`kv_bytes_per_token`'s errors)."""
+    per_token = kv_bytes_per_token(engines)
+    max_ctx = json.loads((engines / "manifest.json").read_text())["max_ctx"]
+    weights = sum(f.stat().st_size for f in engines.iterdir() if ".onnx" in f.name)
+    return budget * per_token / 2**20, slots * max_ctx * per_token / 2**20, weights / 2**20
+
+
 def client(port: int, prompts: list[str], seed: int, stop: float, max_chars: int, out: dict, lock: threading.Lock) -> None:
     """One client thread until the time ``stop``: a conversation of random turns (random
     budget, greedy or sampled, speculative or not), restarted past ``max_chars`` or at
@@ -109,17 +118,11 @@ def main(argv=None) -> int:
     out_path = Path(a.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", port, "--workers", a.workers, "--threads", a.threads]
-    cmd += ["--prefix-cache-tokens", a.budget, "--log-level", "warning", "--max-queue", 256]
-    if a.max_batch > 0:
-        cmd += ["--max-batch", a.max_batch]
+    cmd += ["--prefix-cache-tokens", a.budget, "--log-level", "warning", "--max-queue", 256] + (["--max-batch", a.max_batch] if a.max_batch > 0 else [])
     proc = start(cmd, port, "/health", out_path.with_suffix(".log"), dict(os.environ))
     rss_loaded = rss_mib(proc.pid)
-    budget_mib = a.budget * kv_bytes_per_token(Path(a.engines)) / 2**20
-    slots = a.max_batch if a.max_batch > 0 else a.workers
-    kv_alloc_mib = slots * json.loads((Path(a.engines) / "manifest.json").read_text())["max_ctx"] * kv_bytes_per_token(Path(a.engines)) / 2**20
-    weights_mib = sum(f.stat().st_size for f in Path(a.engines).iterdir() if ".onnx" in f.name) / 2**20
-    t0 = time.time()
-    stop = t0 + 60 * a.minutes
+    budget_mib, kv_alloc_mib, weights_mib = memory_sizes(Path(a.engines), a.budget, a.max_batch if a.max_batch > 0 else a.workers)
+    stop = (t0 := time.time()) + 60 * a.minutes
     stats = {"sent": 0, "ok": 0, "lost": 0, "cached": 0, "errors": []}
     lock = threading.Lock()
     threads = [threading.Thread(target=client, args=(port, prompts, i, stop, a.max_chars, stats, lock), daemon=True) for i in range(a.clients)]

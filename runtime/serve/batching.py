@@ -195,6 +195,27 @@ class _Spares:
         return _Spare(row.gen.draft, rec, self.released)
 
 
+def check_pool_args(engine, max_batch: int, max_queue: int, max_tokens: int | None, policy: str) -> None:
+    """Validate :class:`BatchPool`'s arguments (see there).
+
+    Raises:
+        ServeError: max_batch < 1, max_queue < 1, max_tokens < 1, an unknown policy, or a
+            target that is not a builder graph on onnxruntime CPU.
+    """
+    if max_batch < 1:
+        raise ServeError(f"max_batch={max_batch}; it must be >= 1")
+    if max_queue < 1:
+        raise ServeError(f"max_queue={max_queue}; it must be >= 1")
+    if max_tokens is not None and max_tokens < 1:
+        raise ServeError(f"max_tokens={max_tokens}; it must be >= 1 (or None)")
+    if policy not in BATCH_POLICIES:
+        raise ServeError(f"policy={policy!r}; one of {', '.join(BATCH_POLICIES)}")
+    if not isinstance(engine.target, OrtGqaModel):
+        raise ServeError(
+            f"--max-batch needs a builder-graph target on ort-cpu (int4/int8 export); {engine.folder} has a {engine.manifest.target.graph} graph on {engine.backend}"
+        )
+
+
 class BatchPool:
     """The continuous-batching scheduler, a :class:`~specrt.runtime.serve.jobs.Pool` (module
     docstring). Jobs follow the contract of :mod:`specrt.runtime.serve.jobs` through its
@@ -242,18 +263,7 @@ class BatchPool:
         costs: BatchCosts | None = None,
         prefix_cache_tokens: int | None = None,
     ):
-        if max_batch < 1:
-            raise ServeError(f"max_batch={max_batch}; it must be >= 1")
-        if max_queue < 1:
-            raise ServeError(f"max_queue={max_queue}; it must be >= 1")
-        if max_tokens is not None and max_tokens < 1:
-            raise ServeError(f"max_tokens={max_tokens}; it must be >= 1 (or None)")
-        if policy not in BATCH_POLICIES:
-            raise ServeError(f"policy={policy!r}; one of {', '.join(BATCH_POLICIES)}")
-        if not isinstance(engine.target, OrtGqaModel):
-            raise ServeError(
-                f"--max-batch needs a builder-graph target on ort-cpu (int4/int8 export); {engine.folder} has a {engine.manifest.target.graph} graph on {engine.backend}"
-            )
+        check_pool_args(engine, max_batch, max_queue, max_tokens, policy)
         self.engine = engine
         self.engines = [engine]  # the service validates and tokenizes with engines[0]
         self.max_batch, self.max_queue, self.max_tokens = max_batch, max_queue, max_tokens
