@@ -169,7 +169,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--ortgenai-python", default=".venv-ortgenai/bin/python")
     ap.add_argument("--ortgenai-models", default="bench_out/real_pair/anchors/ortgenai-int4", help="onnxruntime-genai's builds (cached)")
-    ap.add_argument("--rows", default="", help="comma-separated substrings: run only the rows whose label holds one (default: all)")
+    ap.add_argument("--rows", default="", help="substrings separated by ;: run only the rows whose label holds one (default: all)")
     ap.add_argument("--out", default="bench_out/agents")
     return ap.parse_args(argv)
 
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     convs = [json.loads(x) for x in (ROOT / a.conversations).read_text().splitlines() if x.strip()]
     prompts = {c["id"]: requests_of(c, template) for c in convs}
     has_llama = Path(a.llama_server).is_file()
-    pick = [x.strip() for x in a.rows.split(",") if x.strip()]
+    pick = [x.strip() for x in a.rows.split(";") if x.strip()]  # labels hold commas
     rows = [r for r in ROWS if (has_llama or not r["server"].startswith("llama")) and (not pick or any(x in r["label"] for x in pick))]
     if not rows:
         raise SystemExit(
