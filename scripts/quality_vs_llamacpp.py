@@ -36,12 +36,14 @@ from specrt.runtime.manifest import load_manifest
 WORKER = Path(__file__).resolve().parents[1] / "bench" / "workers" / "llamacpp_logits.py"
 
 
-def llama_scores(python: str, gguf: str, seqs: list, first: list, threads: int) -> tuple[Scores, np.ndarray]:
-    """llama.cpp's :class:`Scores` of ``seqs`` (and its top-1 - top-2 margins)."""
+def llama_scores(python: str, gguf: str, seqs: list, first: list, threads: int, env: dict | None = None) -> tuple[Scores, np.ndarray]:
+    """llama.cpp's :class:`Scores` of ``seqs`` (and its top-1 - top-2 margins); ``env``: the
+    worker's environment (e.g. ``PYTHONPATH`` / ``LLAMA_CPP_LIB_PATH`` for an unpacked
+    llama-cpp-python over a separately built libllama), None = this one's."""
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d) / "in.json", Path(d) / "out.npz"
         src.write_text(json.dumps({"gguf": gguf, "threads": threads, "seqs": seqs, "first": first}))
-        p = subprocess.run([python, str(WORKER), str(src), str(dst)], capture_output=True, text=True)
+        p = subprocess.run([python, str(WORKER), str(src), str(dst)], capture_output=True, text=True, env=env)
         if p.returncode != 0:
             raise SystemExit(f"llama.cpp worker failed: {(p.stdout + p.stderr)[-600:]}")
         z = np.load(dst)
