@@ -23,8 +23,9 @@ log-softmax over the tokenizer's ids.
 Figures per set and system: loss (nats/token), perplexity, its ratio to the reference's
 with the standard error of the paired loss difference, and top-1 (teacher-forced greedy)
 agreement between every two systems. Step cost (``--time-reps``): each specrt flavor's
-target call of 1 and of ``k_max(default) + 1`` rows after a 512-token prefill, median ms of
-interleaved repeats. The choice: the fastest specrt flavor (1-row step) whose perplexity is
+target call of 1, of its ``min_q`` and of its default ``k_max + 1`` rows after a 512-token
+prefill, median ms of interleaved repeats (``--time-only``: these alone). The choice: the specrt flavor with the fastest target-only step (its
+``min_q``-row call, the step its exact target-only decoding makes) whose perplexity is
 within ``--max-ppl-ratio`` (1.01) of the reference's on every set.
 
     python scripts/flavor_quality.py --engines engines/qwen2.5-coder --engines /tmp/specrt-requant \\
@@ -103,8 +104,10 @@ class OrtGenaiGraph:
 
 
 def paired(ref: Scores, got: Scores) -> dict:
-    """``got`` against ``ref`` on the same positions: the loss change (nats/token), its
-    standard error (paired per position), the perplexity ratio and top-1 agreement."""
+    """``got`` against ``ref`` on the same positions (equal-length float64 log-probabilities):
+    the loss change in nats/token (positive: ``got`` is worse), its standard error (paired per
+    position, positions taken as independent: a lower bound, neighbouring positions of a
+    window are correlated), the perplexity ratio ``exp(loss change)`` and top-1 agreement."""
     d = ref.logprob - got.logprob  # per-position loss change
     return dict(
         loss_delta=float(d.mean()),
@@ -116,7 +119,9 @@ def paired(ref: Scores, got: Scores) -> dict:
 
 def step_ms(model, q: int, reps: int, prefill: int = 512) -> float:
     """Median ms of ``reps`` target calls of ``q`` rows at position ``prefill`` (the same rows
-    rewritten each time) after a chunked prefill of ``prefill`` tokens."""
+    rewritten each time) after a prefill of ``prefill`` tokens in ``model.max_q``-wide calls
+    (``model.max_ctx`` must be >= ``prefill + q``; ``q`` is not checked against the
+    flavor's ``min_q``: :func:`time_flavors` picks the widths)."""
     ids = list(range(1000, 1000 + prefill))
     for lo in range(0, prefill, model.max_q):
         model.run(ids[lo : lo + model.max_q], lo)
@@ -131,13 +136,53 @@ def step_ms(model, q: int, reps: int, prefill: int = 512) -> float:
 
 
 def choose(flavors: dict, sets: list[str], max_ratio: float) -> dict:
-    """The fastest specrt flavor (1-row step) whose perplexity ratio to the reference is at
-    most ``max_ratio`` on every set; ``flavors``: label -> {"ppl_ratio": {set: r}, "step_ms": {"1": ms}}."""
+    """The specrt flavor with the fastest target-only step (a call of its narrowest exact
+    width ``min_q``, the call its target-only decoding makes) among those whose perplexity
+    ratio to the reference is at most ``max_ratio`` on every set.
+
+    Args:
+        flavors: label -> ``{"ppl_ratio": {set: ratio}, "min_q": q, "step_ms": {str(q): ms}}``
+            (the reference with ratio 1.0 on every set).
+        sets: the set names every ratio must meet.
+        max_ratio: the perplexity bound (1.01: within 1%).
+
+    Raises:
+        ValueError: no flavor meets the bound (the reference's ratios are 1.0, so only a
+            bound below 1 or a missing reference gets here).
+    """
     ok = {k: v for k, v in flavors.items() if all(v["ppl_ratio"][s] <= max_ratio for s in sets)}
-    best = min(ok, key=lambda k: flavors[k]["step_ms"]["1"])
+    if not ok:
+        raise ValueError(f"no flavor within {max_ratio}x the reference's perplexity on every set")
+    best = min(ok, key=lambda k: flavors[k]["step_ms"][str(flavors[k]["min_q"])])
     return dict(
-        flavor=best, eligible=sorted(ok), rule=f"fastest 1-row target step among flavors with perplexity <= {max_ratio}x the exact graph's on every set"
+        flavor=best,
+        eligible=sorted(ok),
+        rule=f"fastest target-only step (a call of the flavor's min_q rows) among flavors with perplexity <= {max_ratio}x the exact graph's on every set",
     )
+
+
+def time_flavors(engines: list[str], threads: int, reps: int, rounds: int = 3) -> dict:
+    """Each engine's target call cost: widths 1, its ``min_q`` (its target-only step) and its
+    default ``k_max + 1`` (a verification pass), ``rounds`` interleaved rounds of
+    :func:`step_ms` over ``reps`` calls. Returns folder -> ``{"min_q", "step_ms": {str(q):
+    median ms}, "step_ms_rounds": {str(q): [ms per round]}}``."""
+    models = {}
+    for folder in engines:
+        mm = load_manifest(folder)
+        widths = sorted({1, mm.min_q(), min(mm.k_max, int(mm.defaults.get("k_max", 4))) + 1})
+        models[folder] = (mm, cpu_model(Path(folder), mm.target, mm.max_ctx, mm.k_max + 1, ThreadConfig(threads)), widths)
+    samples = {f: {q: [] for q in w} for f, (_, _, w) in models.items()}
+    for _ in range(rounds):
+        for f, (_, model, widths) in models.items():
+            for q in widths:
+                samples[f][q].append(step_ms(model, q, reps))
+    out = {}
+    for f, (mm, model, _) in models.items():
+        out[f] = dict(
+            min_q=mm.min_q(), step_ms={str(q): statistics.median(v) for q, v in samples[f].items()}, step_ms_rounds={str(q): v for q, v in samples[f].items()}
+        )
+        model.close()
+    return out
 
 
 def main(argv=None) -> int:
@@ -151,10 +196,20 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-reps", type=int, default=20, help="timed calls per flavor and width (0: no timing)")
     ap.add_argument("--max-ppl-ratio", type=float, default=1.01)
+    ap.add_argument("--time-only", action="store_true", help="only the step costs of --engines (no scores, no choice)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     say_machine()
     t0 = time.time()
+    if a.time_only:
+        steps = time_flavors(a.engines, a.threads, a.time_reps or 20)
+        rec = dict(command=command(), machine=this_machine().to_json(), loadavg_start=os.getloadavg(), systems=steps)
+        for f, r in steps.items():
+            print(f"{f:<40} min_q {r['min_q']} | " + ", ".join(f"q{q} {v:.1f} ms" for q, v in r["step_ms"].items()))
+        rec["loadavg_end"], rec["seconds"] = os.getloadavg(), round(time.time() - t0, 1)
+        if a.out:
+            write_json(a.out, rec, default=float)
+        return 0
     ref_folder = Path(a.engines[0])
     m = load_manifest(ref_folder)
     from tokenizers import Tokenizer
@@ -172,13 +227,17 @@ def main(argv=None) -> int:
             raise SystemExit(f"{folder} has another vocabulary than {ref_folder}: the systems must score the same token ids")
         model = cpu_model(Path(folder), mm.target, mm.max_ctx, max(256, mm.k_max + 1), ThreadConfig(a.threads))
         label = f"specrt {Path(folder).name} ({mm.target.precision}{', the GGUF blocks' if mm.target.quant.get('gguf_exact') else ''})"
+        if label in scores:
+            raise SystemExit(f"two engines would both be labelled {label!r}: give them folders of different names")
         scores[label] = {s: score_model(model, w, [first] * len(w), m.vocab_size, mm.min_q()) for s, w in wins.items()}
         info[label] = dict(kind="specrt", folder=str(folder), precision=mm.target.precision, gguf_exact=bool(mm.target.quant.get("gguf_exact")))
         model.close()
         print(f"[{time.time() - t0:.0f} s] scored {label}", file=sys.stderr, flush=True)
     for folder in a.ortgenai:
         g = OrtGenaiGraph(Path(folder), a.threads, a.n_ctx)
-        label = f"onnxruntime-genai int4 ({Path(folder).name})"
+        label = f"onnxruntime-genai ({folder})"
+        if label in scores:
+            raise SystemExit(f"{folder} is given twice")
         scores[label] = {s: score_model(g, w, [first] * len(w), m.vocab_size) for s, w in wins.items()}
         info[label] = dict(kind="onnxruntime-genai model builder graph", folder=str(folder))
         del g
@@ -221,24 +280,12 @@ def main(argv=None) -> int:
         result["agreement"][s] = {x: {y: float((scores[x][s].argmax == scores[y][s].argmax).mean()) for y in labels} for x in labels}
     if a.time_reps:
         flavors = {}
-        models = {}
-        for folder in a.engines:
-            mm = load_manifest(folder)
-            models[folder] = (mm, cpu_model(Path(folder), mm.target, mm.max_ctx, mm.k_max + 1, ThreadConfig(a.threads)))
-        widths = sorted({1, min(m.k_max, int(m.defaults.get("k_max", 4))) + 1})
-        samples = {f: {q: [] for q in widths} for f in a.engines}
-        for _ in range(3):  # interleaved rounds, each a median of time_reps calls
-            for f, (mm, model) in models.items():
-                for q in widths:
-                    samples[f][q].append(step_ms(model, q, a.time_reps))
-        for f, (mm, model) in models.items():
+        for f, r in time_flavors(a.engines, a.threads, a.time_reps).items():
             lab = next(x for x in labels if info[x].get("folder") == str(f))
-            result["systems"][lab]["step_ms"] = {str(q): statistics.median(v) for q, v in samples[f].items()}
-            result["systems"][lab]["step_ms_rounds"] = {str(q): v for q, v in samples[f].items()}
+            result["systems"][lab].update(r)
             flavors[lab] = dict(
-                ppl_ratio={s: result["systems"][lab][s].get("vs_reference", {}).get("ppl_ratio", 1.0) for s in wins}, step_ms=result["systems"][lab]["step_ms"]
+                ppl_ratio={s: result["systems"][lab][s].get("vs_reference", {}).get("ppl_ratio", 1.0) for s in wins}, min_q=r["min_q"], step_ms=r["step_ms"]
             )
-            model.close()
         result["choice"] = choose(flavors, list(wins), a.max_ppl_ratio)
     result["loadavg_end"] = os.getloadavg()
     result["seconds"] = round(time.time() - t0, 1)

@@ -17,7 +17,7 @@ fused into one 8-bit call where any of them is 8-bit. The forms that give the sa
 Each form is a graph of its layer repeated (distinct random packed weights at the real shapes:
 hidden 1536, intermediate 8960, q 1536, k/v 256, vocabulary 151936) until it holds over 3x
 the L3 cache, so the weights stream from memory as in a real step (one layer timed alone
-stays cache-resident and looks 2-3x cheaper); accuracy level 4, the runtime's session
+stays cache-resident, which a real step's weights never are); accuracy level 4, the runtime's session
 options. A figure is ms per layer call (the graph's time / its copies) at ``q`` rows (1 and
 the verification width), the median of interleaved rounds, and that times the calls of its
 kind in one step of the real target. Costs only: random weights say nothing about values.
@@ -207,7 +207,8 @@ def main(argv=None) -> int:
         for name, layers in forms:
             copies = max(1, -(-COLD_BYTES // layer_bytes(layers)))
             cases[(kind, name)] = (session(nbits_graph(layers * copies, rng), a.threads), layers[0][0], copies, count)
-    # the Q4_K layers' offsets terms (every 4-bit layer of the exact graph carries one; the ReduceSum is shared per input in the real graph, not here)
+    # the Q4_K layers' offsets terms of gate/up, down and o (the fused q/k/v's 28 are not timed); the block sums are
+    # computed once per graph here, once per layer in the exact graph: only the MatMul's cost is compared
     for kind, k, n, count in (("offsets, gate/up Q4_K", 1536, 8960, 56), ("offsets, down Q4_K", 8960, 1536, 14), ("offsets, o Q4_K", 1536, 1536, 28)):
         copies = max(1, -(-COLD_BYTES // ((k // 32) * n * 4)))
         cases[(kind, "float32 MatMul of 32-block sums")] = (session(offsets_graph(k, n, copies, rng), a.threads), k, copies, count)
