@@ -141,8 +141,9 @@ def table(summary: list[dict], ref: str | None) -> str:
     """The markdown table of :func:`summarize`'s rows, totals relative to the row ``ref``
     (None or absent: "-")."""
     base = next((s["total_seconds"] for s in summary if s["row"] == ref), None)
+    n = len(summary[0]["per_conversation"]) if summary else 0
     lines = [
-        "| row | total s (3 conversations) | vs "
+        f"| row | total s ({n} conversation{'s' if n != 1 else ''}) | vs "
         + (ref or "-")
         + " | TTFT turn 1 (median s) | TTFT later turns (median s) | later TTFT / cold TTFT, 2000+ tokens |",
         "|---|---|---|---|---|---|",
