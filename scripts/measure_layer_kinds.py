@@ -87,6 +87,19 @@ def nbits_node(i: int, k: int, n: int, bits: int, block: int, zp: bool, rng: np.
     return node, inits
 
 
+def one_input_model(name: str, nodes: list, inits: list, k: int, outputs: int) -> onnx.ModelProto:
+    """The model of ``nodes``: one float32 input ``X`` ``[1, q, k]``, outputs ``Y0..Y{outputs-1}``
+    (default opset 17 and com.microsoft 1 for MatMulNBits)."""
+    g = helper.make_graph(
+        nodes,
+        name,
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, "q", k])],
+        [helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, None) for i in range(outputs)],
+        inits,
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
 def offsets_graph(k: int, n: int, copies: int, rng: np.random.Generator) -> onnx.ModelProto:
     """The offsets term as the exact graph writes it, ``copies`` times with distinct weights:
     ``Y_i = -(blocksum32(X) @ M_i)`` (ReduceSum over 32-blocks, a float32 MatMul [K/32, N],
@@ -98,14 +111,7 @@ def offsets_graph(k: int, n: int, copies: int, rng: np.random.Generator) -> onnx
     for i in range(copies):
         inits.append(helper.make_tensor(f"M{i}", TensorProto.FLOAT, [k // 32, n], rng.random((k // 32) * n, dtype=np.float32).tobytes(), raw=True))
         nodes += [helper.make_node("MatMul", ["Xs", f"M{i}"], [f"O{i}"]), helper.make_node("Neg", [f"O{i}"], [f"Y{i}"])]
-    g = helper.make_graph(
-        nodes,
-        "offsets",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, "q", k])],
-        [helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, None) for i in range(copies)],
-        inits,
-    )
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return one_input_model("offsets", nodes, inits, k, copies)
 
 
 def offsets_nbits_graph(k: int, n: int, copies: int, level: int, rng: np.random.Generator) -> onnx.ModelProto:
@@ -139,14 +145,7 @@ def offsets_nbits_graph(k: int, n: int, copies: int, level: int, rng: np.random.
             )
         )
         nodes.append(helper.make_node("Neg", [f"O{i}"], [f"Y{i}"]))
-    g = helper.make_graph(
-        nodes,
-        "offsets8",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, "q", k])],
-        [helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, None) for i in range(copies)],
-        inits,
-    )
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    return one_input_model("offsets8", nodes, inits, k, copies)
 
 
 def nbits_graph(layers: list[tuple], rng: np.random.Generator) -> onnx.ModelProto:
@@ -158,14 +157,7 @@ def nbits_graph(layers: list[tuple], rng: np.random.Generator) -> onnx.ModelProt
         nodes.append(node)
         inits += ini
     k = layers[0][0]
-    g = helper.make_graph(
-        nodes,
-        "forms",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, "q", k])],
-        [helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, None) for i in range(len(layers))],
-        inits,
-    )
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    return one_input_model("forms", nodes, inits, k, len(layers))
 
 
 def session(model: onnx.ModelProto, threads: int):
