@@ -212,10 +212,15 @@ def measure_exactness(out: Path, entry, max_ctx: int, k_max: int, vocab: int, lo
     every width 1 .. k_max + 1 (each width the decode loop calls the target at, the last
     prefill chunk included: :func:`specrt.runtime.decode.chunk_bounds`) at row offsets 0, 1,
     2, with 2 and 1 intra-op threads, on the runtime's own model class for the graph.
+    When widths >= 2 are exact there, also every wider width up to the prefill's widest
+    call (:func:`specrt.runtime.lab.exactness.measure_wide`, 2 threads: every width at
+    the first call, every 7th after ``k_max + 1`` rows of past), recorded as ``wide``: it
+    lets the prefix cache reuse any committed row (:mod:`specrt.runtime.prefix`).
     ``log``: where progress lines go (patterns done and left, every few seconds), or None."""
     from specrt.runtime.backends import cpu_model
     from specrt.runtime.backends.base import ThreadConfig
-    from specrt.runtime.lab.exactness import measure
+    from specrt.runtime.chunks import PREFILL_CHUNK
+    from specrt.runtime.lab.exactness import measure, measure_wide
 
     from .progress import Progress
 
@@ -227,6 +232,14 @@ def measure_exactness(out: Path, entry, max_ctx: int, k_max: int, vocab: int, lo
     rec = measure(models, vocab, widths, offsets=(0, 1, 2), length=length, progress=prog)
     if prog is not None:
         prog.done()
+    ref_q = k_max + 1
+    if rec["exact_min_q"] is not None and rec["exact_min_q"] <= ref_q and min(PREFILL_CHUNK, max_ctx - ref_q) > ref_q:
+        wide = cpu_model(out, entry, max_ctx, min(PREFILL_CHUNK, max_ctx), ThreadConfig(2, False, 2))
+        prog = Progress("  wide-width probe", None, log, unit="widths") if log is not None else None
+        rec["wide"] = measure_wide(wide, vocab, ref_q, progress=prog)
+        if prog is not None:
+            prog.done()
+        del wide
     return rec
 
 
@@ -473,6 +486,8 @@ def _export_models(dirs: dict, out: Path, o: ExportOptions, quants: dict, n_voca
         rec = measure_exactness(out, entries["target"], o.max_ctx, o.k_max, n_vocab, log)
         entries["target"] = replace(entries["target"], exact_min_q=rec["exact_min_q"], exactness=rec)
         log(f"  width exactness of the target: {rec['note']} (q=1 vs wider: max |diff| {rec['max_abs_diff']['q1']:.3g})")
+        if "wide" in rec:
+            log(f"  wide widths: {rec['wide']['note']}")
     return entries, lazy, files
 
 

@@ -19,10 +19,13 @@ __all__ = ["PREFILL_CHUNK", "chunk_bounds", "feed", "call_start"]
 PREFILL_CHUNK = 256  # widest prefill call; longer prompts are fed in chunks
 
 
-def chunk_bounds(n: int, step: int, min_q: int = 1, tail_q: int = 0) -> list[tuple[int, int]]:
+def chunk_bounds(n: int, step: int, min_q: int = 1, tail_q: int = 0, avoid: frozenset = frozenset()) -> list[tuple[int, int]]:
     """``[lo, hi)`` chunks of at most ``step`` tokens covering ``0..n`` in order, each at
     least ``min_q`` wide whenever ``n >= min_q`` (a chunk before a short one gives up tokens),
-    and, with ``tail_q``, the last one at most ``tail_q`` wide when ``n >= 2 * min_q``.
+    and, with ``tail_q``, the last one at most ``tail_q`` wide when ``n >= 2 * min_q``; no
+    chunk is a width in ``avoid`` (widths the export measured rounding differently,
+    :func:`specrt.runtime.lab.exactness.measure_wide`: such a chunk gives up tokens to the
+    next) unless only such widths fit.
 
     Why the tail: the decode loop may recompute the last ``min_q - 1`` prompt rows at a
     narrow width (:func:`call_start`), and onnxruntime's kernels are bit-identical across
@@ -40,16 +43,27 @@ def chunk_bounds(n: int, step: int, min_q: int = 1, tail_q: int = 0) -> list[tup
         raise ValueError(f"tail width {tail_q} < min_q {min_q}")
     if tail_q and n > tail_q and n >= 2 * min_q:
         tail = min(tail_q, step, n - min_q)  # the rows before the tail must fill a chunk >= min_q
-        return chunk_bounds(n - tail, step, min_q) + [(n - tail, n)]
+        return chunk_bounds(n - tail, step, min_q, 0, avoid) + [(n - tail, n)]
     out, i = [], 0
     while i < n:
         w = min(step, n - i)
         rest = n - i - w
         if 0 < rest < min_q:
             w -= min_q - rest
+        if w in avoid:
+            w = _avoiding(w, n - i, min_q, avoid)
         out.append((i, i + w))
         i += w
     return out
+
+
+def _avoiding(w: int, left: int, min_q: int, avoid: frozenset) -> int:
+    """The widest chunk narrower than ``w`` that is not in ``avoid`` and leaves ``left - w``
+    tokens that can still be cut (none, or at least ``min_q``); ``w`` when there is none."""
+    for v in range(w - 1, min_q - 1, -1):
+        if v not in avoid and (left - v == 0 or left - v >= min_q):
+            return v
+    return w
 
 
 def feed(model: Model, tokens: Sequence[int], start: int, min_q: int = 1, tail_q: int = 0) -> np.ndarray:

@@ -139,6 +139,10 @@ class Plan:
         min_q: the narrowest target call (exactness by construction, module docstring).
         tail_q: the widest last prefill chunk (0: no limit): the widest call width the
             export measured bit-identical, ``k_max + 1`` of the engine (:func:`chunk_bounds`).
+        any_layout: every target call width from ``min_q`` to the widest prefill call but
+            ``avoid`` was measured exact (:mod:`specrt.runtime.prefix`, "Any layout"):
+            every committed row is reusable and a cache hit reuses the whole common prefix.
+        avoid: call widths the prefill never makes (measured inexact; under ``any_layout``).
         drafter: where candidates come from: ``model``, ``ngram`` or ``hybrid``
             (:mod:`specrt.runtime.drafters`).
         adaptive: None (draft up to ``k_max`` every round), or ``(target_s, draft_s,
@@ -159,6 +163,8 @@ class Plan:
     observe: bool = False
     min_q: int = 1
     tail_q: int = 0
+    any_layout: bool = False
+    avoid: frozenset = frozenset()
     drafter: str = "model"
     adaptive: tuple | None = None
 
@@ -168,7 +174,9 @@ class KVLengths:
     """Rows the target's KV cache holds for the committed sequence (with the drafter's
     ``kv``, the only state that rolls back), and ``aligned``: rows ``[0, aligned)`` the
     prefill computed in full aligned chunks, the ones a later request may reuse
-    (:mod:`specrt.runtime.prefix`; never rewritten after the prefill)."""
+    (:mod:`specrt.runtime.prefix`; never rewritten after the prefill). Under
+    ``Plan.any_layout`` rows ``[0, target)`` are the reusable ones (any later call that
+    rewrites one is at a measured width: the same bits)."""
 
     target: int = 0
     aligned: int = 0
@@ -364,7 +372,7 @@ def catch_up(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: 
         return widest - 1
     if pend - kv.target + 1 > widest:
         at = kv.target
-        for lo, hi in chunk_bounds(pend - at, target.max_q, plan.min_q, plan.tail_q):
+        for lo, hi in chunk_bounds(pend - at, target.max_q, plan.min_q, plan.tail_q, plan.avoid):
             target.run(seq[at + lo : at + hi], at + lo)
             calls.append((hi - lo, at + lo, hi - lo))
         kv.target = pend
@@ -407,7 +415,9 @@ def prefill(target: Model, seq: list[int], plan: Plan, acc: Acceptor, kv: KVLeng
     are output tokens fed with the prompt (and when they end the output, no model call is
     made). With ``cached`` (what the target's KV holds from an earlier request), the chunks
     below :func:`~specrt.runtime.prefix.reuse_target` are not run: the rest are the chunks a
-    cold run makes, so every row and the output are the cold run's."""
+    cold run makes, so every row and the output are the cold run's (under ``plan.any_layout``
+    the rows below :func:`~specrt.runtime.prefix.reuse_any` are not run, the rest chunked
+    from there: measured widths, the same rows)."""
     t0 = time.perf_counter()
     n_prompt = len(seq)
     head = acc.forced(min(plan.budget, plan.max_ctx - n_prompt))
@@ -416,7 +426,7 @@ def prefill(target: Model, seq: list[int], plan: Plan, acc: Acceptor, kv: KVLeng
         finish = "stop" if head[-1] in plan.eos else "length"
         return Round(pos=0, steps=[], n=0, m=0, commit=head, finish=finish, target_s=time.perf_counter() - t0, forced=len(head))
     n_fed = len(seq)
-    reused, run, aligned = prefill_calls(cached, seq, target.max_q, plan.min_q, plan.tail_q)
+    reused, run, aligned = prefill_calls(cached, seq, target.max_q, plan.min_q, plan.tail_q, plan.avoid, plan.any_layout)
     for a, b in run:
         rows = target.run(seq[a:b], a)
     first = acc.bonus(0, rows[-1])

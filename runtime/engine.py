@@ -355,6 +355,7 @@ class Engine:
     def plan(self, cfg: GenerationConfig, observe: bool = False) -> Plan:
         """The decode loop's :class:`~specrt.runtime.decode.Plan` for resolved settings ``cfg``."""
         manifest = self.manifest
+        avoid = manifest.layout_avoid(self.target.max_q) if cfg.exact_widths else None
         return Plan(
             k_max=cfg.k_max,
             threshold=cfg.threshold,
@@ -367,6 +368,8 @@ class Engine:
             observe=observe,
             min_q=manifest.min_q() if cfg.exact_widths else 1,
             tail_q=manifest.k_max + 1 if cfg.exact_widths else 0,
+            any_layout=avoid is not None,
+            avoid=avoid or frozenset(),
             drafter=cfg.drafter,
             adaptive=self.adaptive_costs() if cfg.adaptive and cfg.speculative else None,
         )

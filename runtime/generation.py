@@ -147,8 +147,12 @@ class Generation:
         """What the target's and the draft's KV buffers hold for a later request once this
         generation has been prefilled (:mod:`specrt.runtime.prefix`; the rows stay valid
         whatever the rounds do after), or None before its prefill or when nothing is
-        reusable."""
+        reusable. Under ``plan.any_layout`` every committed target row is (the reply's too)."""
         t, d = self.kv.aligned, self.drafter.aligned
+        if self.plan.any_layout:
+            # unfinished (closed early, or a call raised): the next call may have begun
+            # rewriting the last min_q - 1 rows, so they are left out
+            t = self.kv.target if self.done else max(0, self.kv.target - self.plan.min_q + 1)
         if t == 0 and d == 0:
             return None
         return KVPrefix(tuple(self.seq[: max(t, d)]), t, d)

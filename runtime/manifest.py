@@ -249,6 +249,30 @@ class Manifest:
         ``exact_min_q`` (1 when none was measured or no width is bit-identical)."""
         return max(1, self.target.exact_min_q or 1)
 
+    def layout_avoid(self, widest: int) -> frozenset | None:
+        """Call widths a prefill must not make for any-layout prefix reuse
+        (:mod:`specrt.runtime.prefix`, "Any layout"): the target's measured inexact wide
+        widths (``exactness["wide"]``, :func:`specrt.runtime.lab.exactness.measure_wide`);
+        None when that was not measured up to ``widest`` (the prefill's widest call, capped
+        by the context) right above the decode loop's widths, or when ``widest`` itself is
+        inexact (aligned records hold rows of ``widest``-row calls): reuse then keeps whole
+        aligned calls."""
+        wide = self.target.exactness.get("wide") if self.target.exact_min_q else None
+        if not wide:
+            return None
+        top = min(widest, self.max_ctx)
+        bad = frozenset(int(q) for q in wide.get("inexact", ()))
+        if wide.get("lo", 0) > self.k_max + 2 or wide.get("hi", 0) < top or top in bad:
+            return None
+        return bad
+
+    def reuse_step(self, widest: int) -> int:
+        """The granularity of reusable target KV rows, for cutting prefix records to a budget
+        and routing requests: 1 under any layout (:meth:`layout_avoid`: a record's rows of
+        any count are reusable, :mod:`specrt.runtime.prefix`), else ``widest`` (the
+        prefill's widest call: whole aligned calls)."""
+        return 1 if self.layout_avoid(widest) is not None else widest
+
     files: dict[str, FileRecord] = field(default_factory=dict)  # every file of the engine (format 2; empty in format 1)
 
     def load_files(self) -> dict[str, str]:

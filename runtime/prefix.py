@@ -25,6 +25,19 @@ make. llama.cpp's ``cache_prompt`` and vLLM's prefix caching reuse them and docu
 hit may change the output; this rule gives up at most ``step - 1`` rows per request to keep
 it unchanged, greedy and sampled (the draft's rows too: seeded sampling reads the draft's
 distribution).
+
+Any layout (:func:`reuse_any`): when the export measured that every call width from
+``min_q`` to the widest prefill call gives the same rows except a few widths
+(:func:`specrt.runtime.lab.exactness.measure_wide`; the prefill then never calls those,
+:func:`~specrt.runtime.chunks.chunk_bounds`' ``avoid``), a row does not depend on the call
+that computed it, only on the tokens up to it: every committed target row is reusable,
+the reply's and a batched step's included (batched q = 1 rows over two or more slots
+equal batch-1 rows, :mod:`specrt.runtime.backends.ort_gqa_batch`). A request then keeps
+the whole common prefix (less the ``min_q`` rows its last call needs) and prefills the
+rest from there. The real pair's target measured so at every width 10..256; the embedded
+int4 target rounds a 129-row call's last row like a 1-row call (128 + 1 inside
+MatMulNBits), so its prefill cuts 129 as 127 + 2. The draft keeps the aligned rule (its
+rounds are 1-row calls).
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ import numpy as np
 
 from .chunks import chunk_bounds
 
-__all__ = ["KVPrefix", "aligned_rows", "common_prefix", "aligned_match", "reuse_target", "reuse_draft", "prefill_calls"]
+__all__ = ["KVPrefix", "aligned_rows", "common_prefix", "aligned_match", "reuse_target", "reuse_any", "reuse_draft", "prefill_calls"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +59,7 @@ class KVPrefix:
     Attributes:
         tokens: the token ids at positions ``[0, max(target_rows, draft_rows))``.
         target_rows: rows ``[0, target_rows)`` of the target's KV equal a cold prefill's
-            (a multiple of the target's call width, or 0).
+            (a multiple of the target's call width, or 0; any count under any layout).
         draft_rows: the same for the draft's KV (a multiple of the draft's call width).
     """
 
@@ -107,6 +120,15 @@ def reuse_target(cached: KVPrefix | None, seq: Sequence[int], cold_chunks: Seque
     return min(cached.target_rows, aligned_match(cached, seq, step), aligned_rows(cold_chunks[:-1], step))
 
 
+def reuse_any(cached: KVPrefix | None, seq: Sequence[int], min_q: int) -> int:
+    """Target KV rows a request whose prefill feeds ``seq`` keeps from ``cached`` under any
+    layout (module docstring): the common prefix within ``cached.target_rows``, less what
+    the last call needs to be ``min_q`` wide (it gives the first token). 0 without ``cached``."""
+    if cached is None:
+        return 0
+    return max(0, min(cached.target_rows, common_prefix(cached.tokens, seq), len(seq) - min_q))
+
+
 def reuse_draft(cached: KVPrefix | None, prompt: Sequence[int], step: int) -> int:
     """Draft KV rows a request for ``prompt`` keeps from ``cached``: a multiple of the draft's
     widest call ``step`` within the common prefix, so the draft's first feed (chunked by
@@ -116,16 +138,28 @@ def reuse_draft(cached: KVPrefix | None, prompt: Sequence[int], step: int) -> in
     return min(cached.draft_rows, aligned_match(cached, prompt, step))
 
 
-def prefill_calls(cached: KVPrefix | None, seq: Sequence[int], step: int, min_q: int, tail_q: int) -> tuple[int, list[tuple[int, int]], int]:
+def prefill_calls(
+    cached: KVPrefix | None, seq: Sequence[int], step: int, min_q: int, tail_q: int, avoid: frozenset = frozenset(), any_layout: bool = False
+) -> tuple[int, list[tuple[int, int]], int]:
     """The target calls of a prefill that feeds ``seq`` over what ``cached`` holds.
 
+    Args:
+        step, min_q, tail_q, avoid: the chunking (:func:`~specrt.runtime.chunks.chunk_bounds`).
+        any_layout: the export measured every width from ``min_q`` to ``step`` but ``avoid``
+            exact (module docstring, "Any layout"): reuse by :func:`reuse_any`.
+
     Returns:
-        ``(reused, calls, aligned)``: rows kept from ``cached`` (:func:`reuse_target`), the
-        ``[lo, hi)`` calls to make (the cold run's chunks from ``reused`` on,
-        :func:`~specrt.runtime.chunks.chunk_bounds`; the last one always), and the rows this
-        prefill leaves reusable (its leading full aligned chunks, the last chunk left out:
-        a round may recompute its rows at another width).
+        ``(reused, calls, aligned)``: rows kept from ``cached`` (:func:`reuse_target`, or
+        :func:`reuse_any`), the ``[lo, hi)`` calls to make (the cold run's chunks from
+        ``reused`` on; under any layout the chunks of the rest from ``reused``; the last one
+        always), and the rows this prefill leaves reusable (its leading full aligned chunks,
+        the last chunk left out: a round may recompute its rows at another width; 0 under
+        any layout, where every committed row is: :class:`~specrt.runtime.decode.KVLengths`'s
+        ``target``).
     """
+    if any_layout:
+        reused = reuse_any(cached, seq, min_q)
+        return reused, [(reused + a, reused + b) for a, b in chunk_bounds(len(seq) - reused, step, min_q, tail_q, avoid)], 0
     chunks = chunk_bounds(len(seq), step, min_q, tail_q)
     reused = reuse_target(cached, seq, chunks, step)
     return reused, [(a, b) for a, b in chunks if a >= reused], aligned_rows(chunks[:-1], step)

@@ -95,6 +95,13 @@ def test_int4_manifest_records_the_flavor(int4, int4_pair):
     # every width from the recorded one on is bit-identical to the reference
     assert all(v == 0.0 for k, v in ex["max_abs_diff"].items() if int(k[1:].split("+")[0].split(" ")[0]) >= m.target.exact_min_q)
     assert not (int4_pair[2] / "target_body.onnx").exists()
+    # the wide widths (prefix reuse of any committed row): every width above the loop's up
+    # to the widest prefill call the context allows, measured at the first call
+    wide = ex["wide"]
+    assert (wide["lo"], wide["hi"], wide["ref_q"]) == (m.k_max + 2, min(256, m.max_ctx), m.k_max + 1)
+    assert wide["checked"]["o0"] == [wide["hi"] - wide["lo"] + 1, wide["hi"]]
+    assert set(wide["inexact"]) == {int(k[1:].split("@")[0]) for k in wide["max_abs_diff"]}
+    assert m.layout_avoid(256) == (None if wide["hi"] in wide["inexact"] else frozenset(wide["inexact"]))
 
 
 def test_int4_speculative_equals_target_only(int4):

@@ -12,6 +12,7 @@ that reused a row a cold run computes in another call changes the output
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -81,14 +82,14 @@ def test_trimmed_record_keeps_aligned_rows_only():
 class WidthSensitive:
     """A :class:`~specrt.runtime.backends.base.Model` whose KV row ``p`` is a hash chain over
     the tokens up to ``p`` that also mixes in the width of the call that wrote it, unless the
-    width is in ``[exact_lo, exact_hi]`` (the widths an export measures bit-identical). Its
-    logits: ``bias[token] + chain_weight * table[row % 251]`` (the bias table makes a draft
-    with the same bias agree with the target often)."""
+    width is in ``[exact_lo, exact_hi]`` (the widths an export measures bit-identical) and
+    not in ``inexact``. Its logits: ``bias[token] + chain_weight * table[row % 251]`` (the
+    bias table makes a draft with the same bias agree with the target often)."""
 
-    def __init__(self, vocab: int, max_q: int, max_ctx: int, seed: int, exact: tuple[int, int], chain_weight: float):
+    def __init__(self, vocab: int, max_q: int, max_ctx: int, seed: int, exact: tuple[int, int], chain_weight: float, inexact=frozenset()):
         rng = np.random.default_rng(seed)
         self.vocab, self.max_q, self.max_ctx = vocab, max_q, max_ctx
-        self.exact, self.seed = exact, seed
+        self.exact, self.seed, self.inexact = exact, seed, frozenset(inexact)
         self.bias = np.random.default_rng(0).standard_normal((vocab, vocab // 16)).astype(np.float32)
         self.table = (chain_weight * rng.standard_normal((251, vocab))).astype(np.float32)
         self.rows = np.zeros(max_ctx, np.uint64)
@@ -97,7 +98,7 @@ class WidthSensitive:
     def run(self, tokens, start):
         q = len(tokens)
         assert 1 <= q <= self.max_q and start + q <= self.max_ctx
-        width = 0 if self.exact[0] <= q <= self.exact[1] else q
+        width = 0 if self.exact[0] <= q <= self.exact[1] and q not in self.inexact else q
         h = int(self.rows[start - 1]) if start else self.seed
         for i, t in enumerate(tokens):
             h = (h * 6364136223846793005 + int(t) * 1442695040888963407 + (start + i) + width * 40503) % (1 << 61)
@@ -113,14 +114,24 @@ class WidthSensitive:
         pass
 
 
-def toy_engine(cache: bool) -> Engine:
+TOY_INEXACT = (129, 200)  # the any-layout toy's wide widths that round differently
+
+
+def toy_engine(cache: bool, any_layout: bool = False) -> Engine:
     """The embedded engine's manifest, tokenizer and plan around two toy models (the draft
-    agrees with the target where the chains matter little)."""
+    agrees with the target where the chains matter little). ``any_layout``: the target is
+    exact at every width from ``min_q`` to 256 but :data:`TOY_INEXACT`, and the manifest
+    says so (a ``wide`` record); else exact at ``min_q .. k_max + 1`` only and the manifest
+    has no ``wide`` record (aligned reuse)."""
     e = Engine(ENGINES, prefix_cache=cache)
     m = e.manifest
-    exact = (m.min_q(), m.k_max + 1)
-    e.target = WidthSensitive(m.vocab_size, e.target.max_q, m.max_ctx, 11, exact, 0.35)
-    e.draft = WidthSensitive(m.vocab_size, e.draft.max_q, m.max_ctx, 12, exact, 0.35)
+    ex = {k: v for k, v in m.target.exactness.items() if k != "wide"}
+    if any_layout:
+        ex["wide"] = dict(lo=m.k_max + 2, hi=e.target.max_q, inexact=list(TOY_INEXACT))
+    e.manifest = m = replace(m, target=replace(m.target, exactness=ex))
+    exact = (m.min_q(), e.target.max_q if any_layout else m.k_max + 1)
+    e.target = WidthSensitive(m.vocab_size, e.target.max_q, m.max_ctx, 11, exact, 0.35, TOY_INEXACT if any_layout else ())
+    e.draft = WidthSensitive(m.vocab_size, e.draft.max_q, m.max_ctx, 12, (m.min_q(), m.k_max + 1), 0.35)
     return e
 
 
@@ -169,7 +180,7 @@ def test_misaligned_reuse_changes_the_output(toys, monkeypatch):
 
     warm, cold = toys
 
-    def naive(cached, seq, step, min_q, tail_q):
+    def naive(cached, seq, step, min_q, tail_q, avoid=frozenset(), any_layout=False):
         n = min(cached.target_rows, common_prefix(cached.tokens, seq), len(seq) - 1) if cached is not None else 0
         return n, [(n + a, n + b) for a, b in bounds(len(seq) - n, step, min_q, tail_q)], len(seq) - 1
 
@@ -198,6 +209,124 @@ def test_a_cut_back_prompt_reuses_only_its_own_aligned_chunks(toys, cut):
     assert a.stats.cached_tokens == {517: 256, 515: 256, 700: 512}[cut]
 
 
+# ---- any layout: every committed row, when the export measured the wide widths ---------------
+@pytest.fixture(scope="module")
+def layout_toys():
+    return toy_engine(True, any_layout=True), toy_engine(False, any_layout=True)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_any_layout_hit_equals_cold_run_and_reuses_the_reply(layout_toys, name):
+    """With a ``wide`` record the cache keeps every committed row: a later turn reuses the
+    last prompt and the reply (all but the pending token's row), and equals the cold run."""
+    warm, cold = layout_toys
+    warm.cached = None
+    cfg = GenerationConfig(max_new_tokens=40, **CONFIGS[name])
+    prompt, adds = conversation(warm.manifest.vocab_size)
+    pairs = run_turns(warm, cold, cfg, (prompt, adds))
+    for i, (a, b) in enumerate(pairs):
+        assert a.tokens == b.tokens, (name, i)
+    for i, (a, _) in enumerate(pairs[1:]):
+        prompt = prompt + pairs[i][0].tokens
+        assert a.stats.cached_tokens == len(prompt) - 1, (name, i)
+        prompt = prompt + adds[i]
+
+
+def _layout_case(warm, cfg):
+    """A first turn, then a second whose prefill after the hit runs 138 rows: 129 + a tail
+    of 9 unless 129 is avoided (127 + 2 + 9); the cold run cuts 468 + 9 otherwise."""
+    first = conversation(warm.manifest.vocab_size, 1, 300)[0]
+    warm.cached = None
+    out = warm.generate(first, cfg).tokens
+    second = first + out + conversation(warm.manifest.vocab_size, 2, 300, 137)[1][0]
+    return second, len(first) + len(out) - 1
+
+
+def test_any_layout_prefill_avoids_the_inexact_widths(layout_toys, monkeypatch):
+    """The mutation: a prefill that calls a width the export measured inexact (129 on the
+    toy, as on the embedded int4 target) gives rows a cold run does not, and the output
+    changes; with ``avoid`` it equals the cold run."""
+    warm, cold = layout_toys
+    cfg = GenerationConfig(max_new_tokens=30)
+    second, reused = _layout_case(warm, cfg)
+    a, b = warm.generate(second, cfg), cold.generate(second, cfg)
+    assert a.stats.cached_tokens == reused and a.tokens == b.tokens
+    calls = [(lo, hi) for lo, hi in decode.prefill_calls(KVPrefix(tuple(second[:reused]), reused, 0), second, 256, 2, 9, frozenset(TOY_INEXACT), True)[1]]
+    assert [hi - lo for lo, hi in calls] == [127, 2, 9]
+    plan = Engine.plan
+    monkeypatch.setattr(Engine, "plan", lambda self, c, observe=False: replace(plan(self, c, observe), avoid=frozenset()))
+    _layout_case(warm, cfg)
+    a, b = warm.generate(second, cfg), cold.generate(second, cfg)
+    assert a.stats.cached_tokens == reused and a.tokens != b.tokens
+
+
+def test_an_unfinished_generation_leaves_out_the_rows_a_call_may_be_rewriting(layout_toys):
+    """Under any layout a generation's record is its committed rows; one that has not ended
+    (closed early, or a call raised) leaves out the last ``min_q - 1``, which the next call
+    may have begun to rewrite; a later hit on it still equals the cold run."""
+    warm, cold = layout_toys
+    prompt = conversation(warm.manifest.vocab_size, 1, 300)[0]
+    cfg = warm.resolve(GenerationConfig(max_new_tokens=40))
+    gen = warm.start(prompt, cfg)
+    gen.prefill(warm.target)
+    for _ in range(3):
+        gen.step(warm.target)
+    assert not gen.done and gen.kv.target > 300
+    rec = gen.prefix()
+    assert rec.target_rows == gen.kv.target - (warm.manifest.min_q() - 1) and rec.tokens == tuple(gen.seq[: rec.target_rows])
+    while not gen.done:
+        gen.step(warm.target)
+    assert gen.prefix().target_rows == gen.kv.target == len(gen.seq) - 1
+    warm.cached = rec
+    more = list(rec.tokens) + [5, 6, 7]
+    a, b = warm.generate(more, GenerationConfig(max_new_tokens=20)), cold.generate(more, GenerationConfig(max_new_tokens=20))
+    assert a.tokens == b.tokens and a.stats.cached_tokens == rec.target_rows
+
+
+def test_measure_wide_finds_every_inexact_width():
+    """The export's probe on a toy whose widths 20 and 33 round otherwise (and 1, and every
+    width the toy's exact range leaves out): it names exactly those, at the first call."""
+    from specrt.runtime.lab.exactness import measure_wide
+
+    toy = WidthSensitive(64, 64, 128, 3, (2, 64), 0.35, (20, 33))
+    rec = measure_wide(toy, 64, 9)
+    assert (rec["lo"], rec["hi"], rec["inexact"]) == (10, 64, [20, 33])
+    assert rec["checked"] == {"o0": [55, 64], "o9": [8, 59]} and set(rec["max_abs_diff"]) == {"q20@o0", "q33@o0"}
+    assert measure_wide(WidthSensitive(64, 64, 128, 3, (2, 50), 0.35), 64, 9)["inexact"] == list(range(51, 65))
+    assert "every width 10..64" in measure_wide(WidthSensitive(64, 64, 128, 3, (2, 64), 0.35), 64, 9)["note"]
+    with pytest.raises(ValueError, match="reference width 1"):
+        measure_wide(toy, 64, 1)
+
+
+def test_layout_avoid_reads_the_manifest():
+    """Any layout only with a ``wide`` record reaching the prefill's widest call, starting
+    right above the decode loop's widths, and the widest call itself exact."""
+    m = Engine(ENGINES).manifest
+
+    def with_wide(**wide):
+        return replace(m, target=replace(m.target, exactness={**m.target.exactness, "wide": dict(dict(lo=m.k_max + 2, hi=256, inexact=[129]), **wide)}))
+
+    assert with_wide().layout_avoid(256) == frozenset({129})
+    assert with_wide(hi=255).layout_avoid(256) is None
+    assert with_wide(lo=m.k_max + 3).layout_avoid(256) is None
+    assert with_wide(inexact=[256]).layout_avoid(256) is None
+    assert replace(m, target=replace(m.target, exactness={})).layout_avoid(256) is None
+    assert replace(m, target=replace(m.target, exact_min_q=None)).layout_avoid(256) is None
+
+
+def test_chunks_avoid_the_given_widths():
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        n, avoid = int(rng.integers(1, 900)), frozenset(int(x) for x in rng.integers(10, 257, 6))
+        c = chunk_bounds(n, 256, 2, 9, avoid)
+        assert c[0][0] == 0 and c[-1][1] == n and all(a[1] == b[0] for a, b in zip(c, c[1:]))
+        assert all(hi - lo not in avoid for lo, hi in c), (n, avoid, c)
+        assert n < 2 or all(hi - lo >= 2 for lo, hi in c), (n, c)
+        assert n < 4 or c[-1][1] - c[-1][0] <= 9
+    assert chunk_bounds(129, 256, 2, 0, frozenset({129})) == [(0, 127), (127, 129)]
+    assert chunk_bounds(600, 256, 2, 9, frozenset({129, 85})) == [(0, 256), (256, 512), (512, 591), (591, 600)]
+
+
 # ---- the shipped engines ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pair():
@@ -216,22 +345,54 @@ def test_multi_turn_cache_hits_equal_cold_runs(pair, history, name):
     """Engine.generate with a growing history (a chat or an agent loop): every turn equals the
     cold run, text included, and later turns reuse rows."""
     warm, cold = pair
+    assert warm.plan(warm.resolve(GenerationConfig())).any_layout  # the export measured every wide width
     warm.cached = None
     cfg = GenerationConfig(max_new_tokens=32, **CONFIGS[name])
-    text, hits = "", []
+    text, hits, want, prev = "", [], [], None
     for p in history:
         text += p
         a, b = warm.generate(text, cfg), cold.generate(text, cfg)
         assert a.tokens == b.tokens and a.text == b.text, name
         assert b.stats.cached_tokens == 0
         hits.append(a.stats.cached_tokens)
+        ids = warm.codec.encode(text)
+        # any layout: every committed row of the last turn (its prompt and its reply, less
+        # the pending token's) within the common prefix, less the last call's min_q rows
+        want.append(0 if prev is None else min(len(prev) - 1, common_prefix(prev, ids), len(ids) - warm.manifest.min_q()))
+        prev = ids + a.tokens
         text += a.text
-    # greedy, the prompts have 131, 262, 438, 571 and 750 tokens, and the hits are
-    # [0, 0, 0, 256, 512]: a prefill leaves its full aligned chunks before the last one
-    # (262 tokens: [0, 253) [253, 262), none)
-    assert hits[0] == 0 and all(h % 256 == 0 for h in hits) and min(hits[-2:]) >= 256, hits
-    if name == "greedy":
-        assert hits == [0, 0, 0, 256, 512]
+    assert hits == want and hits[0] == 0 and min(hits[1:]) > 100, (hits, want)
+    if name == "greedy":  # the prompts have 131, 262, 438, 571 and 750 tokens
+        assert any(h % 256 for h in hits[1:]), hits
+
+
+def test_any_layout_hits_give_the_cold_runs_bits_on_the_shipped_engine(pair, history, monkeypatch):
+    """The rows, not only the tokens: every logprob of a hit equals the cold run's bit for
+    bit, including a hit whose prefill after the reused rows is 138 rows (the embedded int4
+    target rounds a 129-row call's last row differently, its export measured; the prefill
+    cuts 127 + 2 + 9). The mutation, a prefill that calls 129 rows, changes the logprobs."""
+    warm, cold = pair
+    if 129 not in warm.plan(warm.resolve(GenerationConfig())).avoid:
+        pytest.skip("this engine's export measured 129-row calls exact")
+    ids = warm.codec.encode("".join(history))
+    cfg = GenerationConfig(max_new_tokens=24, logprobs=2)
+
+    def case():
+        warm.cached = None
+        out = warm.generate(ids[:300], cfg).tokens
+        return ids[:300] + out + ids[400:537], 300 + len(out) - 1
+
+    def lps(r):
+        return [(t.token, t.logprob, t.top) for t in r.logprobs]
+
+    second, reused = case()
+    a, b = warm.generate(second, cfg), cold.generate(second, cfg)
+    assert a.stats.cached_tokens == reused and lps(a) == lps(b)
+    plan = Engine.plan
+    monkeypatch.setattr(Engine, "plan", lambda self, c, observe=False: replace(plan(self, c, observe), avoid=frozenset()))
+    second, reused = case()
+    a, b = warm.generate(second, cfg), cold.generate(second, cfg)
+    assert a.stats.cached_tokens == reused and lps(a) != lps(b)
 
 
 def test_stream_and_constraint_reuse_too(pair, history):

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["pattern_bounds", "run_pattern", "measure", "DEFAULT_OFFSETS"]
+__all__ = ["pattern_bounds", "run_pattern", "measure", "measure_wide", "DEFAULT_OFFSETS"]
 
 DEFAULT_OFFSETS = (0, 1, 2)
 
@@ -219,3 +219,85 @@ def measure_batched(batched, vocab_size: int, sizes: Sequence[int], steps: int =
         prefix=prefix,
         note="batched q=1 rows vs batch-1 calls of 9 (tail folded; every call >= 2 wide); per-row past lengths differ by 3",
     )
+
+
+def measure_wide(
+    model,
+    vocab_size: int,
+    ref_q: int,
+    offsets: Sequence[int] = (0, 1),
+    strides: Sequence[int] = (1, 7),
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Which call widths wider than the decode loop's (``ref_q + 1`` up to the model's
+    widest call) give the rows of narrow calls? Decides whether a prefix cache may reuse
+    any committed row, not only whole aligned prefill calls (:mod:`specrt.runtime.prefix`,
+    "Any layout").
+
+    Method: one random sequence; reference rows from calls of exactly ``ref_q`` tokens (a
+    width :func:`measure` found bit-identical at every offset). For each offset ``o`` (in
+    units of ``ref_q`` rows of past: 0 = the first call, 1 = after ``ref_q`` rows) and every
+    ``stride``-th width ``q`` from ``ref_q + 1``, one call of ``q`` tokens at position
+    ``o * ref_q`` over the reference's KV rows; its logits rows must equal the reference's
+    bit for bit. Why every width: a kernel may split a call's rows into tiles and round a
+    one-row tile like a 1-row call (onnxruntime's MatMulNBits: a 129-row call is 128 + 1
+    rows on the embedded int4 target, its last row differs by up to 0.05), so exactness at
+    one wide width says nothing about the next.
+
+    Args:
+        model: a :class:`~specrt.runtime.backends.base.Model` (its ``max_q``: the widest width
+            measured; ``max_ctx`` must hold ``ref_q`` + 1 rows past the widest offset).
+        vocab_size: token ids are drawn from ``0..vocab_size-1``.
+        ref_q: the reference call width (>= 2; the decode loop's widest, ``k_max + 1``).
+        offsets: offsets in units of ``ref_q`` rows, one per entry of ``strides``.
+        strides: the width stride per offset (1: every width).
+        seed: numpy seed. progress: ``progress(done, total)`` after each width, or None.
+
+    Returns:
+        JSON-ready: ``lo`` (``ref_q + 1``), ``hi`` (the widest width measured at offset 0),
+        ``checked`` (per offset label ``"o<rows>"``, ``[widths measured, widest]``),
+        ``inexact`` (sorted widths whose rows differed, at any offset), ``max_abs_diff``
+        (the differing widths' largest difference, as ``"q<width>@o<rows>"``), ``note``.
+
+    Raises:
+        ValueError: ``ref_q < 2``, offsets and strides of different lengths, or a model
+            whose context cannot hold a width above ``ref_q`` at the widest offset.
+    """
+    if ref_q < 2:
+        raise ValueError(f"reference width {ref_q}; it must be >= 2 (1-row calls round differently)")
+    if len(offsets) != len(strides) or not offsets:
+        raise ValueError("give one stride per offset")
+    rows_past = [int(o) * ref_q for o in offsets]
+    tops = [min(model.max_q, model.max_ctx - p) for p in rows_past]
+    if min(tops) <= ref_q:
+        raise ValueError(f"a model with max_q {model.max_q} / max_ctx {model.max_ctx} has no width above {ref_q} at {max(rows_past)} rows of past")
+    length = -(-max(p + t for p, t in zip(rows_past, tops)) // ref_q) * ref_q  # whole ref_q calls
+    length = min(length, model.max_ctx // ref_q * ref_q)
+    seq = np.random.default_rng(seed).integers(0, vocab_size, size=length).tolist()
+    plan = [(p, list(range(ref_q + 1, top + 1, max(1, int(s))))) for p, top, s in zip(rows_past, tops, strides)]
+    total, done = sum(len(w) for _, w in plan), 0
+    ref = run_pattern(model, seq, pattern_bounds(length, ref_q))
+    inexact: set[int] = set()
+    diffs: dict[str, float] = {}
+    checked: dict[str, list[int]] = {}
+    for p, widths in plan:
+        if p:  # the reference's rows of past (an earlier offset's calls rewrote them)
+            run_pattern(model, seq[:p], pattern_bounds(p, ref_q))
+        for q in widths:
+            d = float(np.abs(model.run(seq[p : p + q], p) - ref[p : p + q]).max())
+            if d != 0.0:
+                inexact.add(q)
+                diffs[f"q{q}@o{p}"] = d
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        checked[f"o{p}"] = [len(widths), widths[-1] if widths else ref_q]
+    bad = sorted(inexact)
+    hi = plan[0][1][-1] if plan[0][1] else ref_q
+    note = (
+        f"every width {ref_q + 1}..{hi} measured gives the rows of {ref_q}-row calls"
+        if not bad
+        else f"widths {bad} round differently from {ref_q}-row calls; every other width {ref_q + 1}..{hi} measured gives their rows"
+    )
+    return dict(lo=ref_q + 1, hi=hi, ref_q=ref_q, checked=checked, inexact=bad, max_abs_diff=diffs, seed=seed, note=note)

@@ -22,9 +22,9 @@ Scheduler iteration (:meth:`BatchPool._iterate`)::
 
 Prefix reuse (prefix caching): a free slot keeps the KV rows its last request leaves reusable
 (:meth:`Generation.prefix`, :mod:`specrt.runtime.prefix`: the prefill's full aligned chunks,
-target and draft) with the draft fork that holds the draft's rows. A request is admitted on
-the free slot whose record serves its prompt best (the longest reusable prefix, then the
-smallest record to lose, then the least recently used), moved to the next active slot, and
+target and draft; every committed target row under any layout) with the draft fork that holds the draft's rows. A request is admitted on
+the free slot whose record serves its prompt best (:func:`~specrt.runtime.serve.jobs.route_key`:
+the longest similar prefix, then the fewest cached rows lost; then the least recently used), moved to the next active slot, and
 its prefill skips the reused rows: the output is a cold run's bit for bit (the rows are the
 ones a cold prefill computes). ``prefix_cache_tokens`` bounds what each slot keeps.
 
@@ -154,7 +154,7 @@ class _Spares:
         self.batched, self.metrics = batched, None
         self.on = prefix_cache_tokens != 0
         self.share = None if prefix_cache_tokens is None else prefix_cache_tokens // batched.max_batch
-        self.t_step, self.d_step = engine.target.max_q, engine.draft.max_q
+        self.t_step, self.d_step = engine.manifest.reuse_step(engine.target.max_q), engine.draft.max_q
         self.free = {s: _Spare(engine.draft.fork()) for s in range(batched.max_batch)}
         self.released = 0
 

@@ -174,17 +174,28 @@ def send_text(job: Job, piece: str, logprobs: list | None) -> None:
 def route_key(rec, ids: Sequence[int], step: int) -> tuple[int, int]:
     """How well a KV holder serves a prompt, for routing a request (larger is better).
 
+    llama-server's slot-similarity rule (``--slot-prompt-similarity`` 0.5): a holder counts
+    its reusable rows when they are at least half of the shorter of the prompt and its
+    record (the request continues or cuts back that history); otherwise reusing a few
+    shared rows (a shared import line) would overwrite a history another request comes
+    back to, so the holder that loses the fewest cached rows is preferred (an empty one
+    first).
+
     Args:
         rec: what the holder's KV keeps for reuse (a :class:`~specrt.runtime.prefix.KVPrefix`),
             or None.
         ids: the request's prompt token ids.
-        step: the target's call width (rows are reused in whole aligned calls).
+        step: the granularity of reusable rows (the target's call width: whole aligned
+            calls; 1 under any layout, :meth:`~specrt.runtime.manifest.Manifest.reuse_step`).
 
     Returns:
-        ``(reusable target rows, -cached tokens)``: the longest reusable prefix first, then
-        the smallest record to lose; ``(0, 0)`` without a record.
+        ``(similar rows, -cached rows lost)``: the reusable target rows when similar (else
+        0), then minus the rows the request would overwrite; ``(0, 0)`` without a record.
     """
-    return (0, 0) if rec is None else (min(rec.target_rows, aligned_match(rec, ids, step)), -rec.size)
+    if rec is None:
+        return (0, 0)
+    rows = min(rec.target_rows, aligned_match(rec, ids, step))
+    return (rows if 2 * rows >= min(rec.size, len(ids)) else 0, -(rec.size - rows))
 
 
 class WorkerPool:
@@ -192,8 +203,8 @@ class WorkerPool:
     (a :class:`Pool`).
 
     Routing (llama-server's slot-similarity rule): a job that arrives while workers are idle
-    goes to the idle worker whose Engine holds the longest reusable prefix of its prompt
-    (:mod:`specrt.runtime.prefix`), so a conversation comes back to the KV it left; a job
+    goes to the idle worker whose Engine holds the longest similar prefix of its prompt
+    (:func:`route_key`, :mod:`specrt.runtime.prefix`), so a conversation comes back to the KV it left; a job
     that arrives while all are busy waits in arrival order for the first one free.
 
     Args:
@@ -321,12 +332,13 @@ class WorkerPool:
             self._cond.notify_all()
 
     def _route(self, job: Job) -> int | None:
-        """The idle worker for ``job`` (with ``self._cond`` held): the longest reusable
-        prefix of its prompt, then the smallest record to lose; None when none is idle."""
+        """The idle worker for ``job`` (with ``self._cond`` held): by :func:`route_key` (the
+        longest similar prefix of its prompt, then the fewest cached rows lost); None when
+        none is idle."""
         best, key = None, None
         for w in sorted(self._idle):
             eng = self.engines[w]
-            k = route_key(eng.cached, job.ids, eng.target.max_q)  # an idle worker's record does not change meanwhile
+            k = route_key(eng.cached, job.ids, eng.manifest.reuse_step(eng.target.max_q))  # an idle worker's record does not change meanwhile
             if key is None or k > key:
                 best, key = w, k
         return best
@@ -382,7 +394,7 @@ class WorkerPool:
         rec = engine.cached
         if self.share is None or rec is None or rec.size <= self.share:
             return
-        engine.cached = rec.trimmed(self.share, engine.target.max_q, engine.draft.max_q)
+        engine.cached = rec.trimmed(self.share, engine.manifest.reuse_step(engine.target.max_q), engine.draft.max_q)
         if self.metrics is not None:
             self.metrics.prefix_evicted(rec.size - (engine.cached.size if engine.cached is not None else 0))
 
