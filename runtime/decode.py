@@ -176,10 +176,13 @@ class KVLengths:
     prefill computed in full aligned chunks, the ones a later request may reuse
     (:mod:`specrt.runtime.prefix`; never rewritten after the prefill). Under
     ``Plan.any_layout`` rows ``[0, target)`` are the reusable ones (any later call that
-    rewrites one is at a measured width: the same bits)."""
+    rewrites one is at a measured width: the same bits), up to ``batched_from``: the first
+    row a batched step computed (None: none did), whose rounding a batch-1 call does not
+    reproduce (:mod:`specrt.runtime.backends.ort_gqa_batch`), nor the rows after it."""
 
     target: int = 0
     aligned: int = 0
+    batched_from: int | None = None
 
 
 @dataclass
@@ -456,6 +459,8 @@ def bonus_round(seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: A
     over several generations: commits the acceptor's token (and what a constraint forces
     after it) and returns the record (``seconds``: this generation's share of the call)."""
     tok = acc.bonus(0, row)
+    if kv.batched_from is None:  # rows from here on are not a batch-1 call's (prefix reuse stops here)
+        kv.batched_from = kv.target
     pos, seq_len = len(seq) - n_prompt, len(seq)
     new, ended, forced = commit_forced(([tok], tok in plan.eos), seq_len, n_prompt, plan, acc)
     seq.extend(new)

@@ -147,12 +147,15 @@ class Generation:
         """What the target's and the draft's KV buffers hold for a later request once this
         generation has been prefilled (:mod:`specrt.runtime.prefix`; the rows stay valid
         whatever the rounds do after), or None before its prefill or when nothing is
-        reusable. Under ``plan.any_layout`` every committed target row is (the reply's too)."""
+        reusable. Under ``plan.any_layout`` every committed target row is (the reply's too),
+        up to the first one a batched step computed."""
         t, d = self.kv.aligned, self.drafter.aligned
         if self.plan.any_layout:
             # unfinished (closed early, or a call raised): the next call may have begun
             # rewriting the last min_q - 1 rows, so they are left out
             t = self.kv.target if self.done else max(0, self.kv.target - self.plan.min_q + 1)
+            if self.kv.batched_from is not None:
+                t = min(t, self.kv.batched_from)
         if t == 0 and d == 0:
             return None
         return KVPrefix(tuple(self.seq[: max(t, d)]), t, d)

@@ -283,6 +283,23 @@ def test_an_unfinished_generation_leaves_out_the_rows_a_call_may_be_rewriting(la
     assert a.tokens == b.tokens and a.stats.cached_tokens == rec.target_rows
 
 
+def test_rows_after_a_batched_step_are_not_reused(layout_toys):
+    """A batched step's row rounds otherwise than a batch-1 call (docs/guide/serving.md,
+    Numerics), and every later row reads it: the record stops at the first such row."""
+    warm, _ = layout_toys
+    prompt = conversation(warm.manifest.vocab_size, 1, 300)[0]
+    gen = warm.start(prompt, warm.resolve(GenerationConfig(max_new_tokens=30)))
+    gen.prefill(warm.target)
+    gen.step(warm.target)
+    first = gen.kv.target
+    row = np.array(warm.target.run([gen.seq[-1]], first)[0])  # a 1-row call stands in for the batched one
+    gen.push_row(row, 0.0)
+    while not gen.done:
+        gen.step(warm.target)
+    assert gen.kv.target > first + 5 and gen.kv.batched_from == first
+    assert gen.prefix().target_rows == first
+
+
 def test_measure_wide_finds_every_inexact_width():
     """The export's probe on a toy whose widths 20 and 33 round otherwise (and 1, and every
     width the toy's exact range leaves out): it names exactly those, at the first call."""

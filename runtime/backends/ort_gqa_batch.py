@@ -19,10 +19,12 @@ and past context is given", measured on onnxruntime 1.32), so one target pass ca
 several rows' candidates; a row's speculative round is a batch-1 call on its slot.
 
 Numerics (measured with :func:`specrt.runtime.lab.exactness.measure_batched`, recorded in
-docs/guide/serving.md): a batched q = 1 call over ``n >= 2`` rows runs MatMulNBits with M = n rows
-(its GEMM path), and its rows are bit-identical to the rows of batch-1 calls at least
-``exact_min_q`` wide; ``n = 1`` is the 1-row GEMV path, which rounds differently, so the
-scheduler never makes a batched call over one row.
+docs/guide/serving.md, "Numerics", and docs/bench/batched_exactness.json): a batched q = 1
+call over ``n >= 2`` rows runs MatMulNBits with M = n rows (its GEMM path), but its rows are
+NOT bit-identical to the rows of batch-1 calls at least ``exact_min_q`` wide
+(GroupQueryAttention's q = 1 path; 0.02-0.05 in the int4 logits at some positions), so a
+batched step may change a greedy row at a near-tie, and its rows are never reused by the
+prefix cache (:class:`~specrt.runtime.decode.KVLengths`' ``batched_from``).
 """
 
 from __future__ import annotations
