@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .backends import load_models, resolve_backend
+from .backends import DEFAULT_BACKEND, load_models, resolve_backend
 from .backends.base import SplitsHead, ThreadConfig
 from .chunks import PREFILL_CHUNK
 from .config import GenerationConfig, resolve_config
@@ -355,7 +355,8 @@ class Engine:
     def plan(self, cfg: GenerationConfig, observe: bool = False) -> Plan:
         """The decode loop's :class:`~specrt.runtime.decode.Plan` for resolved settings ``cfg``."""
         manifest = self.manifest
-        avoid = manifest.layout_avoid(self.target.max_q) if cfg.exact_widths else None
+        # the wide widths were measured on onnxruntime's CPU kernels: other backends keep whole aligned calls
+        avoid = manifest.layout_avoid(self.target.max_q) if cfg.exact_widths and self.backend == DEFAULT_BACKEND else None
         return Plan(
             k_max=cfg.k_max,
             threshold=cfg.threshold,

@@ -37,7 +37,8 @@ the whole common prefix (less the ``min_q`` rows its last call needs) and prefil
 rest from there. The real pair's target measured so at every width 10..256; the embedded
 int4 target rounds a 129-row call's last row like a 1-row call (128 + 1 inside
 MatMulNBits), so its prefill cuts 129 as 127 + 2. The draft keeps the aligned rule (its
-rounds are 1-row calls).
+rounds are 1-row calls), and so do backends other than onnxruntime's CPU provider (the
+widths were measured on its kernels).
 """
 
 from __future__ import annotations

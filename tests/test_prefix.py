@@ -318,7 +318,12 @@ def test_measure_wide_finds_every_inexact_width():
 def test_layout_avoid_reads_the_manifest():
     """Any layout only with a ``wide`` record reaching the prefill's widest call, starting
     right above the decode loop's widths, and the widest call itself exact."""
-    m = Engine(ENGINES).manifest
+    e = Engine(ENGINES)
+    m = e.manifest
+    assert e.plan(e.resolve(GenerationConfig())).any_layout
+    assert not e.plan(e.resolve(GenerationConfig(exact_widths=False))).any_layout  # 1-row calls: aligned only
+    e.backend = "tensorrt"  # measured on onnxruntime's CPU kernels only
+    assert not e.plan(e.resolve(GenerationConfig())).any_layout
 
     def with_wide(**wide):
         return replace(m, target=replace(m.target, exactness={**m.target.exactness, "wide": dict(dict(lo=m.k_max + 2, hi=256, inexact=[129]), **wide)}))
