@@ -337,8 +337,10 @@ def scripted(engine, prompt_ids, continuation, wrong=(), calls=None):
             return _buf[:q]
 
         model.run = run
+    engine.cached = None  # the scripted calls write no real KV: no record may cross in or out
     try:
         yield full
     finally:
+        engine.cached = None
         for name, f in saved.items():
             getattr(engine, name).run = f
