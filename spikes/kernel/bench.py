@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before libgomp loads: no 
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # one session builder with the layer-kinds record
-from measure_layer_kinds import layer_session  # noqa: E402
+from measure_layer_kinds import session  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "build"
@@ -137,6 +137,22 @@ def ort_session(blocks, k, n, threads=2):
             helper.make_node("Sub", ["raw", "offset"], ["y"]),
         ]
     return layer_session(nodes, inits, k, n, threads)
+
+
+def layer_session(nodes, inits, k, n, threads):
+    """A session of one layer's ``nodes``: input ``x`` [q, k], output ``y`` [q, n] (float32),
+    with the runtime's session options (measure_layer_kinds.session: intra-op ``threads``,
+    idle threads not spinning)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        nodes,
+        "layer",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["q", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["q", n])],
+        inits,
+    )
+    return session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]), threads)
 
 
 def ort_noop(k, threads=2):
