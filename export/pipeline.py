@@ -220,7 +220,7 @@ def measure_exactness(out: Path, entry, max_ctx: int, k_max: int, vocab: int, lo
     from specrt.runtime.backends import cpu_model
     from specrt.runtime.backends.base import ThreadConfig
     from specrt.runtime.chunks import PREFILL_CHUNK
-    from specrt.runtime.lab.exactness import measure, measure_wide
+    from specrt.runtime.lab.exactness import measure, measure_wide_engine
 
     from .progress import Progress
 
@@ -230,16 +230,15 @@ def measure_exactness(out: Path, entry, max_ctx: int, k_max: int, vocab: int, lo
     models = [(f"t{t}", cpu_model(out, entry, length, q, ThreadConfig(t, False, t))) for t in (2, 1)]
     prog = Progress("  exactness probe", None, log, unit="patterns") if log is not None else None
     rec = measure(models, vocab, widths, offsets=(0, 1, 2), length=length, progress=prog)
+    del models  # their sessions, before the wide probe's model
     if prog is not None:
         prog.done()
     ref_q = k_max + 1
     if rec["exact_min_q"] is not None and rec["exact_min_q"] <= ref_q and min(PREFILL_CHUNK, max_ctx - ref_q) > ref_q:
-        wide = cpu_model(out, entry, max_ctx, min(PREFILL_CHUNK, max_ctx), ThreadConfig(2, False, 2))
         prog = Progress("  wide-width probe", None, log, unit="widths") if log is not None else None
-        rec["wide"] = measure_wide(wide, vocab, ref_q, progress=prog)
+        rec["wide"] = measure_wide_engine(out, entry, max_ctx, vocab, ref_q, progress=prog)
         if prog is not None:
             prog.done()
-        del wide
     return rec
 
 

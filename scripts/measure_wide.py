@@ -34,10 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="also write the record (with the machine) here")
     ap.add_argument("--dry-run", action="store_true", help="measure and print; leave the manifest alone")
     a = ap.parse_args(argv)
-    from specrt.runtime.backends import cpu_model
-    from specrt.runtime.backends.base import ThreadConfig
-    from specrt.runtime.chunks import PREFILL_CHUNK
-    from specrt.runtime.lab.exactness import measure_wide
+    from specrt.runtime.lab.exactness import measure_wide_engine
     from specrt.runtime.machine import machine_record
     from specrt.runtime.manifest import load_manifest
 
@@ -47,7 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     m = load_manifest(a.engine, verify_hashes=False)
     if not m.target.exact_min_q:
         raise SystemExit(f"{a.engine}: its target has no bit-identical call width (exact_min_q); nothing wider can be")
-    model = cpu_model(a.engine, m.target, m.max_ctx, min(PREFILL_CHUNK, m.max_ctx), ThreadConfig(2, False, 2))
     t0, last = time.perf_counter(), [0.0]
 
     def progress(done: int, total: int) -> None:
@@ -55,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             last[0] = time.perf_counter()
             print(f"  {done}/{total} widths, {last[0] - t0:.0f} s", file=sys.stderr, flush=True)
 
-    rec = measure_wide(model, m.vocab_size, m.k_max + 1, progress=progress)
+    rec = measure_wide_engine(a.engine, m.target, m.max_ctx, m.vocab_size, m.k_max + 1, progress=progress)
     print(rec["note"])
     if not a.dry_run:
         raw = json.loads(path.read_text())

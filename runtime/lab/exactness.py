@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["pattern_bounds", "run_pattern", "measure", "measure_wide", "DEFAULT_OFFSETS"]
+__all__ = ["pattern_bounds", "run_pattern", "measure", "measure_wide", "measure_wide_engine", "DEFAULT_OFFSETS"]
 
 DEFAULT_OFFSETS = (0, 1, 2)
 
@@ -301,3 +301,32 @@ def measure_wide(
         else f"widths {bad} round differently from {ref_q}-row calls; every other width {ref_q + 1}..{hi} measured gives their rows"
     )
     return dict(lo=ref_q + 1, hi=hi, ref_q=ref_q, checked=checked, inexact=bad, max_abs_diff=diffs, seed=seed, note=note)
+
+
+def measure_wide_engine(folder, entry, max_ctx: int, vocab_size: int, ref_q: int, progress: Callable[[int, int], None] | None = None) -> dict:
+    """:func:`measure_wide` on an exported model as the prefix cache would call it: the
+    runtime's CPU model class for ``entry`` in ``folder``, 2 intra-op threads, no spinning,
+    context ``max_ctx`` and calls up to the prefill's widest (``min(PREFILL_CHUNK, max_ctx)``).
+    The one place both ``specrt export`` (:func:`specrt.export.pipeline.measure_exactness`)
+    and ``scripts/measure_wide.py`` build that model, so their records mean the same thing.
+
+    Args:
+        folder: the engine folder (``pathlib.Path`` or str). entry: its manifest's model entry
+            (``Manifest.target``). max_ctx: the engine's context (tokens). vocab_size, ref_q,
+            progress: as :func:`measure_wide`.
+
+    Returns:
+        :func:`measure_wide`'s record.
+
+    Raises:
+        ValueError: as :func:`measure_wide` (e.g. a context with no width above ``ref_q``).
+    """
+    from ..backends import cpu_model
+    from ..backends.base import ThreadConfig
+    from ..chunks import PREFILL_CHUNK
+
+    model = cpu_model(folder, entry, max_ctx, min(PREFILL_CHUNK, max_ctx), ThreadConfig(2, False, 2))
+    try:
+        return measure_wide(model, vocab_size, ref_q, progress=progress)
+    finally:
+        del model  # its KV buffers and session: gigabytes on the real pair
