@@ -90,10 +90,10 @@ demo-real: real-pair
 	$(BIN)/specrt bench --engines $(REAL_ENGINES) --prompts $(PROMPTS) --limit 4 --max-new-tokens 64 --out bench_out/demo_real.json
 
 # the comparison table of docs/results/real-pair.md in one interleaved, repeated run (about an hour):
-# llama-server (best settings searched first), onnxruntime-genai, transformers, specrt rows
+# llama-server (best settings searched first), onnxruntime-genai, OpenVINO GenAI, transformers, specrt rows
 REAL_BENCH_OUT ?= bench_out/real_pair
 REAL_REPEATS ?= 2
-bench-real: real-pair $(LL_VENV)/bin/llama-server $(OG_VENV)/.installed
+bench-real: real-pair $(LL_VENV)/bin/llama-server $(OG_VENV)/.installed $(OV_VENV)/.installed
 	$(BIN)/python -m specrt.bench.real --engines $(REAL_ENGINES) --repeats $(REAL_REPEATS) --threads $(THREADS) --out $(REAL_BENCH_OUT)
 
 # coding-agent conversations, each turn the whole history: specrt prefix cache on/off vs llama-server

@@ -11,6 +11,8 @@ Rows (each in its own worker process, bench/workers/, with the venv it needs):
   llama-server n-gram (best)          ngram-simple / ngram-mod / ngram-map-k / ngram-cache, searched
   llama-server n-gram + draft         the best of both together
   ort-genai int4 target-only / spec   onnxruntime-genai 0.18, its model builder on the converted folders
+  OpenVINO int4 target-only / spec   OpenVINO GenAI LLMPipeline on optimum-cli int4 IR of the converted
+                                     folders (group 128); its speculative mode at k and at a threshold
   HF generate / HF assisted           transformers on the dequantized folders (a few prompts, own phase)
 
 "Best" settings of llama-server are searched first on tuning prompts that are not measured
@@ -36,7 +38,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from specrt.bench.common import command, logger, say_machine, write_json
-from specrt.bench.compare import Worker, build_ortgenai, call_row, run_record, summarize, venv_python
+from specrt.bench.compare import WORKERS, Worker, build_ortgenai, call_row, run_record, summarize, venv_python
 from specrt.runtime.machine import machine_record
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository (bench/ sits at its top)
@@ -132,7 +134,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--llama-python", default=".venv-llamacpp/bin/python")
     ap.add_argument("--llama-server", default=".venv-llamacpp/bin/llama-server")
     ap.add_argument("--ortgenai-python", default=".venv-ortgenai/bin/python")
-    ap.add_argument("--skip", default="", help="comma-separated: llamaserver, ortgenai, hf")
+    ap.add_argument("--openvino-python", default=".venv-openvino/bin/python")
+    ap.add_argument("--ov-group-size", type=int, default=128, help="OpenVINO int4 group size (divides every layer width of the Qwen2.5 pair)")
+    ap.add_argument("--ov-threshold", type=float, default=0.4, help="assistant_confidence_threshold of OpenVINO's threshold row")
+    ap.add_argument("--skip", default="", help="comma-separated: llamaserver, ortgenai, openvino, hf")
     ap.add_argument(
         "--specrt-extra",
         default="model:adaptive,ngram:fixed,hybrid:adaptive",
@@ -169,7 +174,7 @@ def _context(a: argparse.Namespace) -> SimpleNamespace:
     c.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     c.env.pop("OMP_WAIT_POLICY", None)  # every system's own default (PASSIVE slowed llama.cpp 5x here)
     c.common = dict(threads=a.threads, spinning=False, warmup=[c.ids[0]])
-    c.py, c.py_ll, c.py_og = sys.executable, venv_python(a.llama_python), venv_python(a.ortgenai_python)
+    c.py, c.py_ll, c.py_og, c.py_ov = sys.executable, venv_python(a.llama_python), venv_python(a.ortgenai_python), venv_python(a.openvino_python)
     c.server = venv_python(a.llama_server)
     c.k, c.th = int(c.m.defaults.get("k_max", 4)), float(c.m.defaults.get("threshold", 0.0))
     c.srv = dict(c.common, gguf=c.gguf["target"], server=c.server, log_dir=str(c.logs.resolve()))
@@ -301,6 +306,49 @@ def ortgenai_rows(c: SimpleNamespace, result: dict) -> list[dict]:
     ]
 
 
+def build_openvino(c: SimpleNamespace) -> dict:
+    """optimum-cli's int4 IR of both converted folders (``openvino_worker.py --build``,
+    cached by its stamps) into ``OUT/anchors/openvino-int4``; the worker's build record
+    (``target.ok``, ``draft.ok``, the error text otherwise), or ``{"ok": False, "error": ...}``
+    when its output was not JSON. Its log goes to ``logs/openvino_build.log``."""
+    import subprocess
+
+    out = (c.out / "anchors" / "openvino-int4").resolve()
+    cmd = [c.py_ov, str(WORKERS / "openvino_worker.py"), "--build", "--target", c.hf["target"], "--draft", c.hf["draft"]]
+    cmd += ["--out", str(out), "--group-size", str(c.a.ov_group_size)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=c.env, cwd=str(ROOT))
+    (c.logs / "openvino_build.log").write_text(p.stderr)
+    try:
+        return dict(json.loads(p.stdout.strip().splitlines()[-1]), out=str(out))
+    except (IndexError, json.JSONDecodeError):
+        return dict(ok=False, error=p.stderr[-600:], out=str(out))
+
+
+def openvino_rows(c: SimpleNamespace, result: dict) -> list[dict]:
+    """OpenVINO GenAI's int4 rows (target-only; its draft-model speculative decoding at the
+    engine's k and at ``--ov-threshold``), after optimum-cli made the IR from the converted
+    folders (the build record goes into ``result["openvino_build"]``). Its int4 is its own
+    requantization of the dequantized GGUF weights, as onnxruntime-genai's is: not the
+    target's text."""
+    miss = None if c.py_ov else f"no python at {c.a.openvino_python}: run `make .venv-openvino/.installed`"
+    root = str((c.out / "anchors" / "openvino-int4").resolve())
+    if c.py_ov:
+        log("OpenVINO GenAI: optimum-cli int4 IR of the converted folders (cached) ...")
+        b = result["openvino_build"] = build_openvino(c)
+        bad = [f"{r}: {b.get(r, {}).get('error', 'not built')}" for r in ("target", "draft") if not b.get(r, {}).get("ok")]
+        if bad:
+            miss = "optimum-cli export openvino failed: " + "; ".join(bad)[:400]
+    d = dict(c.common, target_dir=f"{root}/target", draft_dir=f"{root}/draft")
+    ob = "OpenVINO int4 target-only"
+    spec_k = dict(d, variant=dict(speculative=True, num_assistant_tokens=c.k))
+    spec_th = dict(d, variant=dict(speculative=True, assistant_confidence_threshold=c.a.ov_threshold))
+    return [
+        row(ob, "openvino-genai", c.py_ov, "openvino_worker.py", dict(d, variant=dict(speculative=False)), error=miss),
+        row(f"OpenVINO int4 speculative (k={c.k})", "openvino-genai", c.py_ov, "openvino_worker.py", spec_k, ob, miss),
+        row(f"OpenVINO int4 speculative (th={c.a.ov_threshold:g})", "openvino-genai", c.py_ov, "openvino_worker.py", spec_th, ob, miss),
+    ]
+
+
 def hf_phase(c: SimpleNamespace, runs: dict) -> list[dict]:
     """Step 3: transformers on a few prompts of each form, in its own phase (a float32 1.5B
     model needs 6 GB); its runs join ``runs`` (prompt numbers of the whole set); its rows."""
@@ -369,6 +417,8 @@ def main(argv=None) -> int:
         rows += llama_server_rows(c, best)
     if "ortgenai" not in c.skip:
         rows += ortgenai_rows(c, result)
+    if "openvino" not in c.skip:
+        rows += openvino_rows(c, result)
     todo = [r for r in rows if not r["error"]]
     log(f"table: {len(todo)} rows x {len(c.ids)} prompts x {a.repeats} repeats")
     runs = run_rows(todo, c.ids, c.labels, a.repeats, a.max_new_tokens, a.call_timeout, c.logs, c.env)

@@ -174,3 +174,44 @@ def test_a_workers_peak_rss_is_its_own_not_its_parents(tmp_path):
     own, ru_maxrss = json.loads(out)
     assert ru_maxrss > 600  # what the old reading reported: the parent's
     assert own < 200, own  # a bare python with the stdlib protocol module
+
+
+def _real_ctx(tmp_path, py_ov):
+    from types import SimpleNamespace
+
+    a = SimpleNamespace(openvino_python="/nowhere/python", ov_group_size=128, ov_threshold=0.4)
+    logs = tmp_path / "logs"
+    logs.mkdir(exist_ok=True)
+    hf = dict(target=str(tmp_path / "t.hf"), draft=str(tmp_path / "d.hf"))
+    return SimpleNamespace(a=a, py_ov=py_ov, out=tmp_path, logs=logs, hf=hf, env={}, common=dict(threads=2), k=8)
+
+
+def test_bench_real_openvino_rows_say_why_they_cannot_run(tmp_path):
+    """make bench-real's OpenVINO GenAI rows (issue 31.6): three rows (target-only, k, threshold)
+    against its own target-only row; no venv, or a failed IR build, leaves every row not
+    started with the reason (the build's own error text), never a silent skip."""
+    from specrt.bench import real
+
+    rows = real.openvino_rows(_real_ctx(tmp_path, None), {})
+    assert [r["label"] for r in rows] == [
+        "OpenVINO int4 target-only",
+        "OpenVINO int4 speculative (k=8)",
+        "OpenVINO int4 speculative (th=0.4)",
+    ]
+    assert [r["own_base"] for r in rows] == [None, "OpenVINO int4 target-only", "OpenVINO int4 target-only"]
+    assert all("no python at /nowhere/python" in r["error"] for r in rows)
+    assert rows[1]["init"]["variant"] == dict(speculative=True, num_assistant_tokens=8)
+    assert rows[2]["init"]["variant"] == dict(speculative=True, assistant_confidence_threshold=0.4)
+    # a build whose target failed: its error reaches every row; the record is kept
+    fake = tmp_path / "fake_python"
+    fake.write_text('#!/bin/sh\necho \'{"target": {"ok": false, "error": "group size 128 does not divide 200"}, "draft": {"ok": true}}\'\n')
+    fake.chmod(0o755)
+    result: dict = {}
+    rows = real.openvino_rows(_real_ctx(tmp_path, str(fake)), result)
+    assert result["openvino_build"]["target"]["ok"] is False
+    assert all(r["error"] == "optimum-cli export openvino failed: target: group size 128 does not divide 200" for r in rows)
+    # both built: the rows run, on the IR folders the build wrote
+    fake.write_text('#!/bin/sh\necho \'{"target": {"ok": true}, "draft": {"ok": true}}\'\n')
+    rows = real.openvino_rows(_real_ctx(tmp_path, str(fake)), {})
+    assert [r["error"] for r in rows] == [None, None, None]
+    assert rows[1]["init"]["target_dir"] == str((tmp_path / "anchors" / "openvino-int4" / "target").resolve())
