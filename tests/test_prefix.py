@@ -461,3 +461,33 @@ def test_target_kv_is_shortened_after_every_rejection():
         rejected += (gen.stats.proposed - gen.stats.accepted) > before
         assert gen.kv.target == len(gen.seq) - 1, (gen.kv.target, len(gen.seq))
     assert rejected >= 3
+
+
+def test_released_kv_rows_leave_the_rss_and_read_zero():
+    """kv_layout.host_zeros / release_bytes / head_tails (what bounds idle slots' memory under
+    a prefix-cache budget): rows past ``start`` of every head read zero after a release,
+    rows before it keep their values (the partial page at the cut is kept whole), and the
+    process's anonymous RSS drops by the pages released; an ordinary numpy array is left alone."""
+    from specrt.runtime.backends.kv_layout import head_tails, host_zeros, release_bytes
+
+    def rss_anon() -> int:
+        for ln in open("/proc/self/status"):
+            if ln.startswith("RssAnon"):
+                return int(ln.split()[1]) * 1024
+        pytest.skip("no RssAnon in /proc/self/status")
+
+    heads, ctx, dim = 2, 16384, 128  # 16 MiB, 512 B a row, 8 rows a page
+    a = host_zeros((1, heads, ctx, dim))
+    a[:] = 1.0
+    before = rss_anon()
+    start = 1001  # not on a page boundary: rows 1001..1007 share a page with 1000
+    done = release_bytes(a, head_tails(heads, ctx, dim, start))
+    after = rss_anon()
+    assert done == heads * (ctx - 1008) * dim * 4
+    assert before - after >= 0.9 * done
+    assert np.all(a[0, :, :1008] == 1.0) and not np.any(a[0, :, 1008:])
+    a[0, 0, 2000] = 3.0  # released pages are writable again (zero-filled)
+    assert a[0, 0, 2000, 0] == 3.0 and a[0, 0, 2001, 0] == 0.0
+    b = np.ones((4, 1024), np.float32)
+    assert release_bytes(b, [(0, b.nbytes)]) == 0 and np.all(b == 1.0)
+    assert head_tails(2, 10, 4, 3, base=100) == [(100 + 48, 100 + 160), (100 + 160 + 48, 100 + 320)]

@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi", reason="the [serve] extra is not installed: pip install -e '.[serve]'")
@@ -90,16 +91,29 @@ def test_prefix_cache_off(cold, pool):
         srv.stop()
 
 
-def test_worker_pool_routes_a_conversation_back_to_its_kv(cold):
+def _idle_rows_released(buf, slot: int, kept: int) -> None:
+    """KV buffer ``buf`` (``[slots, heads, max_ctx, head_dim]``) of an idle slot holds rows
+    ``[0, kept)`` and nothing from the first whole page after them on (released: zeros)."""
+    per_page = max(1, 4096 // (buf.shape[-1] * buf.itemsize))
+    assert np.count_nonzero(buf[slot, :, kept + per_page :]) == 0, (slot, kept)
+    if kept:
+        assert np.count_nonzero(buf[slot, :, :kept]) > 0
+
+
+@pytest.mark.parametrize("budget", [None, 1024])
+def test_worker_pool_routes_a_conversation_back_to_its_kv(cold, budget):
     """Two conversations take turns on a pool of two workers; each follow-up turn goes to the
     idle worker holding its history (the longest reusable prefix), so every one hits, and each
-    output equals the cold Engine's."""
+    output equals the cold Engine's. With a budget (512 tokens a worker), an idle worker's
+    KV rows past its cut record are handed back to the OS (they read as zeros) and the
+    outputs still equal the cold ones."""
     from test_batching import Events
 
     from specrt.runtime.serve.jobs import Job, WorkerPool
 
     first = Engine(ENGINES)
-    pool = WorkerPool([first, first.fork()])
+    engines = [first, first.fork()]
+    pool = WorkerPool(engines, prefix_cache_tokens=budget)
     try:
         convs = [PROMPTS[0] + PROMPTS[1] + PROMPTS[2], PROMPTS[3] + PROMPTS[4] + PROMPTS[0]]
         hits = []
@@ -112,6 +126,16 @@ def test_worker_pool_routes_a_conversation_back_to_its_kv(cold):
                 assert r.tokens == cold.generate(convs[c], GenerationConfig(max_new_tokens=16)).tokens
                 hits.append(r.stats.cached_tokens)
                 convs[c] += r.text + "\n# next\n"
+                if budget is not None:
+                    deadline = time.time() + 10
+                    while pool.busy and time.time() < deadline:  # the worker cuts and releases after emitting
+                        time.sleep(0.01)
+                    for e in engines:
+                        rec = e.cached
+                        assert rec is None or rec.size <= budget // 2
+                        for m, kept in ((e.target, rec.target_rows if rec else 0), (e.draft, rec.draft_rows if rec else 0)):
+                            for b in (*m.keys, *m.values):
+                                _idle_rows_released(b, 0, kept)
         assert hits[:2] == [0, 0] and all(h >= 256 for h in hits[2:]), hits
         assert pool.queued == 0 and pool.busy == 0
     finally:
@@ -138,11 +162,14 @@ def test_short_prefix_soak_loses_nothing_and_holds_memory(tmp_path, pool):
     assert rep["rss_loaded_mib"] > 0 and rep["peak_over_weights_plus_budget"] > 0
 
 
-def test_batch_slots_route_conversations_back_to_their_kv(cold):
+@pytest.mark.parametrize("budget", [None, 1024])
+def test_batch_slots_route_conversations_back_to_their_kv(cold, budget):
     """Two conversations (one greedy, one sampled with a seed) send each turn together to
     the batch scheduler's two slots (policy speculate); as rows finish, the KV they leave
     moves to a free slot, and each follow-up turn is admitted on the slot holding its
-    history: every follow-up hits, and every output equals a cold Engine's."""
+    history: every follow-up hits, and every output equals a cold Engine's. With a budget
+    (512 tokens a slot), a free slot's target rows and its draft fork's rows past its record
+    are handed back to the OS (zeros), and the outputs still equal the cold ones."""
     from test_batching import Events
 
     from specrt.runtime.costs import BatchCosts
@@ -150,7 +177,7 @@ def test_batch_slots_route_conversations_back_to_their_kv(cold):
     from specrt.runtime.serve.jobs import Job
 
     eng = Engine(ENGINES)
-    pool = BatchPool(eng, 2, policy="speculate", costs=BatchCosts([0.0, 1e-3, 1e-3]))
+    pool = BatchPool(eng, 2, policy="speculate", costs=BatchCosts([0.0, 1e-3, 1e-3]), prefix_cache_tokens=budget)
     try:
         convs = [PROMPTS[0] + PROMPTS[1] + PROMPTS[2], PROMPTS[3] + PROMPTS[4] + PROMPTS[0]]
         cfgs = [GenerationConfig(max_new_tokens=16), GenerationConfig(max_new_tokens=20, temperature=0.8, seed=5)]
@@ -163,6 +190,17 @@ def test_batch_slots_route_conversations_back_to_their_kv(cold):
                 assert r.tokens == cold.generate(convs[c], cfgs[c]).tokens, (turn, c)
                 hits.append(r.stats.cached_tokens)
                 convs[c] += r.text + "\n# next\n"
+            if budget is not None:
+                deadline = time.time() + 10
+                while pool.busy and time.time() < deadline:
+                    time.sleep(0.01)
+                for slot, spare in pool.spares.free.items():
+                    rec = spare.rec
+                    assert rec is None or rec.size <= budget // 2
+                    for b in (*pool.batched.keys, *pool.batched.values):
+                        _idle_rows_released(b, slot, rec.target_rows if rec else 0)
+                    for b in (*spare.draft.keys, *spare.draft.values):
+                        _idle_rows_released(b, 0, rec.draft_rows if rec else 0)
         assert hits[:2] == [0, 0] and all(h >= 256 for h in hits[2:]), hits
         assert pool.queued == 0 and pool.busy == 0
     finally:

@@ -29,6 +29,11 @@ class Model(Protocol):
         max_q: widest call (tokens per ``run``).
         max_ctx: KV rows; ``start + q <= max_ctx``.
         vocab: logits width (may exceed the tokenizer's vocabulary by padding rows).
+
+    Optional: ``release_rows(start) -> int`` gives KV rows ``[start, max_ctx)`` back to the
+    OS (the onnxruntime CPU models: their buffers are page-aligned mappings); the server calls
+    it, where present, on idle slots past their prefix record so that ``--prefix-cache-tokens``
+    bounds what idle KV keeps resident.
     """
 
     max_q: int

@@ -20,11 +20,14 @@ backend binds new rows there only in that case and otherwise stages them
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..errors import InputError
 
-__all__ = ["ALIGN", "check_call", "align_up", "KVLayout"]
+__all__ = ["ALIGN", "check_call", "align_up", "KVLayout", "host_zeros", "release_bytes", "head_tails"]
 
 ALIGN = 256  # TensorRT/CUDA alignment for tensor and scratch addresses (bytes)
 
@@ -38,6 +41,60 @@ def check_call(q: int, start: int, max_q: int, max_ctx: int) -> None:
     """
     if q < 1 or q > max_q or start < 0 or start + q > max_ctx:
         raise InputError(f"model call with q={q} new tokens at past length {start}: allowed 1 <= q <= {max_q} and past + q <= max_ctx={max_ctx}")
+
+
+def host_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """A zero-filled host array in its own anonymous memory mapping (page-aligned), for KV
+    buffers: its pages become resident only once written, and :func:`release_bytes` can
+    hand ranges of them back to the OS (a prefix cache's budget bounds what idle slots keep
+    resident; ``np.zeros`` memory could not be released without freeing the array).
+
+    Args:
+        shape: the array's shape (elements). dtype: a numpy dtype.
+
+    Returns:
+        A writable C-contiguous array viewing the mapping (the mapping lives as long as it).
+    """
+    dt = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    # private: MADV_DONTNEED then drops the pages (a shared mapping keeps them in shmem)
+    buf = mmap.mmap(-1, max(1, count * dt.itemsize), flags=mmap.MAP_PRIVATE)
+    return np.frombuffer(buf, dt, count).reshape(shape)
+
+
+def release_bytes(arr: np.ndarray, ranges) -> int:
+    """Hand the whole pages inside byte ranges of ``arr``'s mapping back to the OS
+    (``madvise(MADV_DONTNEED)``): they stop counting in the RSS and read as zeros when next
+    touched. Partial pages at a range's ends are kept (their other bytes may be live).
+
+    Args:
+        arr: an array from :func:`host_zeros` (else nothing happens: 0 is returned).
+        ranges: ``(start, stop)`` byte offsets from the array's first byte, stop exclusive.
+
+    Returns:
+        Bytes released (whole pages).
+    """
+    mm = arr.base
+    while mm is not None and not isinstance(mm, mmap.mmap):  # array -> ... -> memoryview -> mmap
+        mm = mm.obj if isinstance(mm, memoryview) else getattr(mm, "base", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return 0
+    page, done = mmap.PAGESIZE, 0
+    for lo, hi in ranges:
+        lo, hi = -(-int(lo) // page) * page, int(hi) // page * page
+        if hi > lo:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            done += hi - lo
+    return done
+
+
+def head_tails(heads: int, max_ctx: int, head_dim: int, start: int, base: int = 0, itemsize: int = 4) -> list[tuple[int, int]]:
+    """Byte ranges of rows ``[start, max_ctx)`` in a head-major KV block ``[heads, max_ctx,
+    head_dim]`` beginning ``base`` bytes into its buffer (one range per head), for
+    :func:`release_bytes`."""
+    per = max_ctx * head_dim * itemsize
+    lo = max(0, start) * head_dim * itemsize
+    return [(base + h * per + lo, base + (h + 1) * per) for h in range(heads)]
 
 
 def align_up(n: int, a: int = ALIGN) -> int:

@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import EngineError, InputError
 from ..manifest import LAZY_HEAD_HINT, Manifest, ModelEntry, lazy_head_files
 from .base import ThreadConfig
-from .kv_layout import check_call
+from .kv_layout import check_call, host_zeros, release_bytes
 
 __all__ = [
     "OrtModel",
@@ -325,8 +325,8 @@ class OrtModel:
         self.max_q = max_q
         self.vocab = entry.vocab_size
         shape = (1, max_ctx, entry.n_kv_heads, entry.head_dim)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(entry.n_layers)]
-        self.values = [np.zeros(shape, np.float32) for _ in range(entry.n_layers)]
+        self.keys = [host_zeros(shape) for _ in range(entry.n_layers)]
+        self.values = [host_zeros(shape) for _ in range(entry.n_layers)]
         self.row_bytes = entry.n_kv_heads * entry.head_dim * 4
         self.ids = np.zeros((1, max_q), np.int64)
         self.positions = np.arange(max_ctx, dtype=np.int64)[None, :]
@@ -367,6 +367,14 @@ class OrtModel:
         self._bind_out("logits", np.float32, [1, q, self.vocab], self._logits_ptr)
         self._run()
         return self.logits[0, :q]
+
+    def release_rows(self, start: int) -> int:
+        """Give KV rows ``[start, max_ctx)`` of every layer back to the OS (whole pages:
+        :func:`~specrt.runtime.backends.kv_layout.release_bytes`); they read as zeros when next
+        written. For rows nothing will read again (past a kept prefix record). Returns bytes
+        released."""
+        span = [(max(0, start) * self.row_bytes, self.max_ctx * self.row_bytes)]
+        return sum(release_bytes(b, span) for b in (*self.keys, *self.values))
 
     def output_pointers(self) -> dict[str, int]:
         """Data pointers of the outputs of the last call (tests check they are the buffers')."""

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..manifest import ModelEntry
 from .base import ThreadConfig
-from .kv_layout import check_call
+from .kv_layout import check_call, head_tails, host_zeros, release_bytes
 from .ort import _raw_binding, cpu_session
 
 __all__ = ["OrtGqaModel"]
@@ -75,8 +75,8 @@ class OrtGqaModel:
         """Buffers and binding of one model object; the KV is bound here, once."""
         self.entry, self.max_ctx, self.max_q, self.vocab = entry, max_ctx, max_q, entry.vocab_size
         shape = (1, entry.n_kv_heads, max_ctx, entry.head_dim)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(entry.n_layers)]
-        self.values = [np.zeros(shape, np.float32) for _ in range(entry.n_layers)]
+        self.keys = [host_zeros(shape) for _ in range(entry.n_layers)]
+        self.values = [host_zeros(shape) for _ in range(entry.n_layers)]
         self.ids = np.zeros((1, max_q), np.int64)
         self.mask = np.ones((1, max_ctx), np.int64)
         self.logits = np.zeros((1, max_q, self.vocab), np.float32)
@@ -133,6 +133,13 @@ class OrtGqaModel:
         """Drop the buffers and the binding (the shared session is freed with its last user)."""
         self.keys = self.values = []
         self._binding = None
+
+    def release_rows(self, start: int) -> int:
+        """Give KV rows ``[start, max_ctx)`` of every layer and head back to the OS (whole
+        pages, :func:`~specrt.runtime.backends.kv_layout.release_bytes`); they read as zeros
+        when next written. For rows nothing will read again (past a kept prefix record).
+        Returns bytes released."""
+        return sum(release_bytes(b, head_tails(self.entry.n_kv_heads, self.max_ctx, self.entry.head_dim, start)) for b in (*self.keys, *self.values))
 
     def output_pointers(self) -> dict[str, int]:
         """Data pointers of the outputs of the last call by name (tests check that every

@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InputError
-from .kv_layout import check_call
+from .kv_layout import check_call, head_tails, host_zeros, release_bytes
 from .ort import _raw_binding
 from .ort_gqa import OrtGqaModel
 
@@ -68,8 +68,8 @@ class BatchedGqaModel:
         self.session, self.entry = base.session, e
         self.max_batch, self.max_ctx, self.max_q, self.vocab = max_batch, base.max_ctx, max_q, e.vocab_size
         shape = (max_batch, e.n_kv_heads, self.max_ctx, e.head_dim)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(e.n_layers)]
-        self.values = [np.zeros(shape, np.float32) for _ in range(e.n_layers)]
+        self.keys = [host_zeros(shape) for _ in range(e.n_layers)]
+        self.values = [host_zeros(shape) for _ in range(e.n_layers)]
         self.slot_bytes = e.n_kv_heads * self.max_ctx * e.head_dim * 4
         rows = max(max_batch, max_q)
         self.ids = np.zeros(rows, np.int64)
@@ -146,6 +146,20 @@ class BatchedGqaModel:
             return
         for buf in (*self.keys, *self.values):
             buf[dst, :, :rows] = buf[src, :, :rows]
+
+    def release_rows(self, slot: int, start: int) -> int:
+        """Give slot ``slot``'s KV rows ``[start, max_ctx)`` (every layer and head) back to the
+        OS (whole pages, :func:`~specrt.runtime.backends.kv_layout.release_bytes`): a free
+        slot keeps resident only the rows its prefix record holds. Returns bytes released.
+
+        Raises:
+            InputError: a slot outside 0..max_batch-1 (param ``slot``).
+        """
+        if not 0 <= slot < self.max_batch:
+            raise InputError(f"release of slot {slot}: slots 0..{self.max_batch - 1}", "slot")
+        e = self.entry
+        spans = head_tails(e.n_kv_heads, self.max_ctx, e.head_dim, start, base=slot * self.slot_bytes)
+        return sum(release_bytes(b, spans) for b in (*self.keys, *self.values))
 
     def close(self) -> None:
         """Drop the buffers and bindings (the shared session lives on with its other users)."""

@@ -180,6 +180,18 @@ class _Spares:
             free.update({best: free[slot], slot: free[best]})  # one update: a metrics read sees both or neither
         return free.pop(slot)
 
+    def release(self, slot: int, spare: _Spare) -> None:
+        """With a budget, hand free slot ``slot``'s target rows and its draft fork's rows
+        past what ``spare``'s record keeps back to the OS: idle slots then hold at most
+        their share of the budget in memory, not the longest request they ever ran."""
+        if self.share is None:
+            return
+        rec = spare.rec
+        self.batched.release_rows(slot, 0 if rec is None else rec.target_rows)
+        rel = getattr(spare.draft, "release_rows", None)
+        if rel is not None:
+            rel(0 if rec is None else rec.draft_rows)
+
     def keep(self, row: _Row) -> _Spare:
         """What ``row``'s slot keeps once it ends: its draft fork and, with the prefix cache,
         its reusable rows, cut to a slot's share of the budget (an eviction, counted); a
@@ -558,4 +570,5 @@ class BatchPool:
             self.spares.exchange(last.slot, row.slot, last.gen.kv.target, spare.rows)
             free, last.slot = last.slot, row.slot
         self.spares.free[free] = spare
+        self.spares.release(free, spare)
         self._rows.sort(key=lambda r: r.slot)

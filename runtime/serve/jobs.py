@@ -389,14 +389,21 @@ class WorkerPool:
                     self._busy -= 1
 
     def _fit_cache(self, engine) -> None:
-        """Cut ``engine``'s prefix-cache record to this worker's share of the budget (only
-        its own thread touches its record between jobs)."""
+        """Cut ``engine``'s prefix-cache record to this worker's share of the budget and
+        release the KV rows past it (only its own thread touches its record between jobs)."""
         rec = engine.cached
-        if self.share is None or rec is None or rec.size <= self.share:
+        if self.share is None:
             return
-        engine.cached = rec.trimmed(self.share, engine.manifest.reuse_step(engine.target.max_q), engine.draft.max_q)
-        if self.metrics is not None:
-            self.metrics.prefix_evicted(rec.size - (engine.cached.size if engine.cached is not None else 0))
+        if rec is not None and rec.size > self.share:
+            engine.cached = rec.trimmed(self.share, engine.manifest.reuse_step(engine.target.max_q), engine.draft.max_q)
+            if self.metrics is not None:
+                self.metrics.prefix_evicted(rec.size - (engine.cached.size if engine.cached is not None else 0))
+        # rows past the kept record go back to the OS: an idle worker holds its share, no more
+        kept = engine.cached
+        for model, rows in ((engine.target, 0 if kept is None else kept.target_rows), (engine.draft, 0 if kept is None else kept.draft_rows)):
+            rel = getattr(model, "release_rows", None)
+            if rel is not None:
+                rel(rows)
 
     def _run(self, engine, job: Job) -> None:
         """Run one job: :func:`run_prompt`, then :meth:`Engine.stream`, checking
