@@ -283,7 +283,16 @@ SCHEDULER_DEFINES = {
     *("choose_mode", "check_pool_args", "_claim", "_Row", "done", "BatchPool", "__init__", "load", "workers", "busy", "queued", "steps", "attach_metrics"),
     *("submit", "submit_all", "close", "_loop", "_in_flight", "_iterate", "_admit_waiting", "_mode", "_admit", "_run", "_round"),
     *("_batched_step", "_compact_ready", "_end", "_release"),
-    *("_Spare", "rows", "_Spares", "exchange", "take", "keep", "prefix_tokens"),  # prefix reuse: which slot's KV a request gets
+    *(
+        "_Spare",
+        "rows",
+        "_Spares",
+        "exchange",
+        "take",
+        "keep",
+        "release",
+        "prefix_tokens",
+    ),  # prefix reuse: which slot's KV a request gets, what idle slots keep resident
 }
 # A generation (``gen``, ``row.gen``) is touched through its steps (called) and these reads,
 # each with the attributes it may be read further by; it is never written, so a copied
