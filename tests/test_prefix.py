@@ -490,4 +490,35 @@ def test_released_kv_rows_leave_the_rss_and_read_zero():
     assert a[0, 0, 2000, 0] == 3.0 and a[0, 0, 2001, 0] == 0.0
     b = np.ones((4, 1024), np.float32)
     assert release_bytes(b, [(0, b.nbytes)]) == 0 and np.all(b == 1.0)
+    # a view: offsets count from the view's first byte, not the mapping's
+    c = host_zeros((2, 4096))
+    c[:] = 2.0
+    assert release_bytes(c[1], [(0, c[1].nbytes)]) == c[1].nbytes
+    assert np.all(c[0] == 2.0) and not np.any(c[1])
+    with pytest.raises(ValueError, match="outside the"):
+        release_bytes(c[1], [(0, 2 * c[1].nbytes)])
     assert head_tails(2, 10, 4, 3, base=100) == [(100 + 48, 100 + 160), (100 + 160 + 48, 100 + 320)]
+
+
+def test_standard_graph_model_releases_rows_past_start(tiny_pair):
+    """OrtModel (standard graphs, KV ``[1, max_ctx, heads, dim]``: rows first) releases whole
+    pages of rows ``[start, max_ctx)`` in every layer and keeps the rows before them; a call
+    after the release over the kept rows gives the logits of a model never released."""
+    from specrt.runtime.backends.ort import OrtModel
+
+    eng = Engine(tiny_pair[2])
+    m = eng.target
+    assert isinstance(m, OrtModel)
+    seq = list(range(5, 205))
+    per_page = 4096 // m.row_bytes
+    cut = per_page * (150 // per_page + 1)  # a page boundary: a release one page early would show
+    assert 4096 % m.row_bytes == 0 and cut < 200
+    ref = m.fork()
+    ref.run(seq[:cut], 0)
+    want = ref.run(seq[cut : cut + 4], cut).copy()
+    m.run(seq[:200], 0)
+    done = m.release_rows(cut)
+    assert done == 2 * len(m.keys) * (m.max_ctx - cut) * m.row_bytes
+    for b in (*m.keys, *m.values):
+        assert np.all(np.any(b[0, :cut], axis=(1, 2))) and not np.any(b[0, cut:])
+    assert np.array_equal(m.run(seq[cut : cut + 4], cut), want)

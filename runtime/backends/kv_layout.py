@@ -43,11 +43,24 @@ def check_call(q: int, start: int, max_q: int, max_ctx: int) -> None:
         raise InputError(f"model call with q={q} new tokens at past length {start}: allowed 1 <= q <= {max_q} and past + q <= max_ctx={max_ctx}")
 
 
+class _KVMap(mmap.mmap):
+    """A private anonymous mapping made by :func:`host_zeros` (only these are released:
+    a file mapping's pages, or another owner's, must never be dropped)."""
+
+
+# Linux (and the BSDs): MAP_PRIVATE anonymous mappings whose pages MADV_DONTNEED drops; elsewhere
+# (Windows) the buffers are plain numpy memory and nothing is released
+_CAN_RELEASE = hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MADV_DONTNEED")
+
+
 def host_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
-    """A zero-filled host array in its own anonymous memory mapping (page-aligned), for KV
-    buffers: its pages become resident only once written, and :func:`release_bytes` can
-    hand ranges of them back to the OS (a prefix cache's budget bounds what idle slots keep
-    resident; ``np.zeros`` memory could not be released without freeing the array).
+    """A zero-filled host array in its own private anonymous memory mapping (page-aligned),
+    for KV buffers: its pages become resident only once written, and :func:`release_bytes`
+    can hand ranges of them back to the OS (a prefix cache's budget bounds what idle slots
+    keep resident; ``np.zeros`` memory could not be released without freeing the array).
+    Transparent huge pages are refused for it (``MADV_NOHUGEPAGE``): khugepaged could
+    otherwise fold released pages back into a resident huge page. Where the OS has no
+    private mappings with ``MADV_DONTNEED`` (Windows), plain ``np.zeros``.
 
     Args:
         shape: the array's shape (elements). dtype: a numpy dtype.
@@ -56,32 +69,46 @@ def host_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         A writable C-contiguous array viewing the mapping (the mapping lives as long as it).
     """
     dt = np.dtype(dtype)
+    if not _CAN_RELEASE:
+        return np.zeros(shape, dt)
     count = int(np.prod(shape, dtype=np.int64))
     # private: MADV_DONTNEED then drops the pages (a shared mapping keeps them in shmem)
-    buf = mmap.mmap(-1, max(1, count * dt.itemsize), flags=mmap.MAP_PRIVATE)
+    buf = _KVMap(-1, max(1, count * dt.itemsize), flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(buf, dt, count).reshape(shape)
 
 
 def release_bytes(arr: np.ndarray, ranges) -> int:
-    """Hand the whole pages inside byte ranges of ``arr``'s mapping back to the OS
-    (``madvise(MADV_DONTNEED)``): they stop counting in the RSS and read as zeros when next
-    touched. Partial pages at a range's ends are kept (their other bytes may be live).
+    """Hand the whole pages inside byte ranges of ``arr`` back to the OS
+    (``madvise(MADV_DONTNEED)``): they stop counting in the RSS and, on Linux, read as zeros
+    until next written. Partial pages at a range's ends are kept (their other bytes may be
+    live).
 
     Args:
-        arr: an array from :func:`host_zeros` (else nothing happens: 0 is returned).
-        ranges: ``(start, stop)`` byte offsets from the array's first byte, stop exclusive.
+        arr: an array from :func:`host_zeros`, or a view into one (else nothing happens:
+            0 is returned; file mappings and other memory are never touched).
+        ranges: ``(start, stop)`` byte offsets from ``arr``'s first element, stop exclusive;
+            they must lie inside the mapping.
 
     Returns:
         Bytes released (whole pages).
+
+    Raises:
+        ValueError: a range outside the mapping.
     """
     mm = arr.base
     while mm is not None and not isinstance(mm, mmap.mmap):  # array -> ... -> memoryview -> mmap
         mm = mm.obj if isinstance(mm, memoryview) else getattr(mm, "base", None)
-    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+    if not isinstance(mm, _KVMap) or not _CAN_RELEASE:
         return 0
-    page, done = mmap.PAGESIZE, 0
+    first = arr.ctypes.data - np.frombuffer(mm, np.uint8, 1).ctypes.data  # arr's offset in the mapping
+    page, done, size = mmap.PAGESIZE, 0, len(mm)
     for lo, hi in ranges:
-        lo, hi = -(-int(lo) // page) * page, int(hi) // page * page
+        lo, hi = first + int(lo), first + int(hi)
+        if lo < 0 or hi > size:
+            raise ValueError(f"byte range [{lo}, {hi}) is outside the {size}-byte mapping")
+        lo, hi = -(-lo // page) * page, hi // page * page
         if hi > lo:
             mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
             done += hi - lo

@@ -370,8 +370,8 @@ class OrtModel:
 
     def release_rows(self, start: int) -> int:
         """Give KV rows ``[start, max_ctx)`` of every layer back to the OS (whole pages:
-        :func:`~specrt.runtime.backends.kv_layout.release_bytes`); they read as zeros when next
-        written. For rows nothing will read again (past a kept prefix record). Returns bytes
+        :func:`~specrt.runtime.backends.kv_layout.release_bytes`); on Linux they read as zeros
+        until next written. For rows nothing will read again (past a kept prefix record). Returns bytes
         released."""
         span = [(max(0, start) * self.row_bytes, self.max_ctx * self.row_bytes)]
         return sum(release_bytes(b, span) for b in (*self.keys, *self.values))

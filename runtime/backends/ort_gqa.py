@@ -136,8 +136,8 @@ class OrtGqaModel:
 
     def release_rows(self, start: int) -> int:
         """Give KV rows ``[start, max_ctx)`` of every layer and head back to the OS (whole
-        pages, :func:`~specrt.runtime.backends.kv_layout.release_bytes`); they read as zeros
-        when next written. For rows nothing will read again (past a kept prefix record).
+        pages, :func:`~specrt.runtime.backends.kv_layout.release_bytes`); on Linux they read as
+        zeros until next written. For rows nothing will read again (past a kept prefix record).
         Returns bytes released."""
         return sum(release_bytes(b, head_tails(self.entry.n_kv_heads, self.max_ctx, self.entry.head_dim, start)) for b in (*self.keys, *self.values))
 
