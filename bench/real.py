@@ -38,7 +38,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from specrt.bench.common import command, logger, say_machine, write_json
-from specrt.bench.compare import WORKERS, Worker, build_ortgenai, call_row, run_record, summarize, venv_python
+from specrt.bench.compare import WORKERS, Worker, _build_step, build_ortgenai, call_row, run_record, summarize, venv_python
 from specrt.runtime.machine import machine_record
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository (bench/ sits at its top)
@@ -307,21 +307,13 @@ def ortgenai_rows(c: SimpleNamespace, result: dict) -> list[dict]:
 
 
 def build_openvino(c: SimpleNamespace) -> dict:
-    """optimum-cli's int4 IR of both converted folders (``openvino_worker.py --build``,
-    cached by its stamps) into ``OUT/anchors/openvino-int4``; the worker's build record
-    (``target.ok``, ``draft.ok``, the error text otherwise), or ``{"ok": False, "error": ...}``
-    when its output was not JSON. Its log goes to ``logs/openvino_build.log``."""
-    import subprocess
-
+    """optimum-cli's int4 IR of both converted folders into ``OUT/anchors/openvino-int4``
+    (``openvino_worker.py --build``, cached by its stamps), through bench/compare.py's build
+    step (log in ``logs/openvino_build.log``); the worker's build record (``target.ok``,
+    ``draft.ok``, the error text otherwise)."""
     out = (c.out / "anchors" / "openvino-int4").resolve()
-    cmd = [c.py_ov, str(WORKERS / "openvino_worker.py"), "--build", "--target", c.hf["target"], "--draft", c.hf["draft"]]
-    cmd += ["--out", str(out), "--group-size", str(c.a.ov_group_size)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=c.env, cwd=str(ROOT))
-    (c.logs / "openvino_build.log").write_text(p.stderr)
-    try:
-        return dict(json.loads(p.stdout.strip().splitlines()[-1]), out=str(out))
-    except (IndexError, json.JSONDecodeError):
-        return dict(ok=False, error=p.stderr[-600:], out=str(out))
+    cmd = [str(WORKERS / "openvino_worker.py"), "--build", "--target", c.hf["target"], "--draft", c.hf["draft"]]
+    return _build_step(c, "openvino", c.py_ov, cmd + ["--out", str(out), "--group-size", str(c.a.ov_group_size)])
 
 
 def openvino_rows(c: SimpleNamespace, result: dict) -> list[dict]:
