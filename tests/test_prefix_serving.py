@@ -100,6 +100,14 @@ def _idle_rows_released(buf, slot: int, kept: int) -> None:
         assert np.count_nonzero(buf[slot, :, :kept]) > 0
 
 
+def _scratch_logits_released(logits, narrow: int) -> None:
+    """An idle model's logits buffer (``[..., rows, vocab]``) holds nothing from the first
+    whole page after row ``narrow`` on (prefill scratch, released: zeros)."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    skip = -(-4096 // (rows.shape[1] * rows.itemsize))  # rows in the page a release may keep
+    assert rows.shape[0] > narrow + skip and np.count_nonzero(rows[narrow + skip :]) == 0, narrow
+
+
 @pytest.mark.parametrize("budget", [None, 1024])
 def test_worker_pool_routes_a_conversation_back_to_its_kv(cold, budget):
     """Two conversations take turns on a pool of two workers; each follow-up turn goes to the
@@ -126,10 +134,13 @@ def test_worker_pool_routes_a_conversation_back_to_its_kv(cold, budget):
                 assert r.tokens == cold.generate(convs[c], GenerationConfig(max_new_tokens=16)).tokens
                 hits.append(r.stats.cached_tokens)
                 convs[c] += r.text + "\n# next\n"
+                deadline = time.time() + 10
+                while pool.busy and time.time() < deadline:  # the worker cuts and releases after emitting
+                    time.sleep(0.01)
+                for e in engines:  # budget or not: the prefill's logits rows go back
+                    for m in (e.target, e.draft):
+                        _scratch_logits_released(m.logits, first.manifest.k_max + 1)
                 if budget is not None:
-                    deadline = time.time() + 10
-                    while pool.busy and time.time() < deadline:  # the worker cuts and releases after emitting
-                        time.sleep(0.01)
                     for e in engines:
                         rec = e.cached
                         assert rec is None or rec.size <= budget // 2
@@ -190,10 +201,14 @@ def test_batch_slots_route_conversations_back_to_their_kv(cold, budget):
                 assert r.tokens == cold.generate(convs[c], cfgs[c]).tokens, (turn, c)
                 hits.append(r.stats.cached_tokens)
                 convs[c] += r.text + "\n# next\n"
+            deadline = time.time() + 10
+            while pool.busy and time.time() < deadline:
+                time.sleep(0.01)
+            narrow = max(2, eng.manifest.k_max + 1)  # budget or not: the prefills' logits rows go back
+            _scratch_logits_released(pool.batched.logits, narrow)
+            for spare in pool.spares.free.values():
+                _scratch_logits_released(spare.draft.logits, narrow)
             if budget is not None:
-                deadline = time.time() + 10
-                while pool.busy and time.time() < deadline:
-                    time.sleep(0.01)
                 for slot, spare in pool.spares.free.items():
                     rec = spare.rec
                     assert rec is None or rec.size <= budget // 2

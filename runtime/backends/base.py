@@ -33,7 +33,9 @@ class Model(Protocol):
     Optional: ``release_rows(start) -> int`` gives KV rows ``[start, max_ctx)`` back to the
     OS (the onnxruntime CPU models: their buffers are page-aligned mappings); the server calls
     it, where present, on idle slots past their prefix record so that ``--prefix-cache-tokens``
-    bounds what idle KV keeps resident.
+    bounds what idle KV keeps resident. ``release_logits(start) -> int`` does the same for
+    logits rows ``[start, max_q)`` (written only by wide calls: prefill scratch), called on
+    idle models between requests.
     """
 
     max_q: int

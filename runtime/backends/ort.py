@@ -330,7 +330,7 @@ class OrtModel:
         self.row_bytes = entry.n_kv_heads * entry.head_dim * 4
         self.ids = np.zeros((1, max_q), np.int64)
         self.positions = np.arange(max_ctx, dtype=np.int64)[None, :]
-        self.logits = np.zeros((1, max_q, self.vocab), np.float32)
+        self.logits = host_zeros((1, max_q, self.vocab))  # pages resident once written: release_logits
         self._binding = self.session.io_binding()
         self._bind_in, self._bind_out, self._run = _raw_binding(self.session, self._binding)
         # (input name, output name, buffer base pointer) per KV tensor, computed once
@@ -367,6 +367,16 @@ class OrtModel:
         self._bind_out("logits", np.float32, [1, q, self.vocab], self._logits_ptr)
         self._run()
         return self.logits[0, :q]
+
+    def release_logits(self, start: int = 0) -> int:
+        """Give logits rows ``[start, max_q)`` back to the OS (whole pages,
+        :func:`~specrt.runtime.backends.kv_layout.release_bytes`): only a wide call (a
+        prefill chunk) writes them, and a ``max_q x vocab`` float32 buffer is 148 MiB for a
+        152k vocabulary, resident from the first wide call on otherwise. For idle models
+        (the server calls it between requests); the last call's logits view reads zeros
+        there afterwards, on Linux, until next written. Returns bytes released."""
+        row = self.vocab * 4
+        return release_bytes(self.logits, [(min(max(0, start), self.max_q) * row, self.max_q * row)])
 
     def release_rows(self, start: int) -> int:
         """Give KV rows ``[start, max_ctx)`` of every layer back to the OS (whole pages:

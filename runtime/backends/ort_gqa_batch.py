@@ -74,7 +74,7 @@ class BatchedGqaModel:
         rows = max(max_batch, max_q)
         self.ids = np.zeros(rows, np.int64)
         self.mask = np.ones(max_batch * self.max_ctx, np.int64)
-        self.logits = np.zeros((rows, self.vocab), np.float32)
+        self.logits = host_zeros((rows, self.vocab))  # pages resident once written: release_logits
         self._arange = np.arange(self.max_ctx, dtype=np.int64)
         self._lens = np.zeros(max_batch, np.int64)
         self._binding = self.session.io_binding()
@@ -146,6 +146,15 @@ class BatchedGqaModel:
             return
         for buf in (*self.keys, *self.values):
             buf[dst, :, :rows] = buf[src, :, :rows]
+
+    def release_logits(self, start: int) -> int:
+        """Give rows ``[start, max(max_batch, max_q))`` of the shared logits buffer back to
+        the OS (whole pages, :func:`~specrt.runtime.backends.kv_layout.release_bytes`): only
+        a slot's wide call (a prefill chunk) writes past the batched steps' and the
+        verifications' rows. Between calls only (one scheduler thread); rows read zeros
+        afterwards, on Linux, until next written. Returns bytes released."""
+        rows, row = self.logits.shape[0], self.vocab * 4
+        return release_bytes(self.logits, [(min(max(0, start), rows) * row, rows * row)])
 
     def release_rows(self, slot: int, start: int) -> int:
         """Give slot ``slot``'s KV rows ``[start, max_ctx)`` (every layer and head) back to the

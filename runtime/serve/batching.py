@@ -156,6 +156,8 @@ class _Spares:
         self.share = None if prefix_cache_tokens is None else prefix_cache_tokens // batched.max_batch
         self.t_step, self.d_step = engine.manifest.reuse_step(engine.target.max_q), engine.draft.max_q
         self.free = {s: _Spare(engine.draft.fork()) for s in range(batched.max_batch)}
+        # logits rows a batched step or a verification may write (the rest: prefill scratch)
+        self.narrow = max(batched.max_batch, engine.manifest.k_max + 1)
         self.released = 0
 
     def exchange(self, a: int, b: int, rows_a: int, rows_b: int) -> None:
@@ -183,7 +185,14 @@ class _Spares:
     def release(self, slot: int, spare: _Spare) -> None:
         """With a budget, hand free slot ``slot``'s target rows and its draft fork's rows
         past what ``spare``'s record keeps back to the OS: idle slots then hold at most
-        their share of the budget in memory, not the longest request they ever ran."""
+        their share of the budget in memory, not the longest request they ever ran. Budget
+        or not, the logits rows only a prefill writes go back too (the fork's and the batched
+        model's past the verification and batched-step widths: scratch, 148 MiB a buffer for a
+        152k vocabulary)."""
+        self.batched.release_logits(self.narrow)
+        rel = getattr(spare.draft, "release_logits", None)
+        if rel is not None:
+            rel(self.narrow)
         if self.share is None:
             return
         rec = spare.rec
