@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .backends.base import Model
+from .backends.base import Model, release_scratch
 from .constraints import ConstrainedAcceptor
 from .decode import KVLengths, Plan, Round, adaptive_policy, bonus_round, observe_tail, one_round, prefill
 from .drafters import make_drafter
@@ -117,6 +117,7 @@ class Generation:
         self.recorder = LogprobRecorder(acceptor, vocab, cfg.logprobs) if cfg.logprobs is not None else None
         self.acc = self.recorder if self.recorder is not None else acceptor
         self.reuse(None)  # the drafter, starting cold
+        self._draft_scratch = True  # the draft's prompt-feed logits rows not yet released
         self.policy = adaptive_policy(plan)
         self.stats = Stats(prompt_tokens=self.n_prompt, accepted_hist=[0] * (cfg.k_max + 1), proposed_hist=[0] * (cfg.k_max + 1))
         self.text = CompletionText(codec, list(ids), cfg.stop)
@@ -131,7 +132,11 @@ class Generation:
     def prefill(self, target: Model) -> str:
         """Run the prompt on ``target`` and commit the first token
         (:func:`~specrt.runtime.decode.prefill`); returns the text released."""
-        return self.push(self._observed(prefill(target, self.seq, self.plan, self.acc, self.kv, self.cached)))
+        rec = prefill(target, self.seq, self.plan, self.acc, self.kv, self.cached)
+        # the prompt's wide calls wrote logits rows no round reads (148 MiB a model at a
+        # 152k vocabulary): back to the OS now, not when the request ends
+        release_scratch(target, self.plan.k_max + 1)
+        return self.push(self._observed(rec))
 
     def reuse(self, cached: KVPrefix | None) -> None:
         """Before :meth:`prefill`: let the prefill and the draft's first feed start from
@@ -164,6 +169,10 @@ class Generation:
         """One round on ``target`` (:func:`~specrt.runtime.decode.one_round`: draft,
         verify, commit, roll back); returns the text released."""
         rec = one_round(target, self.seq, self.n_prompt, self.kv, self.plan, self.acc, self.drafter, self.policy)
+        if self._draft_scratch and getattr(self.drafter, "model_calls", 0):
+            # the draft's first feed (the prompt, in wide chunks) is in this round: as prefill
+            release_scratch(self.draft, self.plan.k_max + 1)
+            self._draft_scratch = False
         return self.push(self._observed(rec))
 
     def push_row(self, row: np.ndarray, seconds: float) -> str:

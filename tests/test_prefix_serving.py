@@ -248,3 +248,17 @@ def test_route_key_prefers_a_continued_history_then_the_fewest_rows_lost():
     assert route_key(rec, hist + [7], 256) == (256, -244)  # whole aligned calls
     assert route_key(KVPrefix(tuple(hist[:18]), 18, 0), other, 1) == (9, -9)  # half a short record: similar
     assert route_key(KVPrefix(tuple(hist[:20]), 20, 0), other, 1) == (0, -11)
+
+
+def test_prefill_logits_rows_go_back_once_read(cold):
+    """A generation hands the target's logits rows past the verification widths back to the
+    OS right after its prefill, and the draft's after its first feed (both of a prompt of
+    several wide chunks): they read as zeros once it ends, and the output is unchanged."""
+    eng = Engine(ENGINES, prefix_cache=False)
+    prompt = PROMPTS[0] + PROMPTS[1] + PROMPTS[2]
+    assert len(eng.prompt_ids(prompt)) > eng.target.max_q  # a full chunk writes every logits row
+    cfg = GenerationConfig(max_new_tokens=12)
+    r = eng.generate(prompt, cfg)
+    for m in (eng.target, eng.draft):
+        _scratch_logits_released(m.logits, eng.manifest.k_max + 1)
+    assert r.tokens == cold.generate(prompt, cfg).tokens

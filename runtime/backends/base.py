@@ -18,7 +18,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Model", "HeadSplit", "SplitsHead", "ThreadConfig", "DRAFT_ONE_THREAD_BELOW"]
+__all__ = ["Model", "HeadSplit", "SplitsHead", "ThreadConfig", "DRAFT_ONE_THREAD_BELOW", "release_scratch"]
 
 
 @runtime_checkable
@@ -130,3 +130,11 @@ class ThreadConfig:
         0 = unknown counts as small), else ``intra_op``."""
         n = self.draft_intra_op or (1 if params < DRAFT_ONE_THREAD_BELOW else self.intra_op)
         return ThreadConfig(n, self.spinning, n)
+
+
+def release_scratch(model, start: int) -> int:
+    """Hand ``model``'s logits rows ``[start, max_q)`` back to the OS where it can
+    (``model.release_logits``, :class:`Model`'s optional method; other backends: nothing).
+    Call it only once the last call's logits have been read. Returns bytes released."""
+    rel = getattr(model, "release_logits", None)
+    return rel(start) if rel is not None else 0
