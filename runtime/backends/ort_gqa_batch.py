@@ -215,11 +215,11 @@ class SlotModel:
         self._run()
         return p.logits[:q]
 
-
     def release_logits(self, start: int) -> int:
         """The shared logits buffer's rows from ``max(start, max_batch)`` on back to the OS
         (:meth:`BatchedGqaModel.release_logits`: between calls only). Returns bytes released."""
         return self.parent.release_logits(max(start, self.parent.max_batch))
+
     def fork(self):
         """Not offered: a slot's KV belongs to its batch.
 
