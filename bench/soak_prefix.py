@@ -6,18 +6,21 @@ request is lost.
 the reply and another prompt; a conversation restarts when it would not fit the context, or
 at random) and send it to ``/v1/completions`` (greedy or sampled, speculative or
 target-only, at random). Every 10 s the server process's RSS (``/proc/PID/status`` VmRSS)
-is sampled. Reports: requests sent, answered (200) and lost (no answer, or a 5xx), the cache hits and evictions
-(``/metrics``), RSS after the warm-up and its peak after it, and the bound "RSS <= RSS after
-warm-up x 1.10" with the prefix cache's tokens (the ``specrt_prefix_cache_tokens`` gauge, sampled
-with the RSS) never above ``--budget`` (the KV buffers are allocated once per worker: the budget bounds what is
-kept in them, not what is allocated). Beside it, the peak against "model weights + the
-budget's KV bytes" (the weights: the folder's ONNX files on disk; the budget's bytes: ``--budget``
-tokens at the manifest's KV bytes per token, draft and target) and against "RSS once loaded +
-the budget's KV bytes" and against "RSS once loaded + the KV buffers of every worker or
-slot at ``max_ctx``" (reported, not part of ``holds``: the budget does not bound the RSS;
-the KV buffers' pages become resident as rows are first written, up to workers or slots x
-``max_ctx`` rows, and stay; onnxruntime's arenas and the prefill's activations come on top). ``--max-batch N`` serves through N continuous-batching slots instead of
-``--workers``. Prints JSON and writes it to ``--out``.
+is sampled, with where it is (:func:`memory_parts`: heap, anonymous mappings, file pages;
+the record keeps that at the peak). Reports: requests sent, answered (200) and lost (no
+answer, or a 5xx), the cache hits and evictions (``/metrics``), RSS after the warm-up and its
+peak after it, and the bound "RSS <= RSS after warm-up x 1.10" with the prefix cache's tokens
+(the ``specrt_prefix_cache_tokens`` gauge, sampled with the RSS) never above ``--budget``
+(``holds``). Beside it (reported, not part of ``holds``), the peak against "model weights +
+the budget's KV bytes" (the weights: the folder's ONNX files on disk; the budget's bytes:
+``--budget`` tokens at the manifest's KV bytes per token, draft and target), "RSS once loaded
++ the budget's KV bytes", "RSS once loaded + the KV buffers of every worker or slot at
+``max_ctx``" and, with ``--in-flight`` (the server's ``--max-tokens-in-flight``), "RSS once
+loaded + (budget + in-flight) tokens of KV": the budget bounds the rows idle slots keep
+resident (the rest are released), the in-flight limit the rows running requests hold; a
+running prefill's logits rows and onnxruntime's intermediates come on top. ``--max-batch N``
+serves through N continuous-batching slots instead of ``--workers``. Prints JSON and writes
+it to ``--out``.
 
     python -m specrt.bench.soak_prefix --engines engines/default --workers 4 --minutes 30 --out bench_out/soak_prefix.json
     python -m specrt.bench.soak_prefix --engines engines/qwen2.5-coder --max-batch 4 --threads 2 --budget 8192 --max-chars 9000 --out bench_out/soak_real.json
@@ -47,6 +50,35 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def memory_parts(pid: int, largest: int = 8) -> dict:
+    """Where process ``pid``'s resident memory is now (``/proc/PID/smaps``), MiB: ``heap``
+    (the ``[heap]`` mapping: glibc's small allocations, onnxruntime's prepacked weights),
+    ``anon`` (other anonymous mappings: weights onnxruntime copied, KV and logits buffers,
+    large arrays), ``file`` (file-backed pages: the ONNX data files, libraries), and
+    ``largest_anon``: ``[size, resident]`` of the ``largest`` anonymous mappings by resident
+    size (a KV or logits buffer is one mapping). Empty dict when the file cannot be read."""
+    parts, anon = {"heap": 0, "anon": 0, "file": 0}, []
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return {}
+    kind = size = None
+    for line in text.splitlines():
+        head = line.split(None, 5)
+        if "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            name = head[5] if len(head) > 5 else ""
+            kind, size = ("heap" if name == "[heap]" else "anon" if not name or name.startswith("[") else "file"), (hi - lo) >> 20
+        elif head[0] == "Rss:" and kind is not None:
+            kb = int(head[1])
+            parts[kind] += kb
+            if kind == "anon":
+                anon.append([size, kb >> 10])
+    out = {k: round(v / 1024, 1) for k, v in parts.items()}
+    out["largest_anon"] = sorted(anon, key=lambda x: -x[1])[:largest]
+    return out
 
 
 def kv_bytes_per_token(engines: Path) -> int:
@@ -107,6 +139,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--budget", type=int, default=2048, help="--prefix-cache-tokens")
+    ap.add_argument(
+        "--in-flight",
+        type=int,
+        default=0,
+        help="> 0 (with --max-batch): --max-tokens-in-flight, so the KV the running requests hold is bounded too; the record then checks the peak against RSS once loaded + (budget + in-flight) tokens of KV",
+    )
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--warmup-minutes", type=float, default=2)
     ap.add_argument("--max-chars", type=int, default=2400, help="restart a conversation beyond this many characters")
@@ -119,9 +157,15 @@ def main(argv=None) -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", port, "--workers", a.workers, "--threads", a.threads]
     cmd += ["--prefix-cache-tokens", a.budget, "--log-level", "warning", "--max-queue", 256] + (["--max-batch", a.max_batch] if a.max_batch > 0 else [])
+    if a.in_flight > 0:
+        if a.max_batch <= 0:
+            ap.error("--in-flight needs --max-batch (the tokens-in-flight limit is the batch scheduler's)")
+        cmd += ["--max-tokens-in-flight", a.in_flight]
     proc = start(cmd, port, "/health", out_path.with_suffix(".log"), dict(os.environ))
     rss_loaded = rss_mib(proc.pid)
     budget_mib, kv_alloc_mib, weights_mib = memory_sizes(Path(a.engines), a.budget, a.max_batch if a.max_batch > 0 else a.workers)
+    # idle records (the budget) + the running requests' rows (the in-flight limit): every KV row resident
+    kv_bound_mib = (a.budget + a.in_flight) * kv_bytes_per_token(Path(a.engines)) / 2**20
     stop = (t0 := time.time()) + 60 * a.minutes
     stats = {"sent": 0, "ok": 0, "lost": 0, "cached": 0, "errors": []}
     lock = threading.Lock()
@@ -136,7 +180,9 @@ def main(argv=None) -> int:
                 held = read_metrics(port).get("specrt_prefix_cache_tokens")
             except (OSError, RuntimeError):  # a busy server may not answer in time: a missing sample
                 held = None
-            samples.append(dict(t=round(time.time() - t0, 1), rss_mib=round(rss_mib(proc.pid), 1), sent=stats["sent"], cache_tokens=held))
+            samples.append(
+                dict(t=round(time.time() - t0, 1), rss_mib=round(rss_mib(proc.pid), 1), sent=stats["sent"], cache_tokens=held, memory=memory_parts(proc.pid))
+            )
             print(json.dumps(samples[-1]), flush=True)
         metrics = read_metrics(port)
     finally:
@@ -144,6 +190,7 @@ def main(argv=None) -> int:
     warm = [s for s in samples if s["t"] >= 60 * a.warmup_minutes]
     rss_warm = warm[0]["rss_mib"] if warm else float("nan")
     peak = max(s["rss_mib"] for s in warm) if warm else float("nan")
+    at_peak = max(warm, key=lambda s: s["rss_mib"])["memory"] if warm else {}
     max_held = max((s["cache_tokens"] for s in samples if s["cache_tokens"] is not None), default=0)  # the gauge, every 10 s
     result = dict(
         command=command(),
@@ -165,6 +212,9 @@ def main(argv=None) -> int:
         weights_mib=round(weights_mib, 1),
         peak_over_weights_plus_budget=peak / (weights_mib + budget_mib) if warm else None,
         peak_over_loaded_plus_budget=peak / (rss_loaded + budget_mib) if warm else None,
+        kv_bound_mib=round(kv_bound_mib, 1) if a.in_flight > 0 else None,
+        peak_over_loaded_plus_kv_bound=peak / (rss_loaded + kv_bound_mib) if warm and a.in_flight > 0 else None,
+        memory_at_peak=at_peak,
         kv_allocated_mib=round(kv_alloc_mib, 1),
         peak_over_loaded_plus_allocated=peak / (rss_loaded + kv_alloc_mib) if warm else None,
         cache_tokens_max=max_held,

@@ -153,10 +153,11 @@ def test_worker_pool_routes_a_conversation_back_to_its_kv(cold, budget):
         pool.close()
 
 
-@pytest.mark.parametrize("pool", [["--workers", "3"], ["--max-batch", "3"]], ids=["workers", "max-batch"])
+@pytest.mark.parametrize("pool", [["--workers", "3"], ["--max-batch", "3", "--in-flight", "4096"]], ids=["workers", "max-batch"])
 def test_short_prefix_soak_loses_nothing_and_holds_memory(tmp_path, pool):
     """specrt.bench.soak_prefix for 40 s: random multi-turn chats of 3 clients on 3 workers
-    (or 3 batch slots) with a 1,024-token budget; every request answered, RSS after the
+    (or 3 batch slots, with a 4,096-token in-flight limit) with a 1,024-token budget; every
+    request answered, RSS after the
     warm-up within 10%, the cache used, the budget's KV bytes those of the engine's buffers."""
     from specrt.bench import soak_prefix
 
@@ -170,6 +171,11 @@ def test_short_prefix_soak_loses_nothing_and_holds_memory(tmp_path, pool):
     eng = Engine(ENGINES)
     per_token = sum(sum(a.nbytes for a in m.keys + m.values) / m.max_ctx for m in (eng.draft, eng.target))
     assert rep["budget_kv_mib"] == round(1024 * per_token / 2**20, 1) > 0
+    if "--in-flight" in pool:  # the bound on every resident KV row: budget + the running requests' limit
+        assert rep["kv_bound_mib"] == round((1024 + 4096) * per_token / 2**20, 1)
+        assert rep["peak_over_loaded_plus_kv_bound"] > 0
+    else:
+        assert rep["kv_bound_mib"] is None
     assert rep["rss_loaded_mib"] > 0 and rep["peak_over_weights_plus_budget"] > 0
 
 
