@@ -157,8 +157,8 @@ def test_worker_pool_routes_a_conversation_back_to_its_kv(cold, budget):
 def test_short_prefix_soak_loses_nothing_and_holds_memory(tmp_path, pool):
     """specrt.bench.soak_prefix for 40 s: random multi-turn chats of 3 clients on 3 workers
     (or 3 batch slots, with a 4,096-token in-flight limit) with a 1,024-token budget; every
-    request answered, RSS after the
-    warm-up within 10%, the cache used, the budget's KV bytes those of the engine's buffers."""
+    request answered, RSS after the warm-up within 10%, the cache used, the budget's KV
+    bytes those of the engine's buffers (and the in-flight bound's, budget + limit)."""
     from specrt.bench import soak_prefix
 
     out = tmp_path / "soak.json"
