@@ -256,15 +256,23 @@ def test_route_key_prefers_a_continued_history_then_the_fewest_rows_lost():
     assert route_key(KVPrefix(tuple(hist[:20]), 20, 0), other, 1) == (0, -11)
 
 
-def test_prefill_logits_rows_go_back_once_read(cold):
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_prefill_logits_rows_go_back_once_read(monkeypatch, temperature):
     """A generation hands the target's logits rows past the verification widths back to the
     OS right after its prefill, and the draft's after its first feed (both of a prompt of
-    several wide chunks): they read as zeros once it ends, and the output is unchanged."""
+    several wide chunks): they read as zeros once it ends, and the output (greedy, seeded
+    sampling) is the one of a run that releases nothing."""
+    import specrt.runtime.generation as generation
+
     eng = Engine(ENGINES, prefix_cache=False)
     prompt = PROMPTS[0] + PROMPTS[1] + PROMPTS[2]
     assert len(eng.prompt_ids(prompt)) > eng.target.max_q  # a full chunk writes every logits row
-    cfg = GenerationConfig(max_new_tokens=12)
+    cfg = GenerationConfig(max_new_tokens=24, temperature=temperature, seed=3)
     r = eng.generate(prompt, cfg)
     for m in (eng.target, eng.draft):
         _scratch_logits_released(m.logits, eng.manifest.k_max + 1)
-    assert r.tokens == cold.generate(prompt, cfg).tokens
+    monkeypatch.setattr(generation, "release_scratch", lambda model, start: 0)
+    kept = Engine(ENGINES, prefix_cache=False)
+    want = kept.generate(prompt, cfg)
+    assert np.count_nonzero(kept.target.logits[0, eng.manifest.k_max + 2 :]) > 0  # the oracle released nothing
+    assert r.tokens == want.tokens and r.stats.accepted_hist == want.stats.accepted_hist
