@@ -128,10 +128,9 @@ def client(port: int, prompts: list[str], seed: int, stop: float, max_chars: int
             text = rng.choice(prompts)
 
 
-def main(argv=None) -> int:
-    """Serve, run the clients for ``--minutes`` while sampling the RSS, stop; print and write
-    the record. Returns 0 when the bound holds (nothing lost, RSS after the warm-up within
-    10%, the prefix cache's tokens never above the budget), else 1."""
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (module docstring); exits with a usage error for ``--in-flight``
+    without ``--max-batch``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="engines/default")
     ap.add_argument("--workers", type=int, default=4)
@@ -151,17 +150,44 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default="data/humaneval_dev.jsonl")
     ap.add_argument("--out", default="bench_out/soak_prefix.json")
     a = ap.parse_args(argv)
+    if a.in_flight > 0 and a.max_batch <= 0:
+        ap.error("--in-flight needs --max-batch (the tokens-in-flight limit is the batch scheduler's)")
+    return a
+
+
+def server_command(a: argparse.Namespace, port) -> list:
+    """``specrt serve`` with the soak's settings (:func:`parse_args`'s namespace)."""
+    cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", port, "--workers", a.workers, "--threads", a.threads]
+    cmd += ["--prefix-cache-tokens", a.budget, "--log-level", "warning", "--max-queue", 256] + (["--max-batch", a.max_batch] if a.max_batch > 0 else [])
+    return cmd + (["--max-tokens-in-flight", a.in_flight] if a.in_flight > 0 else [])
+
+
+def sample_while(threads: list, port, pid: int, t0: float, stats: dict) -> list[dict]:
+    """Every 10 s until the client ``threads`` end: the server's RSS (MiB), where it is
+    (:func:`memory_parts`), requests sent and the prefix cache's token gauge (None when the
+    busy server did not answer /metrics in time). Printed and returned."""
+    samples = []
+    while any(t.is_alive() for t in threads):
+        time.sleep(10)
+        try:
+            held = read_metrics(port).get("specrt_prefix_cache_tokens")
+        except (OSError, RuntimeError):  # a busy server may not answer in time: a missing sample
+            held = None
+        samples.append(dict(t=round(time.time() - t0, 1), rss_mib=round(rss_mib(pid), 1), sent=stats["sent"], cache_tokens=held, memory=memory_parts(pid)))
+        print(json.dumps(samples[-1]), flush=True)
+    return samples
+
+
+def main(argv=None) -> int:
+    """Serve, run the clients for ``--minutes`` while sampling the RSS, stop; print and write
+    the record. Returns 0 when the bound holds (nothing lost, RSS after the warm-up within
+    10%, the prefix cache's tokens never above the budget), else 1."""
+    a = parse_args(argv)
     prompts = [json.loads(x)["prompt"] for x in (ROOT / a.prompts).read_text().splitlines() if x.strip()]
     port = free_port()
     out_path = Path(a.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", port, "--workers", a.workers, "--threads", a.threads]
-    cmd += ["--prefix-cache-tokens", a.budget, "--log-level", "warning", "--max-queue", 256] + (["--max-batch", a.max_batch] if a.max_batch > 0 else [])
-    if a.in_flight > 0:
-        if a.max_batch <= 0:
-            ap.error("--in-flight needs --max-batch (the tokens-in-flight limit is the batch scheduler's)")
-        cmd += ["--max-tokens-in-flight", a.in_flight]
-    proc = start(cmd, port, "/health", out_path.with_suffix(".log"), dict(os.environ))
+    proc = start(server_command(a, port), port, "/health", out_path.with_suffix(".log"), dict(os.environ))
     rss_loaded = rss_mib(proc.pid)
     budget_mib, kv_alloc_mib, weights_mib = memory_sizes(Path(a.engines), a.budget, a.max_batch if a.max_batch > 0 else a.workers)
     # idle records (the budget) + the running requests' rows (the in-flight limit): every KV row resident
@@ -172,25 +198,14 @@ def main(argv=None) -> int:
     threads = [threading.Thread(target=client, args=(port, prompts, i, stop, a.max_chars, stats, lock), daemon=True) for i in range(a.clients)]
     for t in threads:
         t.start()
-    samples = []
     try:
-        while any(t.is_alive() for t in threads):
-            time.sleep(10)
-            try:
-                held = read_metrics(port).get("specrt_prefix_cache_tokens")
-            except (OSError, RuntimeError):  # a busy server may not answer in time: a missing sample
-                held = None
-            samples.append(
-                dict(t=round(time.time() - t0, 1), rss_mib=round(rss_mib(proc.pid), 1), sent=stats["sent"], cache_tokens=held, memory=memory_parts(proc.pid))
-            )
-            print(json.dumps(samples[-1]), flush=True)
+        samples = sample_while(threads, port, proc.pid, t0, stats)
         metrics = read_metrics(port)
     finally:
         stop_all([proc])
     warm = [s for s in samples if s["t"] >= 60 * a.warmup_minutes]
     rss_warm = warm[0]["rss_mib"] if warm else float("nan")
     peak = max(s["rss_mib"] for s in warm) if warm else float("nan")
-    at_peak = max(warm, key=lambda s: s["rss_mib"])["memory"] if warm else {}
     max_held = max((s["cache_tokens"] for s in samples if s["cache_tokens"] is not None), default=0)  # the gauge, every 10 s
     result = dict(
         command=command(),
@@ -214,7 +229,7 @@ def main(argv=None) -> int:
         peak_over_loaded_plus_budget=peak / (rss_loaded + budget_mib) if warm else None,
         kv_bound_mib=round(kv_bound_mib, 1) if a.in_flight > 0 else None,
         peak_over_loaded_plus_kv_bound=peak / (rss_loaded + kv_bound_mib) if warm and a.in_flight > 0 else None,
-        memory_at_peak=at_peak,
+        memory_at_peak=max(warm, key=lambda s: s["rss_mib"])["memory"] if warm else {},
         kv_allocated_mib=round(kv_alloc_mib, 1),
         peak_over_loaded_plus_allocated=peak / (rss_loaded + kv_alloc_mib) if warm else None,
         cache_tokens_max=max_held,
