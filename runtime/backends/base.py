@@ -35,7 +35,10 @@ class Model(Protocol):
     it, where present, on idle slots past their prefix record so that ``--prefix-cache-tokens``
     bounds what idle KV keeps resident. ``release_logits(start) -> int`` does the same for
     logits rows ``[start, max_q)`` (written only by wide calls: prefill scratch), called on
-    idle models between requests.
+    idle models between requests and by a ``Generation`` mid-request, right after it has read
+    its prefill's rows (target) and its first round's draft feed (draft), with ``start`` =
+    ``k_max + 1``: a drafter or acceptor must read the rows a call returns before the round
+    ends, never keep a view of them for a later round.
     """
 
     max_q: int
@@ -49,7 +52,7 @@ class Model(Protocol):
 
         Returns:
             float32 ``[q, vocab]`` logits, a view of a preallocated buffer valid until
-            the next call.
+            the next call (or a ``release_logits`` of its rows: read them now).
 
         Raises:
             InputError: ``q`` outside ``1..max_q`` or ``start + q > max_ctx``.
