@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import InputError
 
-__all__ = ["ALIGN", "check_call", "align_up", "KVLayout", "host_zeros", "release_bytes", "head_tails"]
+__all__ = ["ALIGN", "check_call", "align_up", "KVLayout", "host_zeros", "release_bytes", "release_tail_rows", "head_tails"]
 
 ALIGN = 256  # TensorRT/CUDA alignment for tensor and scratch addresses (bytes)
 
@@ -113,6 +113,14 @@ def release_bytes(arr: np.ndarray, ranges) -> int:
             mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
             done += hi - lo
     return done
+
+
+def release_tail_rows(buf: np.ndarray, start: int) -> int:
+    """:func:`release_bytes` of rows ``[start, n)`` of C-contiguous ``buf`` viewed as
+    ``[n, buf.shape[-1]]`` (a logits buffer ``[1, max_q, vocab]`` or ``[rows, vocab]``);
+    ``start`` is clamped to ``[0, n]``. Returns bytes released."""
+    row, n = buf.shape[-1] * buf.itemsize, buf.size // buf.shape[-1]
+    return release_bytes(buf, [(min(max(0, start), n) * row, n * row)])
 
 
 def head_tails(heads: int, max_ctx: int, head_dim: int, start: int, base: int = 0, itemsize: int = 4) -> list[tuple[int, int]]:

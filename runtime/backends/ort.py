@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import EngineError, InputError
 from ..manifest import LAZY_HEAD_HINT, Manifest, ModelEntry, lazy_head_files
 from .base import ThreadConfig
-from .kv_layout import check_call, host_zeros, release_bytes
+from .kv_layout import check_call, host_zeros, release_bytes, release_tail_rows
 
 __all__ = [
     "OrtModel",
@@ -370,13 +370,12 @@ class OrtModel:
 
     def release_logits(self, start: int = 0) -> int:
         """Give logits rows ``[start, max_q)`` back to the OS (whole pages,
-        :func:`~specrt.runtime.backends.kv_layout.release_bytes`): only a wide call (a
+        :func:`~specrt.runtime.backends.kv_layout.release_tail_rows`): only a wide call (a
         prefill chunk) writes them, and a ``max_q x vocab`` float32 buffer is 148 MiB for a
-        152k vocabulary, resident from the first wide call on otherwise. For idle models
-        (the server calls it between requests); the last call's logits view reads zeros
-        there afterwards, on Linux, until next written. Returns bytes released."""
-        row = self.vocab * 4
-        return release_bytes(self.logits, [(min(max(0, start), self.max_q) * row, self.max_q * row)])
+        152k vocabulary, resident from the first wide call on otherwise. Once the last call's
+        rows have been read (:class:`~specrt.runtime.backends.base.Model`); they read zeros
+        afterwards, on Linux, until next written. Returns bytes released."""
+        return release_tail_rows(self.logits, start)
 
     def release_rows(self, start: int) -> int:
         """Give KV rows ``[start, max_ctx)`` of every layer back to the OS (whole pages:

@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InputError
-from .kv_layout import check_call, head_tails, host_zeros, release_bytes
+from .kv_layout import check_call, head_tails, host_zeros, release_bytes, release_tail_rows
 from .ort import _raw_binding
 from .ort_gqa import OrtGqaModel
 
@@ -148,13 +148,13 @@ class BatchedGqaModel:
             buf[dst, :, :rows] = buf[src, :, :rows]
 
     def release_logits(self, start: int) -> int:
-        """Give rows ``[start, max(max_batch, max_q))`` of the shared logits buffer back to
-        the OS (whole pages, :func:`~specrt.runtime.backends.kv_layout.release_bytes`): only
-        a slot's wide call (a prefill chunk) writes past the batched steps' and the
-        verifications' rows. Between calls only (one scheduler thread); rows read zeros
-        afterwards, on Linux, until next written. Returns bytes released."""
-        rows, row = self.logits.shape[0], self.vocab * 4
-        return release_bytes(self.logits, [(min(max(0, start), rows) * row, rows * row)])
+        """Give rows ``[max(start, max_batch), max(max_batch, max_q))`` of the shared logits
+        buffer back to the OS (whole pages,
+        :func:`~specrt.runtime.backends.kv_layout.release_tail_rows`): only a slot's wide call
+        (a prefill chunk) writes past the verifications' rows, and rows ``[0, max_batch)``,
+        a batched step's, are never released. Between calls only (one scheduler thread);
+        rows read zeros afterwards, on Linux, until next written. Returns bytes released."""
+        return release_tail_rows(self.logits, max(start, self.max_batch))
 
     def release_rows(self, slot: int, start: int) -> int:
         """Give slot ``slot``'s KV rows ``[start, max_ctx)`` (every layer and head) back to the
@@ -216,9 +216,8 @@ class SlotModel:
         return p.logits[:q]
 
     def release_logits(self, start: int) -> int:
-        """The shared logits buffer's rows from ``max(start, max_batch)`` on back to the OS
-        (:meth:`BatchedGqaModel.release_logits`: between calls only). Returns bytes released."""
-        return self.parent.release_logits(max(start, self.parent.max_batch))
+        """:meth:`BatchedGqaModel.release_logits` of the shared buffer (between calls only)."""
+        return self.parent.release_logits(start)
 
     def fork(self):
         """Not offered: a slot's KV belongs to its batch.

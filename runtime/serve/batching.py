@@ -156,8 +156,9 @@ class _Spares:
         self.share = None if prefix_cache_tokens is None else prefix_cache_tokens // batched.max_batch
         self.t_step, self.d_step = engine.manifest.reuse_step(engine.target.max_q), engine.draft.max_q
         self.free = {s: _Spare(engine.draft.fork()) for s in range(batched.max_batch)}
-        # logits rows a batched step or a verification may write (the rest: prefill scratch)
-        self.narrow = max(batched.max_batch, engine.manifest.k_max + 1)
+        # logits rows a verification may write (the rest: prefill scratch; the batched model
+        # keeps its batched-step rows itself)
+        self.narrow = engine.manifest.k_max + 1
         self.released = 0
 
     def exchange(self, a: int, b: int, rows_a: int, rows_b: int) -> None:
@@ -190,7 +191,7 @@ class _Spares:
         model's past the verification and batched-step widths: scratch, 148 MiB a buffer for a
         152k vocabulary)."""
         self.batched.release_logits(self.narrow)
-        rel = getattr(spare.draft, "release_logits", None)
+        rel = getattr(spare.draft, "release_logits", None)  # the scheduler imports no decode helper
         if rel is not None:
             rel(self.narrow)
         if self.share is None:

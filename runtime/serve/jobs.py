@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
+from ..backends.base import release_scratch
 from ..errors import BackendError, SpecRTError
 from ..generation import prompt_only_result
 from ..prefix import aligned_match
@@ -394,9 +395,7 @@ class WorkerPool:
         The logits rows past the verification widths go back to the OS after every job, budget
         or not (prefill scratch: 148 MiB a model for a 152k vocabulary)."""
         for model in (engine.target, engine.draft):
-            rel = getattr(model, "release_logits", None)
-            if rel is not None:
-                rel(engine.manifest.k_max + 1)
+            release_scratch(model, engine.manifest.k_max + 1)
         rec = engine.cached
         if self.share is None:
             return
