@@ -31,8 +31,8 @@ How a constraint meets the loop (:class:`ConstrainedAcceptor`, an
   negative bias) is never forced: where the grammar would force it, the masked, biased row
   decides. llguidance allows forced text in its canonical tokens only, so a banned forced
   token leaves that state without a token: the generation ends there ("constraint").
-* an n-gram proposal is cut to its longest prefix the grammar accepts
-  (:meth:`ConstrainedAcceptor.valid_prefix`) before it is proposed.
+* an n-gram proposal is cut to its longest prefix the grammar accepts, and before any
+  token ``logit_bias`` bans (:meth:`ConstrainedAcceptor.valid_prefix`), before it is proposed.
 * a state where no token is allowed (the grammar cannot be completed) ends the
   generation with ``finish_reason`` ``"constraint"`` (the rows there allow only the end of
   generation, in both modes), never an exception.
@@ -311,6 +311,7 @@ class ConstrainedAcceptor:
             for t, b in bias:
                 self.bias_row[t] = -np.inf if b <= -100 else b
         self.banned = np.array([t for t, b in bias if b <= -100], np.int64)
+        self.banned_set = frozenset(self.banned.tolist())  # an n-gram proposal is cut before one (valid_prefix)
         self.negative = frozenset(t for t, b in bias if b < 0)  # never forced (jump-forward skips them)
         rows = k_max + 2
         self.bits = np.zeros((rows, (vocab + 31) // 32), np.int32)  # llguidance's bitmask per row
@@ -476,7 +477,13 @@ class ConstrainedAcceptor:
         return out
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of ``tokens`` (from the committed state) the grammar accepts in a row."""
-        if self.matcher is None or not tokens:
-            return len(tokens)
-        return self.matcher.validate_tokens(list(tokens))
+        """How many of ``tokens`` (from the committed state) the target's masked row allows
+        in a row: none from the first token ``logit_bias`` bans (-100), and the grammar's
+        longest accepted prefix of the rest. (A one-hot draft row of a refused token would
+        be masked into another id: a candidate no drafter chose.)"""
+        n = len(tokens)
+        if self.banned_set:
+            n = next((i for i, t in enumerate(tokens) if t in self.banned_set), n)
+        if self.matcher is None or n == 0:
+            return n
+        return self.matcher.validate_tokens(list(tokens[:n]))

@@ -114,8 +114,9 @@ class Acceptor(Protocol):
         ...
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of ``tokens`` a constraint allows in a row from the committed state
-        (``len(tokens)`` without one): an n-gram proposal is cut there."""
+        """How many of ``tokens`` a constraint (its grammar, and ``logit_bias`` bans) allows
+        in a row from the committed state (``len(tokens)`` without one): an n-gram proposal
+        is cut there."""
         ...
 
     def forced_at(self, i: int) -> int | None:

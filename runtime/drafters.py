@@ -16,10 +16,12 @@ output stays the target's own, sampled output its distribution.
 * ``hybrid`` (:class:`HybridDrafter`): the n-gram proposal when the sequence has one, the
   draft model otherwise.
 
-Under a constraint (:mod:`specrt.runtime.constraints`) the acceptor masks every draft row,
-so the draft model proposes only tokens the grammar allows, and an n-gram proposal is cut to
-its longest allowed prefix. The sequence includes the whole prompt, so a fill-in-the-middle
-prompt's suffix (the code after the gap) is looked up like the rest.
+Under a constraint or a ``logit_bias`` (:mod:`specrt.runtime.constraints`) the acceptor
+masks and biases every draft row as it does the target's, so the draft model proposes only
+tokens the grammar allows and the bias does not ban, and an n-gram proposal is cut to its
+longest allowed prefix (a one-hot row of a refused token would be masked into another
+id). The sequence includes the whole prompt, so a fill-in-the-middle prompt's suffix (the
+code after the gap) is looked up like the rest.
 
 An n-gram proposal is a deterministic draft: its distribution is one-hot at the proposed
 token, given to the acceptor as a logits row with every other id at -1e9 (``acc.draft``), so
@@ -208,8 +210,8 @@ class NgramDrafter:
 
     def proposal(self, seq: list[int], acc) -> list[int]:
         """This round's n-gram continuation of ``seq`` (indexed first), cut to the longest
-        prefix a constraint allows (``acc.valid_prefix``: a candidate the grammar refuses
-        would waste the pass)."""
+        prefix the target's masked row allows (``acc.valid_prefix``: the grammar, and no
+        token ``logit_bias`` bans; a refused candidate would waste the pass)."""
         self.index.update(seq)
         toks = self.index.continuation(seq, self.k_max)
         return toks[: acc.valid_prefix(toks)] if toks else toks
