@@ -34,8 +34,8 @@ from .integrity import Verification
 from .logprobs import TokenLogprob, score_prompt
 from .machine import tuned_elsewhere
 from .manifest import GRAPH_BUILDER, LAZY_HEAD_HINT, LAZY_HEAD_KEY, REEXPORT_HINT, Manifest, check_files, load_manifest
-from .prefix import KVPrefix
 from .sampling import SampledAcceptor
+from .slots import Slot, SlotRecord
 from .speculative import GreedyAcceptor
 from .tokenizer import TextCodec
 
@@ -135,10 +135,10 @@ class Engine:
 
     Attributes:
         folder, manifest, codec (the tokenizer), backend (its name), target, draft (the
-        :class:`~specrt.runtime.backends.base.Model` objects), integrity (``{"hashed":
-        [...], "cached": [...]}``: the files this load hashed and those that passed on
-        their cached digest; None without ``verify_hashes``), tuned_elsewhere (None, or
-        the line :func:`_say_tuned_elsewhere` logged).
+        :class:`~specrt.runtime.backends.base.Model` objects), slot (their KV, a :class:`~specrt.runtime.slots.Slot`;
+        ``cached`` is its record), integrity (``{"hashed": [...], "cached": [...]}``: the files this load hashed and
+        those that passed on their cached digest; None without ``verify_hashes``), tuned_elsewhere (None, or the line
+        :func:`_say_tuned_elsewhere` logged).
 
     Raises:
         EngineError: missing/half-written folder, unknown manifest version, a manifest field
@@ -153,7 +153,6 @@ class Engine:
     ):
         self.folder = Path(folder)
         self.prefix_cache = prefix_cache
-        self.cached: KVPrefix | None = None  # what this Engine's KV buffers hold for reuse
         self.manifest: Manifest = load_manifest(self.folder, verify_hashes=False)  # validated whole; files present
         manifest = self.manifest
         self.backend = resolve_backend(backend, manifest)
@@ -175,6 +174,7 @@ class Engine:
         self.target, self.draft = load_models(
             self.backend, self.folder, manifest, threads or ThreadConfig(), max(PREFILL_CHUNK, manifest.k_max + 1), PREFILL_CHUNK, verify_hashes
         )
+        self.slot = Slot(self.target, self.draft, manifest.reuse_step(self.target.max_q), manifest.k_max + 1)
         self._flops = flop_coefficients(manifest.target)
         self._adaptive: tuple | None = None  # per-call costs for adaptive k (adaptive_costs)
         self.tuned_elsewhere: str | None = _say_tuned_elsewhere(manifest, self.folder)
@@ -195,7 +195,7 @@ class Engine:
         new = copy.copy(self)
         new.target, new.draft = self.target.fork(), self.draft.fork()
         new._lock, new._owner = threading.Lock(), None
-        new.cached = None
+        new.slot = Slot(new.target, new.draft, self.slot.t_step, self.slot.narrow)
         return new
 
     def close(self) -> None:
@@ -459,8 +459,12 @@ class Engine:
                     piece = gen.step(self.target)
                 yield piece if streaming else ""
             finally:  # closed early too: rows proved reusable are never rewritten after
-                self.cached = gen.prefix() if self.prefix_cache else None
+                self.slot.keep(gen if self.prefix_cache else None)
         return gen.result()
+
+
+# what an Engine's KV buffers hold for reuse: its slot's record (None while a generation holds them)
+Engine.cached = SlotRecord()
 
 
 class _Owned:
@@ -476,7 +480,7 @@ class _Owned:
         self.engine._owner = self.me
         # whoever holds the lock may write any KV row: the record is handed to the holder
         # (a generation puts back what it leaves; any other use drops it)
-        self.held, self.engine.cached = self.engine.cached, None
+        self.held = self.engine.slot.take()
         return self
 
     def __exit__(self, *exc):

@@ -10,7 +10,10 @@ drafter (the draft side: the draft model's KV length included) and adaptive-k po
 text (:class:`~specrt.runtime.textstream.CompletionText`, stop strings included) and the
 output logprob entries. It does not own the target model: each call names the target it
 runs on (the Engine's, or a batch slot), so a scheduler may move a generation between
-slots. The draft model (its KV) is the generation's until it ends.
+slots. The draft model (its KV) is the generation's until it ends. Its slot
+(:mod:`specrt.runtime.slots`) hands it the prefix record it starts from (:meth:`Generation.reuse`)
+and keeps what it leaves (:meth:`Generation.prefix`); the generation hands its prefill's
+logits rows back to the OS once read (:func:`~specrt.runtime.slots.release_prefill_logits`).
 
 Calls::
 
@@ -34,12 +37,13 @@ from typing import Sequence
 
 import numpy as np
 
-from .backends.base import Model, release_scratch
+from .backends.base import Model
 from .constraints import ConstrainedAcceptor
 from .decode import KVLengths, Plan, Round, adaptive_policy, bonus_round, observe_tail, one_round, prefill
 from .drafters import make_drafter
 from .logprobs import LogprobRecorder, TokenLogprob
 from .prefix import KVPrefix, reuse_draft
+from .slots import release_prefill_logits
 from .stats import Stats
 from .textstream import CompletionText
 
@@ -133,9 +137,8 @@ class Generation:
         """Run the prompt on ``target`` and commit the first token
         (:func:`~specrt.runtime.decode.prefill`); returns the text released."""
         rec = prefill(target, self.seq, self.plan, self.acc, self.kv, self.cached)
-        # the prompt's wide calls wrote logits rows no round reads (148 MiB a model at a
-        # 152k vocabulary): back to the OS now, not when the request ends
-        release_scratch(target, self.plan.k_max + 1)
+        # the prompt's wide calls wrote logits rows no round reads: back to the OS now
+        release_prefill_logits(target, self.plan.k_max)
         return self.push(self._observed(rec))
 
     def reuse(self, cached: KVPrefix | None) -> None:
@@ -171,7 +174,7 @@ class Generation:
         rec = one_round(target, self.seq, self.n_prompt, self.kv, self.plan, self.acc, self.drafter, self.policy)
         if self._draft_scratch and getattr(self.drafter, "model_calls", 0):
             # the draft's first feed (the prompt, in wide chunks) is in this round: as prefill
-            release_scratch(self.draft, self.plan.k_max + 1)
+            release_prefill_logits(self.draft, self.plan.k_max)
             self._draft_scratch = False
         return self.push(self._observed(rec))
 

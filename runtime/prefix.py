@@ -50,7 +50,7 @@ import numpy as np
 
 from .chunks import chunk_bounds
 
-__all__ = ["KVPrefix", "aligned_rows", "common_prefix", "aligned_match", "reuse_target", "reuse_any", "reuse_draft", "prefill_calls"]
+__all__ = ["KVPrefix", "aligned_rows", "common_prefix", "aligned_match", "route_key", "reuse_target", "reuse_any", "reuse_draft", "prefill_calls"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,32 @@ def aligned_match(cached: KVPrefix, seq: Sequence[int], step: int) -> int:
     """The common prefix of ``cached.tokens`` and ``seq`` rounded down to a multiple of the
     call width ``step``: rows are reused in whole aligned calls, a shorter match is none."""
     return common_prefix(cached.tokens, seq) // step * step
+
+
+def route_key(rec: KVPrefix | None, ids: Sequence[int], step: int) -> tuple[int, int]:
+    """How well a KV holder serves a prompt, for routing a request (larger is better).
+
+    llama-server's slot-similarity rule (``--slot-prompt-similarity`` 0.5): a holder counts
+    its reusable rows when they are at least half of the shorter of the prompt and its
+    record (the request continues or cuts back that history); otherwise reusing a few
+    shared rows (a shared import line) would overwrite a history another request comes
+    back to, so the holder that loses the fewest cached rows is preferred (an empty one
+    first).
+
+    Args:
+        rec: what the holder's KV keeps for reuse, or None.
+        ids: the request's prompt token ids.
+        step: the granularity of reusable rows (the target's call width: whole aligned
+            calls; 1 under any layout, :meth:`~specrt.runtime.manifest.Manifest.reuse_step`).
+
+    Returns:
+        ``(similar rows, -cached rows lost)``: the reusable target rows when similar (else
+        0), then minus the rows the request would overwrite; ``(0, 0)`` without a record.
+    """
+    if rec is None:
+        return (0, 0)
+    rows = min(rec.target_rows, aligned_match(rec, ids, step))
+    return (rows if 2 * rows >= min(rec.size, len(ids)) else 0, -(rec.size - rows))
 
 
 def reuse_target(cached: KVPrefix | None, seq: Sequence[int], cold_chunks: Sequence[tuple[int, int]], step: int) -> int:

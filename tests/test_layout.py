@@ -7,7 +7,9 @@ the top floor: nothing of the product imports it), ``Round`` and
 ``Plan`` built by keyword, a CLI that reads the server's defaults instead of retyping them,
 and a batch scheduler that drives :class:`~specrt.runtime.generation.Generation` instead of
 copying the decode loop's prefill, length, commit or result logic (it imports only its
-allow-list, defines only its scheduling, and touches a generation through its steps).
+allow-list, defines only its scheduling, and touches a generation through its steps), and
+KV residency written once: only ``runtime/slots.py`` keeps a generation's prefix record,
+trims records and releases KV or logits rows (the backends implement the release methods).
 
 Pure source analysis (``ast``): no model is loaded.
 """
@@ -273,33 +275,24 @@ SCHEDULER_IMPORTS = {
     "specrt.runtime.costs": {"EMA", "BatchCosts", "measure_step_costs", "recorded_costs"},
     "specrt.runtime.engine": {"Engine"},
     "specrt.runtime.generation": {"Generation"},
-    "specrt.runtime.serve.jobs": {"Job", "ServeError", "ServerBusy", "fail", "finish", "route_key", "run_prompt", "send_text"},
+    "specrt.runtime.serve.jobs": {"Job", "ServeError", "ServerBusy", "fail", "finish", "pool_slots", "run_prompt", "send_text"},
     "specrt.runtime.serve.metrics": {"BatchMetrics"},
     "specrt.runtime.serve.settings": {"BATCH_POLICIES", "DEFAULT_BATCH_POLICY", "DEFAULT_MAX_QUEUE"},
+    "specrt.runtime.slots": {"SlotPolicy", "Slots", "Waiter"},  # KV residency: the slots' own module
 }
 # The functions, classes and methods it defines: scheduling alone. A new one is a review
 # point (the length rule once came back as a ``_length`` helper).
 SCHEDULER_DEFINES = {
     *("choose_mode", "check_pool_args", "_claim", "_Row", "done", "BatchPool", "__init__", "load", "workers", "busy", "queued", "steps", "attach_metrics"),
     *("submit", "submit_all", "close", "_loop", "_in_flight", "_iterate", "_admit_waiting", "_mode", "_admit", "_run", "_round"),
-    *("_batched_step", "_compact_ready", "_end", "_release"),
-    *(
-        "_Spare",
-        "rows",
-        "_Spares",
-        "exchange",
-        "take",
-        "keep",
-        "release",
-        "prefix_tokens",
-    ),  # prefix reuse: which slot's KV a request gets, what idle slots keep resident
+    *("_batched_step", "_compact_ready", "_end", "_release", "prefix_tokens"),
 }
 # A generation (``gen``, ``row.gen``) is touched through its steps (called) and these reads,
 # each with the attributes it may be read further by; it is never written, so a copied
 # commit, rollback or length rule (which must set seq, kv, done or finish_reason, or read
 # n_prompt and the plan) shows.
-GENERATION_STEPS = {"reuse", "prefill", "step", "push_row", "result", "prefix"}
-GENERATION_READS = {"done": set(), "seq": set(), "kv": {"target"}, "stats": {"target_calls"}, "logprobs": set(), "draft": set()}
+GENERATION_STEPS = {"reuse", "prefill", "step", "push_row", "result"}  # its record (prefix) is the slot's to keep
+GENERATION_READS = {"done": set(), "seq": set(), "kv": {"target"}, "stats": {"target_calls"}, "logprobs": set()}
 FINISH_REASONS = {"stop", "length", "constraint"}  # a generation's to decide (Generation.push)
 
 
@@ -410,5 +403,58 @@ def test_scheduler_checker_sees_copied_decode_rules():
         "writes r.gen.kv.target",
         "calls r.gen.seq.extend",
         "names a generation g",
+    ):
+        assert any(expected in f for f in found), (expected, found)
+
+
+# KV residency (runtime/slots.py): keeping a generation's record (``gen.prefix()``), cutting a
+# record to a budget (``trimmed``) and handing KV or logits rows back to the OS (the Model
+# protocol's optional ``release_rows``/``release_logits``, ``base.release_scratch``) are written
+# in one module; the backends implement the release methods and are left out.
+SLOTS = ROOT / "runtime" / "slots.py"
+RESIDENCY = {"prefix", "trimmed", "release_rows", "release_logits", "release_scratch"}
+
+
+def _residency(source: str) -> list[str]:
+    """Where ``source`` keeps, trims or releases KV itself: a call of a :data:`RESIDENCY`
+    name, or a release method's name as a string (a ``getattr`` of the optional method)."""
+    tree = ast.parse(source)
+    docs, out = _docstrings(tree), []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", None)) in RESIDENCY:
+            out.append(f"line {n.lineno}: calls {ast.unparse(n.func)}")
+        elif isinstance(n, ast.Constant) and n.value in ("release_rows", "release_logits") and id(n) not in docs:
+            out.append(f"line {n.lineno}: names {n.value!r}")
+    return out
+
+
+def test_kv_keep_trim_and_release_are_written_once():
+    backends = ROOT / "runtime" / "backends"
+    found = {
+        str(path.relative_to(ROOT)): f
+        for path in _modules().values()
+        if path != SLOTS and backends not in path.parents and (f := _residency(path.read_text(encoding="utf-8")))
+    }
+    assert found == {}, "KV kept, trimmed or released outside runtime/slots.py"
+    assert len(_residency(SLOTS.read_text(encoding="utf-8"))) >= 4  # the owner does all four
+
+
+def test_residency_checker_sees_the_old_copies():
+    # the checker itself, on the two copies the slot module replaced (the worker pool's
+    # _fit_cache, the batch slots' keep and release)
+    old = (
+        "def _fit_cache(self, engine):\n"
+        "    for model in (engine.target, engine.draft):\n        release_scratch(model, 9)\n"
+        "    engine.cached = engine.cached.trimmed(self.share, 256, 256)\n"
+        '    rel = getattr(engine.target, "release_rows", None)\n'
+        "\n\ndef keep(self, row):\n    rec = row.gen.prefix()\n    self.batched.release_logits(self.narrow)\n"
+    )
+    found = _residency(old)
+    for expected in (
+        "calls release_scratch",
+        "calls engine.cached.trimmed",
+        "names 'release_rows'",
+        "calls row.gen.prefix",
+        "calls self.batched.release_logits",
     ):
         assert any(expected in f for f in found), (expected, found)

@@ -212,10 +212,10 @@ def test_batch_slots_route_conversations_back_to_their_kv(cold, budget):
                 time.sleep(0.01)
             narrow = max(2, eng.manifest.k_max + 1)  # budget or not: the prefills' logits rows go back
             _scratch_logits_released(pool.batched.logits, narrow)
-            for spare in pool.spares.free.values():
+            for spare in pool.slots:  # every slot is free now
                 _scratch_logits_released(spare.draft.logits, narrow)
             if budget is not None:
-                for slot, spare in pool.spares.free.items():
+                for slot, spare in enumerate(pool.slots):
                     rec = spare.rec
                     assert rec is None or rec.size <= budget // 2
                     for b in (*pool.batched.keys, *pool.batched.values):
@@ -241,8 +241,7 @@ def test_route_key_prefers_a_continued_history_then_the_fewest_rows_lost():
     """llama-server's slot similarity: a holder counts its reusable rows when they are at least
     half the shorter of the prompt and its record; a few shared rows (a common first line)
     do not pull a request onto a long history another conversation comes back to."""
-    from specrt.runtime.prefix import KVPrefix
-    from specrt.runtime.serve.jobs import route_key
+    from specrt.runtime.prefix import KVPrefix, route_key
 
     hist = list(range(1000, 1500))
     other = hist[:9] + list(range(5000, 5300))
@@ -271,7 +270,7 @@ def test_prefill_logits_rows_go_back_once_read(monkeypatch, temperature):
     r = eng.generate(prompt, cfg)
     for m in (eng.target, eng.draft):
         _scratch_logits_released(m.logits, eng.manifest.k_max + 1)
-    monkeypatch.setattr(generation, "release_scratch", lambda model, start: 0)
+    monkeypatch.setattr(generation, "release_prefill_logits", lambda model, k_max: 0)
     kept = Engine(ENGINES, prefix_cache=False)
     want = kept.generate(prompt, cfg)
     assert np.count_nonzero(kept.target.logits[0, eng.manifest.k_max + 2 :]) > 0  # the oracle released nothing

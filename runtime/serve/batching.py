@@ -5,9 +5,9 @@ requests at once over one :class:`~specrt.runtime.backends.ort_gqa_batch.Batched
 Scheduler iteration (:meth:`BatchPool._iterate`)::
 
     drop      rows whose client went away (the slot is free at once) ...
-    admit     ... queued requests, first come first served, while a slot is free and the
-              tokens in flight (prompt + max_tokens of the active rows) stay within
-              max_tokens; each joins with a batch-1 prefill on its slot (its first token)
+    admit     ... queued requests, by the slot rule (prefix reuse, below), while a slot is
+              free and the tokens in flight (prompt + max_tokens of the active rows) stay
+              within max_tokens; each joins with a batch-1 prefill on its slot (its first token)
     choose    batched step or speculative rounds (choose_mode, from measured costs)
     run       batched: ONE target call, q = 1 per row, each row's pending token at its own
               past length -> one token per row from its own acceptor (greedy argmax, or
@@ -20,13 +20,17 @@ Scheduler iteration (:meth:`BatchPool._iterate`)::
               slot's KV is exchanged with the hole's, so active slots stay a contiguous
               prefix and the finished row's KV stays in a free slot for reuse
 
-Prefix reuse (prefix caching): a free slot keeps the KV rows its last request leaves reusable
-(:meth:`Generation.prefix`, :mod:`specrt.runtime.prefix`: the prefill's full aligned chunks,
-target and draft; every committed target row under any layout) with the draft fork that holds the draft's rows. A request is admitted on
-the free slot whose record serves its prompt best (:func:`~specrt.runtime.serve.jobs.route_key`:
-the longest similar prefix, then the fewest cached rows lost; then the least recently used), moved to the next active slot, and
-its prefill skips the reused rows: the output is a cold run's bit for bit (the rows are the
-ones a cold prefill computes). ``prefix_cache_tokens`` bounds what each slot keeps.
+Prefix reuse (prefix caching): the slots are :class:`~specrt.runtime.slots.Slots` (one policy
+for take, keep, trim, release and exchange, :mod:`specrt.runtime.slots`). A free slot keeps
+the KV rows its last request leaves reusable (:meth:`Generation.prefix`,
+:mod:`specrt.runtime.prefix`: the prefill's full aligned chunks, target and draft; every
+committed target row under any layout) with the draft fork that holds the draft's rows. The
+next request and its free slot are chosen by the slot rule
+(:func:`~specrt.runtime.slots.pick`: a request whose history a free slot holds goes first,
+to that slot; the others in arrival order, each to the free slot that serves it best; a
+request passed over at most ``slot_policy``'s bound); the slot is moved to the next active
+position and the prefill skips the reused rows: the output is a cold run's bit for bit (the
+rows are the ones a cold prefill computes). ``prefix_cache_tokens`` bounds what each slot keeps.
 
 Why speculative rounds are batch-1: onnxruntime's CPU GroupQueryAttention refuses batch > 1
 with q > 1 after a past, so one target pass cannot verify several rows' candidates.
@@ -54,7 +58,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -62,7 +65,8 @@ from ..backends.ort_gqa import OrtGqaModel
 from ..backends.ort_gqa_batch import BatchedGqaModel
 from ..costs import EMA, BatchCosts, measure_step_costs, recorded_costs
 from ..generation import Generation
-from .jobs import Job, ServeError, ServerBusy, fail, finish, route_key, run_prompt, send_text
+from ..slots import SlotPolicy, Slots, Waiter
+from .jobs import Job, ServeError, ServerBusy, fail, finish, pool_slots, run_prompt, send_text
 from .metrics import BatchMetrics
 from .settings import BATCH_POLICIES, DEFAULT_BATCH_POLICY, DEFAULT_MAX_QUEUE
 
@@ -102,26 +106,10 @@ def _claim(job: Job) -> int:
 
 
 @dataclass
-class _Spare:
-    """A free slot's draft fork and what the slot's target KV and the fork's draft KV hold
-    for reuse (a :class:`~specrt.runtime.prefix.KVPrefix`, or None), last used at ``used``
-    (a release counter: the least recently used record goes first)."""
-
-    draft: object
-    rec: object = None
-    used: int = 0
-
-    @property
-    def rows(self) -> int:
-        """Target KV rows worth keeping when the slot's KV moves."""
-        return 0 if self.rec is None else self.rec.target_rows
-
-
-@dataclass
 class _Row:
     """One active request: its job, its :class:`~specrt.runtime.generation.Generation`
-    (sequence, KV lengths, acceptor, text, stats, its draft fork), its slot, and the running
-    means of its speculative rounds (:func:`choose_mode`)."""
+    (sequence, KV lengths, acceptor, text, stats, its slot's draft fork), its slot, and the
+    running means of its speculative rounds (:func:`choose_mode`)."""
 
     job: Job
     gen: Generation
@@ -135,86 +123,6 @@ class _Row:
     def done(self) -> bool:
         """Ended (EOS, stop string, length, or an error)."""
         return self.failed or self.gen.done
-
-
-class _Spares:
-    """The free slots ``[active rows, max_batch)`` of a :class:`BatchedGqaModel` and what
-    each keeps for prefix reuse (module docstring): a :class:`_Spare` per free slot in
-    :attr:`free`. ``prefix_cache_tokens`` as :class:`BatchPool`'s; ``metrics`` (a
-    :class:`~specrt.runtime.serve.metrics.ServerMetrics`, once attached) counts the
-    budget's evictions.
-
-    Raises:
-        ServeError: a negative ``prefix_cache_tokens``.
-    """
-
-    def __init__(self, batched: BatchedGqaModel, engine, prefix_cache_tokens: int | None):
-        if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
-            raise ServeError(f"prefix_cache_tokens={prefix_cache_tokens}; it must be >= 0 (0: no prefix cache)")
-        self.batched, self.metrics = batched, None
-        self.on = prefix_cache_tokens != 0
-        self.share = None if prefix_cache_tokens is None else prefix_cache_tokens // batched.max_batch
-        self.t_step, self.d_step = engine.manifest.reuse_step(engine.target.max_q), engine.draft.max_q
-        self.free = {s: _Spare(engine.draft.fork()) for s in range(batched.max_batch)}
-        # logits rows a verification may write (the rest: prefill scratch; the batched model
-        # keeps its batched-step rows itself)
-        self.narrow = engine.manifest.k_max + 1
-        self.released = 0
-
-    def exchange(self, a: int, b: int, rows_a: int, rows_b: int) -> None:
-        """Exchange KV rows ``[0, rows_a)`` of slot ``a`` and ``[0, rows_b)`` of slot ``b``
-        (every layer; a copy of b's rows keeps them while a's move)."""
-        if a == b:
-            return
-        bt = self.batched
-        keep = [buf[b, :, :rows_b].copy() for buf in (*bt.keys, *bt.values)]
-        bt.move(a, b, rows_a)
-        for buf, k in zip((*bt.keys, *bt.values), keep):
-            buf[a, :, :rows_b] = k
-
-    def take(self, slot: int, ids) -> _Spare:
-        """Remove and return the free slot record that serves prompt ``ids`` best
-        (:func:`route_key`, then the least recently used), its KV moved to free slot
-        ``slot`` (the next active one)."""
-        free = self.free
-        best = max(free, key=lambda s: (*route_key(free[s].rec, ids, self.t_step), -free[s].used))
-        if best != slot:
-            self.exchange(best, slot, free[best].rows, free[slot].rows)
-            free.update({best: free[slot], slot: free[best]})  # one update: a metrics read sees both or neither
-        return free.pop(slot)
-
-    def release(self, slot: int, spare: _Spare) -> None:
-        """With a budget, hand free slot ``slot``'s target rows and its draft fork's rows
-        past what ``spare``'s record keeps back to the OS: idle slots then hold at most
-        their share of the budget in memory, not the longest request they ever ran. Budget
-        or not, the logits rows only a prefill writes go back too (the fork's and the batched
-        model's past the verification and batched-step widths: scratch, 148 MiB a buffer for a
-        152k vocabulary)."""
-        self.batched.release_logits(self.narrow)
-        rel = getattr(spare.draft, "release_logits", None)  # the scheduler imports no decode helper
-        if rel is not None:
-            rel(self.narrow)
-        if self.share is None:
-            return
-        rec = spare.rec
-        self.batched.release_rows(slot, 0 if rec is None else rec.target_rows)
-        rel = getattr(spare.draft, "release_rows", None)
-        if rel is not None:
-            rel(0 if rec is None else rec.draft_rows)
-
-    def keep(self, row: _Row) -> _Spare:
-        """What ``row``'s slot keeps once it ends: its draft fork and, with the prefix cache,
-        its reusable rows, cut to a slot's share of the budget (an eviction, counted); a
-        cancelled or failed row keeps them too (rows proved reusable are never rewritten
-        after its prefill, as in :meth:`Engine._run`; none before it ends)."""
-        rec = row.gen.prefix() if self.on else None
-        if rec is not None and self.share is not None and rec.size > self.share:
-            cut = rec.trimmed(self.share, self.t_step, self.d_step)
-            if self.metrics is not None:
-                self.metrics.prefix_evicted(rec.size - (cut.size if cut is not None else 0))
-            rec = cut
-        self.released += 1
-        return _Spare(row.gen.draft, rec, self.released)
 
 
 def check_pool_args(engine, max_batch: int, max_queue: int, max_tokens: int | None, policy: str) -> None:
@@ -262,6 +170,7 @@ class BatchPool:
             batched steps (keeps its acceptance statistics fresh).
         prefix_cache_tokens: prefix cache budget over all slots (``// max_batch`` each;
             module docstring); None: no limit but the KV buffers; 0: off.
+        slot_policy: how long a request may be passed over (:class:`~specrt.runtime.slots.SlotPolicy`).
         round_delay: test hook: seconds to sleep after each iteration.
         costs: :class:`BatchCosts` to start from (None: the manifest's
             ``extra.tune.batch_step_costs`` from ``specrt tune --batch-costs N`` when it
@@ -284,6 +193,7 @@ class BatchPool:
         round_delay: float = 0.0,
         costs: BatchCosts | None = None,
         prefix_cache_tokens: int | None = None,
+        slot_policy: SlotPolicy = SlotPolicy(),
     ):
         check_pool_args(engine, max_batch, max_queue, max_tokens, policy)
         self.engine = engine
@@ -292,8 +202,8 @@ class BatchPool:
         self.policy, self.explore_every, self.round_delay = policy, explore_every, round_delay
         self.batched = BatchedGqaModel(engine.target, max_batch, engine.target.max_q)
         self.costs = costs or recorded_costs(engine.manifest, max_batch) or measure_step_costs(self.batched, vocab=engine.manifest.vocab_size)
-        self.spares = _Spares(self.batched, engine, prefix_cache_tokens)
-        self._queue: deque = deque()
+        self.slots = pool_slots(Slots.of_batch, self.batched, engine, prefix_cache_tokens, slot_policy)
+        self._queue: list[Waiter] = []  # arrival order
         self._rows: list[_Row] = []
         self._cond = threading.Condition()
         self._closed, self._since_explore, self._explore_row = False, 0, 0
@@ -333,7 +243,7 @@ class BatchPool:
     @property
     def prefix_tokens(self) -> int:
         """Tokens whose KV rows the free slots keep for reuse now."""
-        return sum(sp.rec.size for sp in list(self.spares.free.values()) if sp.rec is not None)
+        return self.slots.held_tokens(range(len(self._rows), self.max_batch))
 
     @property
     def steps(self) -> dict[str, int]:
@@ -345,10 +255,10 @@ class BatchPool:
         :class:`~specrt.runtime.serve.metrics.ServerMetrics`), labelled with its model name;
         they start from zero there."""
         self.metrics = BatchMetrics(server_metrics.model_name, self.max_batch, lambda: self.costs.step_s, server_metrics.registry)
-        self.spares.metrics = server_metrics
+        self.slots.attach(server_metrics.prefix_evicted)
 
     def submit(self, job: Job) -> None:
-        """Queue ``job`` (first come first served) without waiting.
+        """Queue ``job`` without waiting.
 
         Raises:
             ServerBusy: ``max_queue`` generations already wait.
@@ -366,7 +276,7 @@ class BatchPool:
                 raise ServerBusy(
                     f"server busy: {len(self._queue)} generations already queued for {self.max_batch} slot(s) (at most {self.max_queue}); retry later"
                 )
-            self._queue.extend(jobs)
+            self._queue.extend(Waiter(j, j.ids) for j in jobs)
             self._cond.notify()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -396,7 +306,7 @@ class BatchPool:
         for r in list(self._rows):
             self._end(r, "cancelled", None)
         with self._cond:
-            left, self._queue = list(self._queue), deque()
+            left, self._queue = [w.job for w in self._queue], []
         for job in left:
             job.cancelled.set()
             finish(job, "cancelled", None)
@@ -441,20 +351,24 @@ class BatchPool:
             self._release(r)
 
     def _admit_waiting(self) -> None:
-        """Admit queued requests in arrival order while a slot is free and the head fits
-        the tokens-in-flight limit (requests cancelled while queued end here)."""
+        """Admit queued requests while a slot is free, the next by the slot rule and its
+        slot (:meth:`Slots.next`) each, until one does not fit the tokens-in-flight limit
+        (requests cancelled while queued end here)."""
         while len(self._rows) < self.max_batch:
             with self._cond:
-                if not self._queue:
+                got = self.slots.next(self._queue, range(len(self._rows), self.max_batch))
+                if got is None:
                     return
-                job = self._queue[0]
+                w, slot = got
+                job = w.job
                 if self.max_tokens is not None and self._rows and self._in_flight() + _claim(job) > self.max_tokens and not job.cancelled.is_set():
                     return
-                self._queue.popleft()
+                self.slots.claim(w, self._queue)
+                self._queue.remove(w)
             if job.cancelled.is_set():
                 finish(job, "cancelled", None)
                 continue
-            self._admit(job)
+            self._admit(job, slot)
 
     def _mode(self, ready: list) -> tuple[str, object]:
         """The policy's choice for this iteration, and the row (or None) that makes a
@@ -480,23 +394,21 @@ class BatchPool:
                 explore = ready[self._explore_row]
         return mode, explore
 
-    def _admit(self, job: Job) -> None:
+    def _admit(self, job: Job, free: int) -> None:
         """Start ``job``: its prompt part (:func:`~specrt.runtime.serve.jobs.run_prompt`);
-        then, unless it only echoes, on the free slot whose record serves it best (moved to
-        the next active slot): its generation (on that slot's draft fork, reusing the
-        record) and the prefill (first token)."""
-        eng, slot, spare = self.engine, len(self._rows), None
+        then, unless it only echoes, on free slot ``free`` moved to the next active position:
+        its generation (on that slot's draft fork, reusing the slot's record) and the
+        prefill (first token)."""
+        eng, slot, slots = self.engine, len(self._rows), self.slots
         try:
             if not run_prompt(eng, job):
                 return
-            spare = self.spares.take(slot, job.ids)
-            gen = eng.start(job.ids, job.config, draft=spare.draft)
-            gen.reuse(spare.rec)
-        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-            if spare is not None:  # a refused config: the slot keeps its record
-                self.spares.free[slot] = spare
+            slots.exchange(free, slot, *(0 if s.rec is None else s.rec.target_rows for s in (slots[free], slots[slot])))
+            gen = eng.start(job.ids, job.config, draft=slots[slot].draft)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on (a refused config: the slot keeps its record)
             fail(job, e)
             return
+        gen.reuse(slots[slot].take())
         row = _Row(job, gen, slot)
         self._rows.append(row)
         self._run(row, lambda: row.gen.prefill(self.batched.slots[row.slot]))
@@ -556,7 +468,7 @@ class BatchPool:
         for r in ready:
             if r.slot >= n:
                 other = next(o for o in self._rows if o.slot < n and o not in ready)
-                self.spares.exchange(r.slot, other.slot, r.gen.kv.target, other.gen.kv.target)
+                self.slots.exchange(r.slot, other.slot, r.gen.kv.target, other.gen.kv.target)
                 r.slot, other.slot = other.slot, r.slot
         self._rows.sort(key=lambda r: r.slot)
 
@@ -569,16 +481,18 @@ class BatchPool:
         self._release(row)
 
     def _release(self, row: _Row) -> None:
-        """Free ``row``'s slot and draft: the last active slot's row moves into the hole and
-        the hole's KV (what ``row`` leaves for reuse) into the slot it frees."""
+        """Free ``row``'s slot: it keeps what ``row`` leaves for reuse (with its draft fork);
+        the last active slot's row moves into the hole and the hole's KV and record into
+        the slot it frees, which then releases its memory (:meth:`Slot.release`)."""
         if row not in self._rows:
             return
         self._rows.remove(row)
-        spare, free = self.spares.keep(row), row.slot
+        free, slots = row.slot, self.slots
+        slots[free].keep(row.gen)
         last = max(self._rows, key=lambda r: r.slot, default=None)
         if last is not None and last.slot > row.slot:
-            self.spares.exchange(last.slot, row.slot, last.gen.kv.target, spare.rows)
+            kept = slots[free].rec
+            slots.exchange(last.slot, row.slot, last.gen.kv.target, 0 if kept is None else kept.target_rows)
             free, last.slot = last.slot, row.slot
-        self.spares.free[free] = spare
-        self.spares.release(free, spare)
+        slots[free].release()
         self._rows.sort(key=lambda r: r.slot)

@@ -19,18 +19,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from ..backends.base import release_scratch
-from ..errors import BackendError, SpecRTError
+from ..errors import BackendError, InputError, SpecRTError
 from ..generation import prompt_only_result
-from ..prefix import aligned_match
+from ..slots import SlotPolicy, Slots, Waiter
 from .settings import DEFAULT_MAX_QUEUE
 
-__all__ = ["ServeError", "ServerBusy", "Job", "Pool", "WorkerPool", "run_prompt", "send_text", "finish", "fail", "route_key"]
+__all__ = ["ServeError", "ServerBusy", "Job", "Pool", "WorkerPool", "run_prompt", "send_text", "finish", "fail", "pool_slots"]
 
 log = logging.getLogger("specrt.serve")
 
@@ -172,41 +170,30 @@ def send_text(job: Job, piece: str, logprobs: list | None) -> None:
         job.emit(("text", (piece, new)))
 
 
-def route_key(rec, ids: Sequence[int], step: int) -> tuple[int, int]:
-    """How well a KV holder serves a prompt, for routing a request (larger is better).
+def pool_slots(make, *args) -> Slots:
+    """A pool's :class:`~specrt.runtime.slots.Slots` (``make(*args)``: ``Slots.of_engines`` or
+    ``Slots.of_batch``), its settings' errors as :class:`ServeError`.
 
-    llama-server's slot-similarity rule (``--slot-prompt-similarity`` 0.5): a holder counts
-    its reusable rows when they are at least half of the shorter of the prompt and its
-    record (the request continues or cuts back that history); otherwise reusing a few
-    shared rows (a shared import line) would overwrite a history another request comes
-    back to, so the holder that loses the fewest cached rows is preferred (an empty one
-    first).
-
-    Args:
-        rec: what the holder's KV keeps for reuse (a :class:`~specrt.runtime.prefix.KVPrefix`),
-            or None.
-        ids: the request's prompt token ids.
-        step: the granularity of reusable rows (the target's call width: whole aligned
-            calls; 1 under any layout, :meth:`~specrt.runtime.manifest.Manifest.reuse_step`).
-
-    Returns:
-        ``(similar rows, -cached rows lost)``: the reusable target rows when similar (else
-        0), then minus the rows the request would overwrite; ``(0, 0)`` without a record.
+    Raises:
+        ServeError: a negative ``prefix_cache_tokens``.
     """
-    if rec is None:
-        return (0, 0)
-    rows = min(rec.target_rows, aligned_match(rec, ids, step))
-    return (rows if 2 * rows >= min(rec.size, len(ids)) else 0, -(rec.size - rows))
+    try:
+        return make(*args)
+    except InputError as e:
+        raise ServeError(str(e)) from None
 
 
 class WorkerPool:
     """A fixed number of generator threads, each owning one Engine, fed by a bounded queue
     (a :class:`Pool`).
 
-    Routing (llama-server's slot-similarity rule): a job that arrives while workers are idle
-    goes to the idle worker whose Engine holds the longest similar prefix of its prompt
-    (:func:`route_key`, :mod:`specrt.runtime.prefix`), so a conversation comes back to the KV it left; a job
-    that arrives while all are busy waits in arrival order for the first one free.
+    Each worker's Engine is a slot (:mod:`specrt.runtime.slots`: it keeps the reusable KV
+    rows of its last prompt). Jobs wait in one queue; whenever a worker is idle, the next job
+    and its worker are chosen by the slot rule (:func:`~specrt.runtime.slots.pick`): a job
+    whose history an idle worker holds goes first, to that worker, then the others in
+    arrival order, each to the idle worker that serves it best (llama-server's slot
+    similarity), a job passed over at most ``slot_policy``'s bound. So a conversation comes
+    back to the KV it left even when its next turn queued behind others.
 
     Args:
         engines: one :class:`~specrt.runtime.engine.Engine` per worker (never shared).
@@ -216,30 +203,34 @@ class WorkerPool:
             so that a disconnect lands mid-generation); 0 in production.
         prefix_cache_tokens: the prefix cache's budget in tokens over all workers (each
             Engine keeps the reusable KV rows of its last prompt, :mod:`specrt.runtime.prefix`;
-            a worker's record is cut to its share, ``budget // workers`` tokens, after each
-            job); None: no limit but the KV buffers; 0: no prefix cache.
+            a worker's record is cut to its share, ``budget // workers`` tokens, when its
+            job ends); None: no limit but the KV buffers; 0: no prefix cache.
+        slot_policy: how long a job may be passed over (:class:`~specrt.runtime.slots.SlotPolicy`).
 
     Raises:
         ServeError: no engines, ``max_queue < 1`` or a negative ``prefix_cache_tokens``.
     """
 
-    def __init__(self, engines: Sequence, max_queue: int = DEFAULT_MAX_QUEUE, round_delay: float = 0.0, prefix_cache_tokens: int | None = None):
+    def __init__(
+        self,
+        engines: Sequence,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        round_delay: float = 0.0,
+        prefix_cache_tokens: int | None = None,
+        slot_policy: SlotPolicy = SlotPolicy(),
+    ):
         if not engines:
             raise ServeError("a worker pool needs at least one engine")
         if max_queue < 1:
             raise ServeError(f"max_queue={max_queue}; it must be >= 1")
-        if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
-            raise ServeError(f"prefix_cache_tokens={prefix_cache_tokens}; it must be >= 0 (0: no prefix cache)")
         self.engines = list(engines)
-        self.share = None if prefix_cache_tokens is None else prefix_cache_tokens // len(self.engines)
-        for e in self.engines:
-            e.prefix_cache = prefix_cache_tokens != 0
-        self.metrics = None
+        self.slots = pool_slots(Slots.of_engines, self.engines, prefix_cache_tokens, slot_policy)
         self.max_queue = max_queue
         self.round_delay = round_delay
         self._cond = threading.Condition()
-        self._waiting: deque = deque()  # (job, worker index it is routed to, or None: the first free)
-        self._idle: set[int] = set()  # workers waiting for a job, none routed to them yet
+        self._waiting: list[Waiter] = []  # arrival order
+        self._given: dict[int, Job] = {}  # worker -> the job chosen for it, not yet taken
+        self._idle: set[int] = set()  # workers waiting for a job, none chosen for them yet
         self._closed = False
         self._busy = 0
         self._lock = threading.Lock()
@@ -257,6 +248,7 @@ class WorkerPool:
         backend: str | None = None,
         round_delay: float = 0.0,
         prefix_cache_tokens: int | None = None,
+        slot_policy: SlotPolicy = SlotPolicy(),
     ) -> "WorkerPool":
         """Load the engine folder once and give each of ``workers`` threads its own Engine:
         :meth:`Engine.fork` where the backend can (shared onnxruntime sessions, own KV and
@@ -277,7 +269,7 @@ class WorkerPool:
                 engines.append(first.fork())
             except BackendError:
                 engines.append(Engine(folder, threads=threads, backend=first.backend, verify_hashes=False))
-        return cls(engines, max_queue=max_queue, round_delay=round_delay, prefix_cache_tokens=prefix_cache_tokens)
+        return cls(engines, max_queue=max_queue, round_delay=round_delay, prefix_cache_tokens=prefix_cache_tokens, slot_policy=slot_policy)
 
     @property
     def workers(self) -> int:
@@ -291,21 +283,19 @@ class WorkerPool:
 
     @property
     def queued(self) -> int:
-        """Jobs waiting for a worker."""
-        return len(self._waiting)
+        """Jobs waiting for a worker (chosen for one that has not taken it yet included)."""
+        return len(self._waiting) + len(self._given)
 
     @property
     def prefix_tokens(self) -> int:
-        """Tokens whose KV rows the idle workers' Engines keep for reuse now (a worker
-        running a job holds its record outside ``Engine.cached`` and is not counted; a record
-        just left by a job counts at most the worker's share: it is cut to it right after)."""
-        cap = self.share if self.share is not None else float("inf")
-        return int(sum(min(rec.size, cap) for rec in [e.cached for e in self.engines] if rec is not None))
+        """Tokens whose KV rows the workers' Engines keep for reuse now (a worker running a
+        job holds its record in the job's generation and is not counted)."""
+        return self.slots.held_tokens(range(len(self.engines)))
 
     def attach_metrics(self, server_metrics) -> None:
-        """Keep ``server_metrics`` to count prefix-cache evictions (the server's own gauges
-        cover the workers)."""
-        self.metrics = server_metrics
+        """Count prefix-cache evictions in ``server_metrics`` (the server's own gauges cover
+        the workers)."""
+        self.slots.attach(server_metrics.prefix_evicted)
 
     def submit(self, job: Job) -> None:
         """Queue ``job`` without waiting.
@@ -322,52 +312,51 @@ class WorkerPool:
             ServerBusy: fewer than ``len(jobs)`` places are free in the queue.
         """
         with self._cond:
-            if len(self._waiting) + len(jobs) > self.max_queue:
-                raise ServerBusy(
-                    f"server busy: {len(self._waiting)} generations already queued for {self.workers} worker(s) (at most {self.max_queue}); retry later"
-                )
-            for j in jobs:
-                w = self._route(j)
-                self._idle.discard(w)
-                self._waiting.append((j, w))
-            self._cond.notify_all()
+            if self.queued + len(jobs) > self.max_queue:
+                raise ServerBusy(f"server busy: {self.queued} generations already queued for {self.workers} worker(s) (at most {self.max_queue}); retry later")
+            self._waiting.extend(Waiter(j, j.ids) for j in jobs)
+            self._dispatch()
 
-    def _route(self, job: Job) -> int | None:
-        """The idle worker for ``job`` (with ``self._cond`` held): by :func:`route_key` (the
-        longest similar prefix of its prompt, then the fewest cached rows lost); None when
-        none is idle."""
-        best, key = None, None
-        for w in sorted(self._idle):
-            eng = self.engines[w]
-            k = route_key(eng.cached, job.ids, eng.manifest.reuse_step(eng.target.max_q))  # an idle worker's record does not change meanwhile
-            if key is None or k > key:
-                best, key = w, k
-        return best
+    def _dispatch(self) -> None:
+        """With ``self._cond`` held: choose jobs for idle workers (the slot rule, class
+        docstring) while both are there, and wake the workers chosen. An idle worker's
+        record does not change meanwhile (only its own thread runs its Engine)."""
+        given = False
+        while self._idle and self._waiting:
+            w, i = self.slots.next(self._waiting, sorted(self._idle))
+            self.slots.claim(w, self._waiting)
+            self._waiting.remove(w)
+            self._idle.discard(i)
+            self._given[i] = w.job
+            given = True
+        if given:
+            self._cond.notify_all()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the workers after the jobs in hand (queued jobs are cancelled)."""
         with self._cond:
             self._closed = True
-            left, self._waiting = list(self._waiting), deque()
+            left = [w.job for w in self._waiting] + list(self._given.values())
+            self._waiting, self._given = [], {}
             self._cond.notify_all()
-        for j, _ in left:
+        for j in left:
             j.cancelled.set()
             j.emit(("cancelled", None))
         for t in self._threads:
             t.join(timeout)
 
     def _take(self, w: int) -> Job | None:
-        """Worker ``w``'s next job: the first routed to it, else the first routed to no one;
-        None once the pool is closed."""
+        """Worker ``w``'s next job (the one chosen for it, :meth:`_dispatch`); None once the
+        pool is closed."""
         with self._cond:
             while not self._closed:
-                for i, (job, to) in enumerate(self._waiting):
-                    if to == w or to is None:
-                        del self._waiting[i]
-                        self._idle.discard(w)
-                        return job
+                job = self._given.pop(w, None)
+                if job is not None:
+                    return job
                 self._idle.add(w)
-                self._cond.wait()
+                self._dispatch()
+                if w not in self._given:
+                    self._cond.wait()
             return None
 
     def _work(self, w: int) -> None:
@@ -385,30 +374,9 @@ class WorkerPool:
             try:
                 self._run(engine, job)
             finally:
-                self._fit_cache(engine)
+                self.slots[w].release()  # only this thread touches its Engine between jobs
                 with self._lock:
                     self._busy -= 1
-
-    def _fit_cache(self, engine) -> None:
-        """Cut ``engine``'s prefix-cache record to this worker's share of the budget and
-        release the KV rows past it (only its own thread touches its record between jobs).
-        The logits rows past the verification widths go back to the OS after every job, budget
-        or not (prefill scratch: 148 MiB a model for a 152k vocabulary)."""
-        for model in (engine.target, engine.draft):
-            release_scratch(model, engine.manifest.k_max + 1)
-        rec = engine.cached
-        if self.share is None:
-            return
-        if rec is not None and rec.size > self.share:
-            engine.cached = rec.trimmed(self.share, engine.manifest.reuse_step(engine.target.max_q), engine.draft.max_q)
-            if self.metrics is not None:
-                self.metrics.prefix_evicted(rec.size - (engine.cached.size if engine.cached is not None else 0))
-        # rows past the kept record go back to the OS: an idle worker holds its share, no more
-        kept = engine.cached
-        for model, rows in ((engine.target, 0 if kept is None else kept.target_rows), (engine.draft, 0 if kept is None else kept.draft_rows)):
-            rel = getattr(model, "release_rows", None)
-            if rel is not None:
-                rel(rows)
 
     def _run(self, engine, job: Job) -> None:
         """Run one job: :func:`run_prompt`, then :meth:`Engine.stream`, checking
