@@ -6,7 +6,8 @@ engines a row's bits rarely move an argmax, so the rule is also proven on a toy 
 rows depend on the width of the call that computed them, as onnxruntime's kernels do (a
 1-row call and a call wider than the measured widths round otherwise): there a cache hit
 that reused a row a cold run computes in another call changes the output
-(:func:`test_misaligned_reuse_changes_the_output`, the mutation the rule guards against).
+(:func:`test_misaligned_reuse_changes_the_output`: the any-layout rule on a model whose wide
+widths were not measured). Mutation runs of these rules: tests/mutations/prefix_rules.json.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import numpy as np
 import pytest
 
 from specrt import Engine, GenerationConfig
-from specrt.runtime import decode
 from specrt.runtime.chunks import chunk_bounds
 from specrt.runtime.prefix import KVPrefix, aligned_rows, common_prefix, reuse_draft, reuse_target
 
@@ -172,19 +172,15 @@ def test_cache_hit_equals_cold_run_on_a_width_sensitive_model(toys, name):
 
 
 def test_misaligned_reuse_changes_the_output(toys, monkeypatch):
-    """The mutation: reuse every row of the common prefix and prefill the rest from there
-    (as llama.cpp's cache_prompt does). Rows a cold run computes in a 256-wide call then come
-    from calls of other widths, and the toy model's output changes: the equality test above
-    fails under this mutation."""
-    from specrt.runtime.chunks import chunk_bounds as bounds
-
+    """The product's any-layout rule (:func:`~specrt.runtime.prefix.reuse_any`: every row of
+    the common prefix, the rest chunked from there, as llama.cpp's cache_prompt does) on a
+    model whose wide widths were not measured exact: rows a cold run computes in a 256-wide
+    call then come from calls of other widths, and the toy model's output changes. So
+    ``Engine.plan`` keeps an engine without a ``wide`` record on the aligned rule (checked
+    first), which the equality test above holds."""
     warm, cold = toys
-
-    def naive(cached, seq, step, min_q, tail_q, avoid=frozenset(), any_layout=False):
-        n = min(cached.target_rows, common_prefix(cached.tokens, seq), len(seq) - 1) if cached is not None else 0
-        return n, [(n + a, n + b) for a, b in bounds(len(seq) - n, step, min_q, tail_q)], len(seq) - 1
-
-    monkeypatch.setattr(decode, "prefill_calls", naive)
+    assert not warm.plan(warm.resolve(GenerationConfig())).any_layout and warm.manifest.layout_avoid(warm.target.max_q) is None
+    monkeypatch.setattr(warm, "plan", lambda c, observe=False: replace(Engine.plan(warm, c, observe), any_layout=True))
     warm.cached = None
     pairs = run_turns(warm, cold, GenerationConfig(max_new_tokens=40), conversation(warm.manifest.vocab_size))
     warm.cached = None
@@ -242,22 +238,43 @@ def _layout_case(warm, cfg):
     return second, len(first) + len(out) - 1
 
 
+def measured_129_exact(engine: Engine):
+    """``engine``'s manifest as an export that measured 129-row calls exact would write it
+    (its ``wide`` record without 129 among the inexact widths)."""
+    m = engine.manifest
+    wide = m.target.exactness["wide"]
+    return replace(m, target=replace(m.target, exactness={**m.target.exactness, "wide": {**wide, "inexact": [q for q in wide["inexact"] if q != 129]}}))
+
+
+def prefill_widths(engine: Engine, monkeypatch) -> list:
+    """Record the widths of ``engine``'s target calls made from now on (a live list)."""
+    widths, run = [], engine.target.run
+
+    def recorded(tokens, start):
+        widths.append(len(tokens))
+        return run(tokens, start)
+
+    monkeypatch.setattr(engine.target, "run", recorded)
+    return widths
+
+
 def test_any_layout_prefill_avoids_the_inexact_widths(layout_toys, monkeypatch):
-    """The mutation: a prefill that calls a width the export measured inexact (129 on the
-    toy, as on the embedded int4 target) gives rows a cold run does not, and the output
-    changes; with ``avoid`` it equals the cold run."""
+    """A hit whose prefill after the reused rows runs 138 rows: the product's plan (from the
+    manifest's ``wide`` record) cuts it 127 + 2 + 9, and the output equals the cold run's.
+    With a manifest whose record says 129 is exact, the same rule calls 129 rows, which the
+    toy (as the embedded int4 target) rounds otherwise: the output changes."""
     warm, cold = layout_toys
     cfg = GenerationConfig(max_new_tokens=30)
     second, reused = _layout_case(warm, cfg)
+    widths = prefill_widths(warm, monkeypatch)
     a, b = warm.generate(second, cfg), cold.generate(second, cfg)
     assert a.stats.cached_tokens == reused and a.tokens == b.tokens
-    calls = [(lo, hi) for lo, hi in decode.prefill_calls(KVPrefix(tuple(second[:reused]), reused, 0), second, 256, 2, 9, frozenset(TOY_INEXACT), True)[1]]
-    assert [hi - lo for lo, hi in calls] == [127, 2, 9]
-    plan = Engine.plan
-    monkeypatch.setattr(Engine, "plan", lambda self, c, observe=False: replace(plan(self, c, observe), avoid=frozenset()))
+    assert widths[:3] == [127, 2, 9], widths
+    monkeypatch.setattr(warm, "manifest", measured_129_exact(warm))
     _layout_case(warm, cfg)
+    widths.clear()
     a, b = warm.generate(second, cfg), cold.generate(second, cfg)
-    assert a.stats.cached_tokens == reused and a.tokens != b.tokens
+    assert a.stats.cached_tokens == reused and widths[:2] == [129, 9] and a.tokens != b.tokens, widths[:3]
 
 
 def test_an_unfinished_generation_leaves_out_the_rows_a_call_may_be_rewriting(layout_toys):
@@ -392,9 +409,10 @@ def test_any_layout_hits_give_the_cold_runs_bits_on_the_shipped_engine(pair, his
     """The rows, not only the tokens: every logprob of a hit equals the cold run's bit for
     bit, including a hit whose prefill after the reused rows is 138 rows (the embedded int4
     target rounds a 129-row call's last row differently, its export measured; the prefill
-    cuts 127 + 2 + 9). The mutation, a prefill that calls 129 rows, changes the logprobs."""
+    cuts 127 + 2 + 9: the product's calls, recorded). With a manifest whose record says 129
+    is exact, the same rule calls 129 rows and the logprobs change."""
     warm, cold = pair
-    if 129 not in warm.plan(warm.resolve(GenerationConfig())).avoid:
+    if 129 not in warm.manifest.target.exactness.get("wide", {}).get("inexact", []):  # the record, not the plan read from it
         pytest.skip("this engine's export measured 129-row calls exact")
     ids = warm.codec.encode("".join(history))
     cfg = GenerationConfig(max_new_tokens=24, logprobs=2)
@@ -408,13 +426,15 @@ def test_any_layout_hits_give_the_cold_runs_bits_on_the_shipped_engine(pair, his
         return [(t.token, t.logprob, t.top) for t in r.logprobs]
 
     second, reused = case()
+    widths = prefill_widths(warm, monkeypatch)
     a, b = warm.generate(second, cfg), cold.generate(second, cfg)
     assert a.stats.cached_tokens == reused and lps(a) == lps(b)
-    plan = Engine.plan
-    monkeypatch.setattr(Engine, "plan", lambda self, c, observe=False: replace(plan(self, c, observe), avoid=frozenset()))
+    assert widths[:3] == [127, 2, 9], widths
+    monkeypatch.setattr(warm, "manifest", measured_129_exact(warm))
     second, reused = case()
+    widths.clear()
     a, b = warm.generate(second, cfg), cold.generate(second, cfg)
-    assert a.stats.cached_tokens == reused and lps(a) != lps(b)
+    assert a.stats.cached_tokens == reused and widths[:2] == [129, 9] and lps(a) != lps(b), widths[:3]
 
 
 def test_stream_and_constraint_reuse_too(pair, history):
