@@ -14,10 +14,17 @@ to Python internals, and the immutable variant refuses mutating lists and dicts.
 
 Rendering passes ``messages``, ``add_generation_prompt=True``, and the tokenizer's special
 tokens as strings (``bos_token``, ``eos_token``, as transformers' ``special_tokens_map``);
-the rendered text is then tokenized *without* adding BOS
-(:meth:`~specrt.runtime.tokenizer.TextCodec.encode` with ``add_special_tokens=False``,
-transformers' rule for ``apply_chat_template(tokenize=True)``): a template that wants BOS
-writes ``{{ bos_token }}`` itself.
+the rendered text is then tokenized *without* adding BOS (transformers' rule for
+``apply_chat_template(tokenize=True)``): a template that wants BOS writes ``{{ bos_token }}``
+itself.
+
+Roles cannot be forged: every string the client sent (message content of every role, tool
+results, tool-call arguments, names, tool descriptions) goes through
+:meth:`~specrt.runtime.tokenizer.TextCodec.escape` before rendering (:func:`escape_strings`)
+and the output is tokenized with
+:meth:`~specrt.runtime.tokenizer.TextCodec.encode_escaped`: a ``<|im_end|>`` typed in a
+message is text, only the template's own markup gets control ids (:func:`chat_ids`). A chat
+without control-token strings in it gets exactly the ids of ``encode(rendered text)``.
 
 Jinja2 is part of the ``[serve]`` extra; it is imported only when a template is compiled.
 """
@@ -27,11 +34,20 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .errors import InputError, SpecRTError
 
-__all__ = ["ChatTemplate", "TemplateSourceError", "engine_chat_ids", "load_chat_template", "normalize_messages", "special_token_strings"]
+__all__ = [
+    "ChatTemplate",
+    "TemplateSourceError",
+    "chat_ids",
+    "engine_chat_ids",
+    "escape_strings",
+    "load_chat_template",
+    "normalize_messages",
+    "special_token_strings",
+]
 
 
 class TemplateSourceError(SpecRTError):
@@ -85,7 +101,12 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
 
     def render(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list | None = None,
+        escape: Callable[[str], str] | None = None,
     ) -> str:
         """The prompt text of a conversation.
 
@@ -100,6 +121,9 @@ class ChatTemplate:
                 the content, trailing whitespace is removed too: :func:`_cut_at_tag`).
             tools: OpenAI tool objects (``{"type": "function", "function": {...}}``) the
                 template renders (transformers' ``tools``), or None.
+            escape: applied to every string of ``messages`` and ``tools`` before rendering
+                (:func:`escape_strings`; :meth:`~specrt.runtime.tokenizer.TextCodec.escape`
+                so that the output goes to ``encode_escaped``), or None.
 
         Returns:
             the rendered text (to be tokenized without adding BOS).
@@ -117,6 +141,8 @@ class ChatTemplate:
                 "generation's start (send add_generation_prompt: false)",
                 "continue_final_message",
             )
+        if escape is not None:
+            messages, tools = escape_strings(messages, escape), (escape_strings(tools, escape) if tools is not None else None)
         messages = list(messages)
         final = None
         if continue_final_message:
@@ -179,7 +205,35 @@ def engine_chat_ids(engine, messages: Sequence[dict[str, Any]]) -> list[int]:
     if engine.chat_template is None:
         raise InputError(f"the engine folder {engine.folder} has no chat template (its target checkpoint had none); give plain prompts", "messages")
     tpl = ChatTemplate(engine.chat_template, str(engine.folder / engine.manifest.chat_template_file), special_token_strings(engine))
-    return engine.codec.encode(tpl.render(normalize_messages(messages)), add_special_tokens=False)
+    return chat_ids(tpl, engine.codec, normalize_messages(messages))
+
+
+def escape_strings(value: Any, escape: Callable[[str], str]) -> Any:
+    """``value`` (messages, tools: dicts, lists, strings, numbers) with ``escape`` applied
+    to every string in it, dict keys included (a tool-call argument's name is client text
+    too)."""
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {escape(k) if isinstance(k, str) else k: escape_strings(v, escape) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [escape_strings(v, escape) for v in value]
+    return value
+
+
+def chat_ids(template: "ChatTemplate", codec, messages: Sequence[dict[str, Any]], tools: list | None = None, **flags) -> list[int]:
+    """Token ids (no BOS added) of ``messages`` (normalized: :func:`normalize_messages`) and
+    ``tools`` rendered by ``template``, client strings as text (module docstring).
+
+    Args:
+        codec: the :class:`~specrt.runtime.tokenizer.TextCodec`.
+        flags: :meth:`ChatTemplate.render`'s ``add_generation_prompt``, ``continue_final_message``.
+
+    Raises:
+        InputError: what :meth:`ChatTemplate.render` and
+            :meth:`~specrt.runtime.tokenizer.TextCodec.encode_escaped` raise.
+    """
+    return codec.encode_escaped(template.render(messages, tools=tools, escape=codec.escape, **flags))
 
 
 def load_chat_template(path: str | Path, special_tokens: dict[str, str] | None = None) -> ChatTemplate:

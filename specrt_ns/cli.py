@@ -25,7 +25,7 @@ from .runtime.drafters import DRAFTERS
 from .runtime.errors import InputError, SpecRTError
 from .runtime.machine import this_machine
 from .runtime.manifest import PRECISIONS
-from .runtime.serve.settings import BATCH_POLICIES, LOG_LEVELS, serve_default
+from .runtime.serve.settings import BATCH_POLICIES, COMPLETIONS_SPECIAL_TOKENS, LOG_LEVELS, serve_default
 
 __all__ = ["cli", "main"]
 
@@ -936,6 +936,13 @@ def _print_tune_report(result: dict, out: Path) -> None:
     default=serve_default("prefix_cache_tokens"),
     help="prefix cache budget in tokens over all workers or --max-batch slots (default: each worker or free slot keeps its last prompt's reusable KV rows; 0: off); output is the same with or without it",
 )
+@click.option(
+    "--completions-special-tokens",
+    type=click.Choice(COMPLETIONS_SPECIAL_TOKENS),
+    default=serve_default("completions_special_tokens"),
+    show_default=True,
+    help="/v1/completions text prompts: special = control-token text such as <|im_start|> becomes its control id (as llama-server and vLLM); text = it stays text (chat content, tool results and FIM prefix/suffix are always text)",
+)
 @_threads_option
 @_backend_option
 @_clean_errors
@@ -956,6 +963,7 @@ def serve(
     batch_policy,
     max_tokens_in_flight,
     prefix_cache_tokens,
+    completions_special_tokens,
     threads,
     spinning,
     backend,
@@ -986,6 +994,7 @@ def serve(
             batch_policy=batch_policy,
             max_tokens_in_flight=max_tokens_in_flight,
             prefix_cache_tokens=prefix_cache_tokens,
+            completions_special_tokens=completions_special_tokens,
         )
     )
 

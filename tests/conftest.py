@@ -135,16 +135,20 @@ def real_vocabs():
 @pytest.fixture(scope="session")
 def real_tokenizer(real_vocabs, tmp_path_factory):
     """``name -> folder`` with the converted tokenizer files of ``ggml-vocab-<name>.gguf``
-    (converted once per session)."""
+    (converted once per session); ``"qwen2.5-coder"``: Qwen2.5-Coder's tokenizer (Qwen2's
+    with its added tokens named, and its chat template: gguf2tok.qwen25_coder)."""
     pytest.importorskip("transformers")
-    from gguf2tok import convert
+    from gguf2tok import convert, qwen25_coder
 
     root = tmp_path_factory.mktemp("real_tokenizers")
     done: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in done:
-            convert(real_vocabs / f"ggml-vocab-{name}.gguf", root / name)
+            if name == "qwen2.5-coder":
+                qwen25_coder(get("qwen2"), root / name, Path(__file__).parent / "data" / "qwen2.5-coder.chat_template.jinja")
+            else:
+                convert(real_vocabs / f"ggml-vocab-{name}.gguf", root / name)
             done[name] = root / name
         return done[name]
 
@@ -169,7 +173,7 @@ def real_pair(real_tokenizer, tmp_path_factory):
     def get(name: str) -> tuple[Path, Path]:
         if name not in done:
             ckpt, eng = root / name / "ckpt", root / name / "engine"
-            save_vocab_model(real_tokenizer(name), ckpt, seed=7, family="qwen2" if name == "qwen2" else "llama")
+            save_vocab_model(real_tokenizer(name), ckpt, seed=7, family="qwen2" if name.startswith("qwen2") else "llama")
             args = ["export", "--draft", str(ckpt), "--target", str(ckpt), "--out", str(eng), "--k-max", "8", "--max-ctx", "256", "--no-lazy-head"]
             res = CliRunner().invoke(cli, args)
             assert res.exit_code == 0, res.output

@@ -142,7 +142,10 @@ def completion_request_model():
         best_of: Optional[StrictInt] = Field(None, ge=1, le=MAX_N, description="generate this many per prompt, return the n most probable")
         echo: Optional[StrictBool] = None
         logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="alternatives per token (target's raw distribution)")
-        suffix: Optional[StrictStr] = Field(None, description="fill-in-the-middle: the text after the gap (models with FIM tokens)")
+        suffix: Optional[StrictStr] = Field(
+            None,
+            description='fill-in-the-middle: the text after the gap (models with FIM tokens; "" is a suffix there); prefix and suffix are text',
+        )
 
     _models["completion"] = CompletionRequest
     return CompletionRequest

@@ -25,7 +25,7 @@ from .app import create_app, require_serve_extra
 from .jobs import Job, Pool, ServeError, ServerBusy, WorkerPool
 from .responses import LOGPROB_FLOOR, GenerationRequest, Responses, Work, error_body, usage_block
 from .service import CompletionService, RequestError
-from .settings import DEFAULT_MAX_BODY_BYTES, ServeConfig
+from .settings import COMPLETIONS_SPECIAL_TOKENS, DEFAULT_MAX_BODY_BYTES, ServeConfig
 
 __all__ = [
     "ServeConfig",
@@ -98,6 +98,8 @@ def build_service(cfg: ServeConfig | str | Path, **kw) -> CompletionService:
     from ..chat import ChatTemplate, TemplateSourceError, load_chat_template, special_token_strings
 
     cfg = cfg if isinstance(cfg, ServeConfig) else ServeConfig(cfg, **kw)
+    if cfg.completions_special_tokens not in COMPLETIONS_SPECIAL_TOKENS:
+        raise ServeError(f"completions_special_tokens={cfg.completions_special_tokens!r}; allowed: {', '.join(COMPLETIONS_SPECIAL_TOKENS)}")
     pool = _load_pool(cfg)
     engine = pool.engines[0]
     special = special_token_strings(engine)
@@ -111,7 +113,7 @@ def build_service(cfg: ServeConfig | str | Path, **kw) -> CompletionService:
     except TemplateSourceError as e:
         pool.close()
         raise ServeError(str(e)) from None
-    return CompletionService(pool, cfg.model_name or Path(cfg.engines).resolve().name, template)
+    return CompletionService(pool, cfg.model_name or Path(cfg.engines).resolve().name, template, cfg.completions_special_tokens)
 
 
 def available_cores() -> int:

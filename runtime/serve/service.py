@@ -52,6 +52,9 @@ class CompletionService:
         model_name: the id clients may send as ``model`` (any other is a 404).
         chat_template: a :class:`~specrt.runtime.chat.ChatTemplate`, or None (chat
             requests then get a 400 saying so).
+        completions_special_tokens: ``"special"`` (a ``/v1/completions`` text prompt's
+            control-token strings become their control ids) or ``"text"`` (they stay text);
+            :data:`~specrt.runtime.serve.settings.COMPLETIONS_SPECIAL_TOKENS`.
 
     Attributes:
         created: server start (Unix seconds), the ``created`` of ``/v1/models``.
@@ -62,7 +65,7 @@ class CompletionService:
             tokenizers that normalise text).
     """
 
-    def __init__(self, pool, model_name: str, chat_template=None):
+    def __init__(self, pool, model_name: str, chat_template=None, completions_special_tokens: str = "special"):
         from .metrics import ServerMetrics
 
         self.pool = pool
@@ -72,6 +75,7 @@ class CompletionService:
         self.metrics = ServerMetrics(model_name, manifest.k_max, lambda: (pool.workers, pool.busy, pool.queued, pool.max_queue), lambda: pool.prefix_tokens)
         pool.attach_metrics(self.metrics)  # a pool's own metrics (the BatchPool's) join this registry
         self.chat_template = chat_template
+        self.completions_special_tokens = completions_special_tokens
         self.created = int(time.time())
         self.prompt_char_limit = 2 * (manifest.max_ctx - 1) * self.engine.codec.max_token_bytes
         self.responses = Responses(model_name, self.engine.codec, manifest.stop_ids())
@@ -117,8 +121,10 @@ class CompletionService:
         except InputError as e:
             raise _request_error(e) from None
 
-    def _prompt_ids(self, prompt, where: str) -> list[int]:
-        """Validated ids of one prompt (text longer than :attr:`prompt_char_limit` is refused untokenized)."""
+    def _prompt_ids(self, prompt, where: str, tokenize=None) -> list[int]:
+        """Validated ids of one prompt (text longer than :attr:`prompt_char_limit` is refused
+        untokenized); ``tokenize``: ``str -> ids`` for a text prompt (default: the engine's,
+        control-token strings as control ids)."""
         if isinstance(prompt, str) and len(prompt) > self.prompt_char_limit:
             raise RequestError(
                 f"{where} has {len(prompt)} characters; the context holds at most {self.engine.manifest.max_ctx - 1} prompt tokens, "
@@ -126,7 +132,7 @@ class CompletionService:
                 "prompt" if where.startswith("prompt") else "messages",
             )
         try:
-            return self.engine.prompt_ids(prompt)
+            return self.engine.prompt_ids(tokenize(prompt) if tokenize is not None and isinstance(prompt, str) else prompt)
         except InputError as e:
             msg = str(e) if where in ("prompt", "messages") else f"{where}: {e}"
             raise RequestError(msg, "prompt" if where.startswith("prompt") else "messages") from None
@@ -165,28 +171,44 @@ class CompletionService:
         gens, prompt_tokens = [], 0
         for p, pr in enumerate(prompts):
             where = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
-            ids = self._prompt_ids(pr if fim is None else fim.ids(self.engine.codec, pr, req.suffix), where)
+            ids = self._prompt_ids(pr, where, self._tokenizer(fim, req.suffix))
             prompt_tokens += len(ids)
             echo_text = (pr if isinstance(pr, str) else self.engine.codec.decode(ids)) if echo else None
             for j in range(best_of):
                 gens.append(GenerationRequest(p, ids, _choice_config(cfg, j), echo_text, logprobs if echo else None, max_tokens > 0))
         return Work(False, gens, n, best_of, stream, _include_usage(req), logprobs, prompt_tokens)
 
+    def _tokenizer(self, fim, suffix: str | None):
+        """``str -> ids`` of a completion's text prompt: the FIM layout with ``suffix`` (prefix
+        and suffix as text), the prompt as text (``completions_special_tokens`` "text",
+        BOS as the manifest says), or None (the engine's: control-token strings special)."""
+        codec = self.engine.codec
+        if fim is not None:
+            return lambda prefix: fim.ids(codec, prefix, suffix)
+        if self.completions_special_tokens == "text":
+            return lambda text: codec.encode_text(text, add_special_tokens=True)
+        return None
+
     def _fim(self, req, prompts: list, echo: bool):
-        """The model's FIM tokens when the request has a ``suffix`` (None without one).
+        """The model's FIM tokens when the request has a ``suffix`` (None without one). An
+        empty suffix is a suffix (an editor at the end of a file sends it) on a model with
+        FIM tokens; on one without, the prompt is a plain completion (nothing follows it).
 
         Raises:
-            RequestError: a suffix with token-id prompts or ``echo``, or a model without FIM tokens.
+            RequestError: a suffix with token-id prompts or ``echo``, or a non-empty suffix
+                on a model without FIM tokens.
         """
-        if not req.suffix:
+        if req.suffix is None:
             return None
         from .structured import fim_tokens
 
+        fim = fim_tokens(self.engine.codec)
+        if fim is None and req.suffix == "":
+            return None
         if not all(isinstance(p, str) for p in prompts):
             raise RequestError("suffix needs text prompts (fill-in-the-middle lays out prefix, suffix and the model's FIM tokens); got token ids", "suffix")
         if echo:
             raise RequestError("suffix cannot be combined with echo", "suffix")
-        fim = fim_tokens(self.engine.codec)
         if fim is None:
             raise RequestError(
                 f"suffix: model {self.model_name!r} has no fill-in-the-middle tokens in its tokenizer (such as <|fim_prefix|>, <|fim_suffix|>, "
@@ -248,18 +270,21 @@ class CompletionService:
                     raise InputError(
                         f"{what} constrains the output to tool calls (a grammar); it cannot be combined with response_format or a guided_* field", "tool_choice"
                     )
+            codec = self.engine.codec
+            # client strings escaped: only the template's own markup becomes control tokens (runtime/chat.py)
             text = self.chat_template.render(
                 normalize_messages([m.model_dump(exclude_none=True) for m in req.messages]),
                 add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
                 continue_final_message=bool(req.continue_final_message),
                 tools=tools.openai_tools() if tools is not None else None,
+                escape=codec.escape,
             )
         except InputError as e:
             raise _request_error(e) from None
         if len(text) > self.prompt_char_limit:
             self._prompt_ids(text, "the rendered conversation")
         try:
-            ids = self.engine.prompt_ids(self.engine.codec.encode(text, add_special_tokens=False))
+            ids = self.engine.prompt_ids(codec.encode_escaped(text))
         except InputError as e:
             raise RequestError(f"the rendered conversation: {e}", "messages") from None
         top_n = (req.top_logprobs or 0) if req.logprobs else None

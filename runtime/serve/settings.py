@@ -8,13 +8,25 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-__all__ = ["ServeConfig", "serve_default", "BATCH_POLICIES", "DEFAULT_BATCH_POLICY", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_QUEUE", "LOG_LEVELS"]
+__all__ = [
+    "ServeConfig",
+    "serve_default",
+    "BATCH_POLICIES",
+    "COMPLETIONS_SPECIAL_TOKENS",
+    "DEFAULT_BATCH_POLICY",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_QUEUE",
+    "LOG_LEVELS",
+]
 
 BATCH_POLICIES = ("auto", "speculate", "batched")  # the batch scheduler's (batching.choose_mode)
 DEFAULT_BATCH_POLICY = "auto"
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a request body above it gets 413 before it is parsed
 DEFAULT_MAX_QUEUE = 64  # generations that may wait for a worker or a slot (503 beyond)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # uvicorn's levels, the server log's too
+# how a /v1/completions text prompt's control-token strings are read: "special" = their
+# control ids (llama-server and vLLM do the same), "text" = the text of their characters
+COMPLETIONS_SPECIAL_TOKENS = ("special", "text")
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,10 @@ class ServeConfig:
             (:class:`~specrt.runtime.serve.jobs.WorkerPool`) or batch slots
             (:class:`~specrt.runtime.serve.batching.BatchPool`); None: no limit but the KV
             buffers; 0: off.
+        completions_special_tokens: one of :data:`COMPLETIONS_SPECIAL_TOKENS`: how a
+            ``/v1/completions`` text prompt's control-token strings (``<|im_start|>``,
+            ``<|endoftext|>``) are tokenized. Chat content, tool results and FIM
+            prefix/suffix are always text.
     """
 
     engines: str | Path
@@ -67,6 +83,7 @@ class ServeConfig:
     batch_policy: str = DEFAULT_BATCH_POLICY
     max_tokens_in_flight: int | None = None
     prefix_cache_tokens: int | None = None
+    completions_special_tokens: str = "special"
 
 
 def serve_default(name: str):

@@ -90,8 +90,11 @@ class FimTokens:
     middle: int
 
     def ids(self, codec, prefix: str, suffix: str) -> list[int]:
-        """The PSM prompt ids: ``[BOS] <prefix> prefix <suffix> suffix <middle>``."""
-        enc = lambda t: codec.encode(t, add_special_tokens=False) if t else []  # noqa: E731
+        """The PSM prompt ids: ``[BOS] <prefix> prefix <suffix> suffix <middle>``, prefix and
+        suffix tokenized as text (:meth:`~specrt.runtime.tokenizer.TextCodec.encode_text`:
+        a source file holding the string ``<|fim_middle|>`` or ``<|endoftext|>`` gets the
+        ids of its characters, as llama.cpp's ``/infill`` tokenizes them)."""
+        enc = lambda t: codec.encode_text(t) if t else []  # noqa: E731
         head = [codec.bos] if codec.bos is not None else []
         return head + [self.prefix, *enc(prefix), self.suffix, *enc(suffix), self.middle]
 
