@@ -423,7 +423,7 @@ async def _sse(service: CompletionService, work: Work, jobs: list[Job], events: 
                 lp = await loop.run_in_executor(None, service.responses.piece_logprobs, work, i, rest, seen[i]) if rest else None
                 finish = payload.finish_reason
                 if tools is not None:
-                    for delta in tools[i].finish():
+                    for delta in tools[i].finish(finish == "length"):
                         yield service.responses.chunk(work, cid, created, i, None, None, None, delta=delta)
                     finish = "tool_calls" if tools[i].calls and finish == "stop" else finish
                 yield service.responses.chunk(work, cid, created, i, "", finish, lp)

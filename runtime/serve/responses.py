@@ -306,12 +306,13 @@ def chat_message(work: Work, res) -> tuple[dict, str]:
     """The ``message`` of a chat choice and its ``finish_reason``: with tools, the calls read
     from the text (:func:`~specrt.runtime.serve.tools.parse_tool_calls`) go to
     ``tool_calls`` (``content`` null when nothing else is left) and a choice that stopped
-    after calling ends with ``"tool_calls"``, as OpenAI answers."""
+    after calling ends with ``"tool_calls"``, as OpenAI answers; a call cut by the length is
+    the last call, its arguments as far as they go, with ``"length"``."""
     if work.tools is None:
         return {"role": "assistant", "content": res.text, "refusal": None}, res.finish_reason
     from .tools import parse_tool_calls
 
-    content, calls = parse_tool_calls(work.tools.format, res.text)
+    content, calls = parse_tool_calls(work.tools.format, res.text, res.finish_reason == "length")
     message = {"role": "assistant", "content": content, "refusal": None}
     if not calls:
         return message, res.finish_reason

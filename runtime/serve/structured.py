@@ -30,7 +30,8 @@ def request_constraint(req) -> Constraint | None:
     ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (any
     JSON object), ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...},
     "strict": ...}}`` (the schema, enforced whether or not ``strict`` is set, as vLLM and
-    llama.cpp do). ``guided_json``/``json_schema``: a schema; ``guided_regex``: a regular
+    llama.cpp do; ``schema`` is optional in OpenAI's API: without it the output is any JSON
+    value, as llama.cpp's server reads it). ``guided_json``/``json_schema``: a schema; ``guided_regex``: a regular
     expression; ``guided_choice``: a list of strings; ``guided_grammar``/``grammar``: a
     GBNF (or llguidance Lark) grammar.
 
@@ -68,15 +69,18 @@ def _response_format(rf: dict) -> Constraint | None:
         js = rf.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", js["name"]):
             raise InputError(
-                'response_format.json_schema needs "name" (1-64 letters, digits, "_" or "-") and "schema" (a JSON schema object)', "response_format"
+                'response_format.json_schema needs "name" (1-64 letters, digits, "_" or "-"); its "schema" (a JSON schema object) is optional '
+                "(without it: any JSON value)",
+                "response_format",
             )
-        schema = js.get("schema", {})
+        schema = js.get("schema")
+        schema = {} if schema is None else schema
         if not isinstance(schema, dict):
             raise InputError("response_format.json_schema.schema must be a JSON schema object", "response_format")
         return Constraint.json_schema(schema, "response_format")
     raise InputError(
         f'response_format={json.dumps(rf)[:120]}; allowed: {{"type": "text"}}, {{"type": "json_object"}}, '
-        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...} (optional)}}',
         "response_format",
     )
 

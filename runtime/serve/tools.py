@@ -276,9 +276,12 @@ def _hermes_call(text: str, at: int) -> tuple[dict | None, int]:
     return _as_call(obj, "arguments"), j + len(_CLOSE)
 
 
-def _hermes(text: str) -> tuple[list[str], list[dict]]:
-    """The text outside the calls (parts) and the calls, left to right; a ``<tool_call>``
-    that does not open a well-formed call stays text."""
+def _hermes(text: str, truncated: bool = False) -> tuple[list[str], list[dict]]:
+    """The text outside the calls (parts, one more than the calls) and the calls, left to
+    right; a ``<tool_call>`` that does not open a well-formed call stays text, except the
+    last one of an output cut by the length (``truncated``) when what follows it is a call
+    cut short (:func:`_cut_call`): that call is the last one, as far as it goes (dropped
+    when its name is not complete)."""
     parts, calls, at, scan = [], [], 0, 0
     while (k := text.find(_OPEN, scan)) >= 0:
         call, end = _hermes_call(text, k)
@@ -289,20 +292,60 @@ def _hermes(text: str) -> tuple[list[str], list[dict]]:
         calls.append(call)
         at = scan = end
     parts.append(text[at:])
+    if truncated and (k := parts[-1].rfind(_OPEN)) >= 0:
+        cut, call = _cut_call(parts[-1][k + len(_OPEN) :])
+        if cut:
+            parts[-1] = parts[-1][:k]
+            if call is not None:
+                parts.append("")
+                calls.append(call)
     return parts, calls
 
 
-def parse_tool_calls(fmt: str, text: str) -> tuple[str | None, list[dict]]:
+# the start of a hermes call object up to its arguments' value: {"name": "...", "arguments":
+_CUT_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"arguments"\s*:\s*)?', re.S)
+
+
+def _cut_call(body: str) -> tuple[bool, dict | None]:
+    """``(cut, call)`` for the text after a ``<tool_call>`` at the end of an output cut by
+    the length. ``cut``: it is a call's beginning (nothing yet, a JSON object's prefix, or a
+    whole object followed by at most a prefix of ``</tool_call>``), not some other text.
+    ``call``: the call as far as it goes, its ``arguments`` the JSON text generated so far
+    (it does not parse when the cut fell inside them), as OpenAI and llama-server return a
+    call cut by ``max_tokens``; None when the name is not complete."""
+    s = body.lstrip()
+    if not s:
+        return True, None
+    try:
+        obj, j = _DECODER.raw_decode(s)
+    except json.JSONDecodeError as e:
+        # a prefix of valid JSON fails at its end, or inside a string that runs to the end
+        if e.pos < len(s.rstrip()) and not e.msg.startswith("Unterminated string"):
+            return False, None
+        m = _CUT_HEAD.match(s)
+        if m is None:
+            return True, None
+        args = s[m.end() :].rstrip() if m[2] else ""
+        return True, {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": json.loads(m[1]), "arguments": args}}
+    rest = s[j:].strip()
+    if rest and not _CLOSE.startswith(rest):
+        return False, None
+    return True, _as_call(obj, "arguments")
+
+
+def parse_tool_calls(fmt: str, text: str, truncated: bool = False) -> tuple[str | None, list[dict]]:
     """``(content, tool_calls)`` of a model's output ``text`` in format ``fmt``.
 
     ``tool_calls`` are OpenAI's objects (``id``, ``type``, ``function.name``,
     ``function.arguments`` as JSON text); ``content`` is the text outside the calls,
     stripped (None when nothing is left). A block that does not parse as a call stays in
-    the content, as vLLM's parsers leave it.
+    the content, as vLLM's parsers leave it. ``truncated`` (the output was cut by the
+    length): a hermes call cut short is the last call, its ``arguments`` as far as they go
+    (:func:`_cut_call`), never raw ``<tool_call>`` text in the content.
     """
     calls: list[dict] = []
     if fmt == "hermes":
-        parts, calls = _hermes(text)
+        parts, calls = _hermes(text, truncated)
         content = "".join(parts)
     else:
         body = text.strip().removeprefix("<|python_tag|>").removeprefix("[TOOL_CALLS]").strip()
@@ -369,16 +412,17 @@ class ToolStream:
             out.extend(self._call_deltas(call))
             self.buf = self.buf[end:]
 
-    def finish(self) -> list[dict]:
-        """The deltas left at the end of the output."""
+    def finish(self, truncated: bool = False) -> list[dict]:
+        """The deltas left at the end of the output (``truncated``: it was cut by the
+        length, as :func:`parse_tool_calls` takes it)."""
         out: list[dict] = []
         if self.fmt != "hermes":
-            content, calls = parse_tool_calls(self.fmt, self.all)
+            content, calls = parse_tool_calls(self.fmt, self.all, truncated)
             out = [{"content": content}] if content else []
             for c in calls:
                 out.extend(self._call_deltas(c))
             return out
-        parts, calls = _hermes(self.buf)  # what was held: text and calls as the whole-text parse splits them
+        parts, calls = _hermes(self.buf, truncated)  # what was held: text and calls as the whole-text parse splits them
         for text, call in zip(parts, [*calls, None]):
             self._content(text, out)
             if call is not None:
