@@ -46,6 +46,8 @@ jump-forward decoding as SGLang's (Zheng et al. 2024, "SGLang", section 4).
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -68,6 +70,9 @@ CONSTRAINT_KINDS = ("json_schema", "regex", "lark", "grammar", "choice", "llguid
 # models saw most, and every separator is then forced text (jump-forward) instead of a choice
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 MAX_ERROR_CHARS = 240  # an llguidance message is cut to this many characters in a refusal
+# compiled, checked constraints a GrammarTokenizer keeps (least recently used dropped): an
+# agent resends the same tools and response_format every turn
+CACHED_GRAMMARS = 64
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,10 @@ class GrammarTokenizer:
         vocab: the tokenizer's vocabulary size (the manifest's ``vocab_size``).
         eos_ids: the end-of-generation ids (any of them ends an output the grammar accepts).
 
+    Attributes:
+        compiled: how many constraints were compiled so far (each distinct one once while
+            it stays among the last :data:`CACHED_GRAMMARS` used; tests count them).
+
     Raises:
         InputError: llguidance can read the tokenizer neither way.
     """
@@ -225,6 +234,9 @@ class GrammarTokenizer:
 
         self.vocab = vocab
         self.eos_ids = sorted(eos_ids)
+        self.compiled = 0
+        self._checked: OrderedDict = OrderedDict()  # Constraint -> its checked matcher, never stepped
+        self._lock = threading.Lock()
         try:
             self.tok = llguidance.LLTokenizer(codec.tokenizer.to_str(), n_vocab=vocab, eos_token=self.eos_ids)
         except ValueError:  # a decoder llguidance does not know (e.g. word-level vocabularies)
@@ -234,14 +246,36 @@ class GrammarTokenizer:
                 raise InputError(f"constraints: llguidance cannot read this engine's tokenizer ({short_error(str(e))})", "constraint") from None
 
     def matcher(self, constraint: Constraint):
-        """A fresh ``llguidance.LLMatcher`` for ``constraint``, checked.
+        """A fresh ``llguidance.LLMatcher`` for ``constraint``, checked, at the output's start.
+
+        A constraint is compiled and checked once (:meth:`_compile`); later calls with an
+        equal one get a copy of that matcher (``LLMatcher.deep_copy``, about a microsecond):
+        a request's constraint is compiled once although the server's validation
+        (:meth:`Engine.resolve`), the worker's :meth:`Engine.stream` and each choice's
+        acceptor all ask for it.
 
         Raises:
             InputError: (param ``constraint.name``) the grammar does not compile, a schema
                 keyword llguidance does not support (the message names it), or no token
                 can start the output.
         """
+        with self._lock:
+            proto = self._checked.get(constraint)
+            if proto is not None:
+                self._checked.move_to_end(constraint)
+                return proto.deep_copy()
+        proto = self._compile(constraint)
+        with self._lock:
+            self._checked[constraint] = proto
+            while len(self._checked) > CACHED_GRAMMARS:
+                self._checked.popitem(last=False)
+            return proto.deep_copy()
+
+    def _compile(self, constraint: Constraint):
+        """A new checked matcher for ``constraint`` (:meth:`matcher`'s errors)."""
         import llguidance
+
+        self.compiled += 1
 
         grammar = constraint.grammar()
         name = constraint.name

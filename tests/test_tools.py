@@ -419,6 +419,50 @@ def test_structured_output_fields(client, tool_server):
         check(r.choices[0].text)
 
 
+async def _drain(svc, work):
+    """Run ``work`` on its service's pool; the last event of each generation, in order."""
+    jobs, events = svc.submit(work)
+    last: dict = {}
+    while len(last) < len(jobs):
+        i, (kind, payload) = await events.get()
+        if kind not in ("prompt", "text"):
+            last[i] = (kind, payload)
+    return [last[i] for i in range(len(jobs))]
+
+
+@pytest.mark.parametrize("pool", ["2 workers", "2 batch slots"])
+def test_a_requests_constraint_is_compiled_once(pool):
+    """On the worker path a request's constraint was compiled three times (the service's
+    validation, the worker's Engine.stream, the acceptor) and once more per extra choice: now
+    once. A tools request compiles each tool's schema (validation) and the call grammar,
+    once each; the same requests again (an agent's next turn) compile nothing."""
+    import asyncio
+
+    pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+    from specrt.runtime.serve.protocol import chat_request_model
+    from specrt.runtime.serve.server import build_service
+
+    if not (ENGINES / "manifest.json").is_file():
+        pytest.skip("engines/default not exported: run `make export`")
+    kw = dict(workers=2) if pool == "2 workers" else dict(max_batch=2)
+    svc = build_service(ENGINES, chat_template=QWEN_TEMPLATE, **kw)
+    gt = svc.engine.grammar_tokenizer()
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    bodies = [
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}, n=2), 1),
+        (dict(tools=TOOLS, tool_choice="required"), 3),  # two tool schemas and the call grammar
+    ]
+    try:
+        for body, compiled in bodies:
+            for again in (False, True):
+                before = gt.compiled
+                work = svc.prepare_chat(chat_request_model()(model=None, messages=ASK, max_tokens=12, temperature=0, **body))
+                assert [kind for kind, _ in asyncio.run(_drain(svc, work))] == ["done"] * len(work.gens)
+                assert gt.compiled - before == (0 if again else compiled), (body, again)
+    finally:
+        svc.pool.close()
+
+
 def test_json_schema_without_a_schema_is_any_json(client, engine):
     """response_format json_schema with a name and no schema (OpenAI's API makes ``schema``
     optional): accepted, the output is any JSON value, the Engine's under the empty schema
