@@ -937,6 +937,20 @@ def _print_tune_report(result: dict, out: Path) -> None:
     help="prefix cache budget in tokens over all workers or --max-batch slots (default: each worker or free slot keeps its last prompt's reusable KV rows; 0: off); output is the same with or without it",
 )
 @click.option(
+    "--slot-wait-ms",
+    type=click.FloatRange(0),
+    default=serve_default("slot_wait_ms"),
+    show_default=True,
+    help="a waiting request passed over by later ones that take the free worker or slot holding their own history (prefix cache) goes first after this many milliseconds from the first pass",
+)
+@click.option(
+    "--slot-wait-requests",
+    type=click.IntRange(0),
+    default=serve_default("slot_wait_requests"),
+    show_default=True,
+    help="... or after this many requests passed it over (0: first come first served, each to the free worker or slot that serves it best)",
+)
+@click.option(
     "--completions-special-tokens",
     type=click.Choice(COMPLETIONS_SPECIAL_TOKENS),
     default=serve_default("completions_special_tokens"),
@@ -963,6 +977,8 @@ def serve(
     batch_policy,
     max_tokens_in_flight,
     prefix_cache_tokens,
+    slot_wait_ms,
+    slot_wait_requests,
     completions_special_tokens,
     threads,
     spinning,
@@ -994,6 +1010,8 @@ def serve(
             batch_policy=batch_policy,
             max_tokens_in_flight=max_tokens_in_flight,
             prefix_cache_tokens=prefix_cache_tokens,
+            slot_wait_ms=slot_wait_ms,
+            slot_wait_requests=slot_wait_requests,
             completions_special_tokens=completions_special_tokens,
         )
     )

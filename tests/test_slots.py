@@ -207,3 +207,18 @@ def test_six_chats_first_come_first_served_lose_their_history(cold):
     follow = six_chats("workers", SlotPolicy(wait_requests=0), cold)
     found = [f for f in follow if f["held"]]
     assert len(found) == 4 and all(f["reused"] < f["aligned"] for f in found), follow
+
+
+def test_serve_settings_reach_the_pools_slot_policy():
+    pytest.importorskip("fastapi")
+    from specrt.runtime.serve.jobs import ServeError
+    from specrt.runtime.serve.server import build_service
+
+    for extra in ({}, dict(max_batch=2, batch_policy="speculate")):
+        svc = build_service(ENGINES, slot_wait_ms=250.0, slot_wait_requests=0, **extra)
+        try:
+            assert svc.pool.slots.policy == SlotPolicy(wait_ms=250.0, wait_requests=0)
+        finally:
+            svc.pool.close()
+    with pytest.raises(ServeError, match="slot_wait_requests=-1; it must be >= 0"):
+        build_service(ENGINES, slot_wait_requests=-1)

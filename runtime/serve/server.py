@@ -21,6 +21,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from ..errors import InputError
+from ..slots import SlotPolicy
 from .app import create_app, require_serve_extra
 from .jobs import Job, Pool, ServeError, ServerBusy, WorkerPool
 from .responses import LOGPROB_FLOOR, GenerationRequest, Responses, Work, error_body, usage_block
@@ -55,11 +57,15 @@ log = logging.getLogger("specrt.serve")
 
 def _load_pool(cfg: ServeConfig) -> Pool:
     """The worker pool, or the batch scheduler with ``max_batch`` (each with the prefix
-    cache's budget).
+    cache's budget and the slot rule's bound).
 
     Raises:
         ServeError: bad pool settings (the pools' own checks).
     """
+    try:
+        policy = SlotPolicy(wait_ms=cfg.slot_wait_ms, wait_requests=cfg.slot_wait_requests)
+    except InputError as e:
+        raise ServeError(str(e)) from None
     if cfg.max_batch > 0:
         from .batching import BatchPool
 
@@ -73,6 +79,7 @@ def _load_pool(cfg: ServeConfig) -> Pool:
             policy=cfg.batch_policy,
             round_delay=cfg.round_delay,
             prefix_cache_tokens=cfg.prefix_cache_tokens,
+            slot_policy=policy,
         )
     return WorkerPool.load(
         cfg.engines,
@@ -82,6 +89,7 @@ def _load_pool(cfg: ServeConfig) -> Pool:
         backend=cfg.backend,
         round_delay=cfg.round_delay,
         prefix_cache_tokens=cfg.prefix_cache_tokens,
+        slot_policy=policy,
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from ..slots import DEFAULT_SLOT_WAIT_MS, DEFAULT_SLOT_WAIT_REQUESTS
+
 __all__ = [
     "ServeConfig",
     "serve_default",
@@ -16,6 +18,8 @@ __all__ = [
     "DEFAULT_BATCH_POLICY",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_QUEUE",
+    "DEFAULT_SLOT_WAIT_MS",
+    "DEFAULT_SLOT_WAIT_REQUESTS",
     "LOG_LEVELS",
 ]
 
@@ -59,6 +63,10 @@ class ServeConfig:
             (:class:`~specrt.runtime.serve.jobs.WorkerPool`) or batch slots
             (:class:`~specrt.runtime.serve.batching.BatchPool`); None: no limit but the KV
             buffers; 0: off.
+        slot_wait_ms, slot_wait_requests: how long a waiting request may be passed over by
+            later ones that take the free slot holding their own history
+            (:class:`~specrt.runtime.slots.SlotPolicy`: milliseconds from the first pass,
+            passes; ``slot_wait_requests`` 0: first come first served).
         completions_special_tokens: one of :data:`COMPLETIONS_SPECIAL_TOKENS`: how a
             ``/v1/completions`` text prompt's control-token strings (``<|im_start|>``,
             ``<|endoftext|>``) are tokenized. Chat content, tool results and FIM
@@ -83,6 +91,8 @@ class ServeConfig:
     batch_policy: str = DEFAULT_BATCH_POLICY
     max_tokens_in_flight: int | None = None
     prefix_cache_tokens: int | None = None
+    slot_wait_ms: float = DEFAULT_SLOT_WAIT_MS
+    slot_wait_requests: int = DEFAULT_SLOT_WAIT_REQUESTS
     completions_special_tokens: str = "special"
 
 
