@@ -39,6 +39,9 @@ int4 target rounds a 129-row call's last row like a 1-row call (128 + 1 inside
 MatMulNBits), so its prefill cuts 129 as 127 + 2. The draft keeps the aligned rule (its
 rounds are 1-row calls), and so do backends other than onnxruntime's CPU provider (the
 widths were measured on its kernels).
+
+Routing (:func:`route_key`): how many of a record's rows a prompt would reuse, which
+:mod:`specrt.runtime.slots` uses to choose a request's slot (llama-server's slot similarity).
 """
 
 from __future__ import annotations
