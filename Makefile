@@ -25,7 +25,7 @@ REPEATS ?= 3
 THREADS ?= 2
 COMPARE_OUT ?= bench_out/compare
 
-.PHONY: lint install export demo test test-fast bench bench-envs bench-compare models clean gpu-check load-test ray-check real-pair demo-real bench-real bench-agents test-real
+.PHONY: lint install kernels export demo test test-fast bench bench-envs bench-compare models clean gpu-check load-test ray-check real-pair demo-real bench-real bench-agents test-real
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ $(BIN)/python:
 # base (runtime) + [export] (torch==2.13.0 CPU, transformers, onnx) + [dev] (pytest ...)
 install: $(BIN)/python
 	$(BIN)/pip install -q $(PIP_FIND) -e '.[export,dev]'
+
+# rebuild specrt's C kernels in place after editing runtime/kernels/*.c|h (make install builds them too)
+kernels: $(BIN)/python
+	$(BIN)/python setup.py -q build_ext --inplace
 
 # the default flavor: int4 builder graphs, the fastest CPU flavor whose quality holds
 # (docs/guide/engines.md); `make export PRECISION=fp32 ENGINES=engines/fp32` for the fp32 engines

@@ -281,6 +281,12 @@ class ExportOptions:
             file 97.6% against 91.8% requantized, for an 18% slower step, docs/guide/real-pair.md);
             ``requantize``: every layer quantized again from the dequantized weights. The
             draft is always requantized (its speed matters, its exactness does not).
+        kernels: with a GGUF target exported int8/int4 (the file's own blocks), also write its panels for specrt's CPU kernels
+            (``target.panels``, ``extra["kernels"]``: :mod:`specrt.export.kernel_pack`, each
+            tensor checked against ``gguf.dequantize``) and time the kernels' 1-row step
+            against the ONNX graph's on this machine; the runtime takes the kernels where they
+            run (:func:`specrt.runtime.backends.kernels_choice`). A file the kernels cannot run
+            writes no panels, with the reason.
         draft_precision: the draft's flavor when it differs from the target's (None: the
             same), e.g. an int4 draft for an fp32 target: with ``--draft`` and ``--target``
             the same checkpoint, the model's own int4 graph drafts for its exact one (a
@@ -304,6 +310,7 @@ class ExportOptions:
     gguf_cache: str | Path | None = None
     draft_precision: str | None = None
     gguf_weights: str = "exact"
+    kernels: bool = True
 
     def precision_of(self, role: str) -> str:
         """The flavor of ``role`` (``draft`` or ``target``)."""
@@ -398,6 +405,7 @@ def export_pair(draft_dir: str | Path, target_dir: str | Path, out: str | Path, 
 def _export_pair(draft_dir: Path, target_dir: Path, out: Path, o: ExportOptions, quants: dict, log) -> Manifest:
     """:func:`export_pair` after its options are checked and its preflight passed."""
     meter = PhaseMeter(log)
+    target_src = target_dir
     (draft_dir, target_dir), gguf = _from_gguf(draft_dir, target_dir, o, quants, meter, log)
     for role, d in (("draft", draft_dir), ("target", target_dir)):
         if not (d / "config.json").is_file():
@@ -408,14 +416,26 @@ def _export_pair(draft_dir: Path, target_dir: Path, out: Path, o: ExportOptions,
     _check_configs(draft_dir, target_dir, o.max_ctx, special[3], log)
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)  # half-written until the new one lands
-    for name in (BODY_FILE, HEAD_FILE, "target.onnx.data", "draft.onnx.data"):  # stale files of another flavor
+    for name in (BODY_FILE, HEAD_FILE, "target.onnx.data", "draft.onnx.data", "target.panels"):  # stale files of another flavor
         (out / name).unlink(missing_ok=True)
     entries, lazy, files = _export_models({"target": target_dir, "draft": draft_dir}, out, o, quants, special[3], meter, log)
+    kernels = None
+    if o.kernels and target_src.is_file():
+        if o.precision in ("int8", "int4"):
+            kernels = _kernel_panels(target_src, out, entries["target"], o, files, meter, log)
+        else:
+            log(
+                f"  kernels: no target panels for a {o.precision} target (they compute the GGUF's blocks with 8-bit activations, as llama.cpp; export --precision int4 for them)"
+            )
     template = _write_tokenizer_files(out, tok_json, fixed_tokenizer, target_dir, files, log)
     for name, rec in files.items():
         if rec.external:
             log(f"  {name}: weights in {', '.join(rec.external)} ({sum(files[x].bytes for x in rec.external) / 2**30:.2f} GiB)")
-    extra: dict = {**({LAZY_HEAD_KEY: lazy} if lazy is not None else {}), **({"gguf": gguf} if gguf else {})}
+    extra: dict = {
+        **({LAZY_HEAD_KEY: lazy} if lazy is not None else {}),
+        **({"gguf": gguf} if gguf else {}),
+        **({"kernels": {"target": kernels}} if kernels else {}),
+    }
     manifest = _manifest(out, o, entries, vocab_hash(tok_json), special, target_dir, template, files, extra)
     if o.quality is not None:
         from .quality import export_quality
@@ -437,6 +457,25 @@ def _export_pair(draft_dir: Path, target_dir: Path, out: Path, o: ExportOptions,
     manifest.write(out)
     log(f"wrote {out / 'manifest.json'}")
     return manifest
+
+
+def _kernel_panels(gguf_path: Path, out: Path, entry, o: ExportOptions, files: dict, meter, log) -> dict | None:
+    """The target's panels for the kernels (:func:`specrt.export.kernel_pack.write_panels`),
+    recorded in ``files``, with the 1-row step of the kernels and of the ONNX graph timed on
+    this machine (``measured``); None when the kernels cannot run the file or are not built."""
+    from .kernel_pack import write_panels
+
+    meter.phase("target: kernel panels")
+    rec = write_panels(gguf_path, out, "target", log)
+    if rec is None:
+        return None
+    p = out / rec["file"]
+    files[rec["file"]] = FileRecord(sha256=sha256_file(p), bytes=p.stat().st_size)
+    from specrt.runtime.lab.kernel_paths import measure_paths
+
+    m = measure_paths(out, entry, rec, o.max_ctx, log=log)
+    log(f"  kernels: 1-row target step {m['kernels_ms']:.1f} ms ({m['isa']}) vs the ONNX graph's {m['ort_ms']:.1f} ms on this machine")
+    return {**rec, "measured": [m]}
 
 
 def _from_gguf(draft_dir: Path, target_dir: Path, o: ExportOptions, quants: dict, meter, log) -> tuple:

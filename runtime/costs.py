@@ -127,7 +127,7 @@ def measure_call_times(
     for label, eng in engines.items():
         eng.cached = None  # these calls overwrite KV rows a prefix cache may hold
         manifest = eng.manifest
-        min_q = manifest.min_q()
+        min_q = getattr(eng, "min_q", None) or manifest.min_q()  # the Engine's: 1 for a width-exact target
         for q in widths:
             if not 1 <= q <= manifest.k_max + 1 or past + q > manifest.max_ctx or past < min_q - 1:
                 raise InputError(f"cost case q={q} at past={past}; need 1 <= q <= {manifest.k_max + 1}, past >= {min_q - 1} and past + q <= {manifest.max_ctx}")

@@ -49,7 +49,7 @@ from typing import Iterator, Protocol, Sequence
 import numpy as np
 
 from .adaptive import AdaptiveK
-from .backends.base import Model
+from .backends.base import Model, run_tail
 from .chunks import call_start, chunk_bounds, feed
 from .drafters import Drafter, drafter_is_free, make_drafter
 from .prefix import KVPrefix, prefill_calls
@@ -377,7 +377,7 @@ def catch_up(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: 
     if pend - kv.target + 1 > widest:
         at = kv.target
         for lo, hi in chunk_bounds(pend - at, target.max_q, plan.min_q, plan.tail_q, plan.avoid):
-            target.run(seq[at + lo : at + hi], at + lo)
+            run_tail(target, seq[at + lo : at + hi], at + lo, 0)  # KV only: no row is read
             calls.append((hi - lo, at + lo, hi - lo))
         kv.target = pend
     return widest - 1 - (pend - kv.target)
@@ -431,8 +431,8 @@ def prefill(target: Model, seq: list[int], plan: Plan, acc: Acceptor, kv: KVLeng
         return Round(pos=0, steps=[], n=0, m=0, commit=head, finish=finish, target_s=time.perf_counter() - t0, forced=len(head))
     n_fed = len(seq)
     reused, run, aligned = prefill_calls(cached, seq, target.max_q, plan.min_q, plan.tail_q, plan.avoid, plan.any_layout)
-    for a, b in run:
-        rows = target.run(seq[a:b], a)
+    for i, (a, b) in enumerate(run):
+        rows = run_tail(target, seq[a:b], a, 1 if i == len(run) - 1 else 0)  # only the last row is read
     first = acc.bonus(0, rows[-1])
     new, ended, forced = commit_forced(([first], first in plan.eos), n_fed, n_prompt, plan, acc)
     seq.extend(new)

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .backends import DEFAULT_BACKEND, load_models, resolve_backend
+from .backends import DEFAULT_BACKEND, kernel_files, load_models, resolve_backend
 from .backends.base import SplitsHead, ThreadConfig
 from .chunks import PREFILL_CHUNK
 from .config import GenerationConfig, resolve_config
@@ -37,6 +37,7 @@ from .manifest import GRAPH_BUILDER, LAZY_HEAD_HINT, LAZY_HEAD_KEY, REEXPORT_HIN
 from .sampling import SampledAcceptor
 from .slots import Slot, SlotRecord
 from .speculative import GreedyAcceptor
+from .target_path import choose_backend
 from .tokenizer import TextCodec
 
 __all__ = ["Engine", "GenerationResult", "Stream", "PREFILL_CHUNK"]
@@ -111,6 +112,31 @@ def _say_tuned_elsewhere(manifest: Manifest, folder: Path) -> str | None:
     return line
 
 
+def _load_files(manifest: Manifest, backend: str) -> dict[str, str]:
+    """Name -> SHA-256 of the files an Engine on ``backend`` opens (the kernels: their panels too)."""
+    return {**manifest.load_files(), **(kernel_files(manifest) if backend == "kernels" else {})}
+
+
+def target_exactness(target, manifest: Manifest) -> tuple[bool, int, int]:
+    """``(width_exact, min_q, reuse_step)`` of a loaded target: a model whose rows do not
+    depend on the call (``width_exact``: the kernels) is exact at every width and layout (1, 1);
+    any other keeps the manifest's measured ``exact_min_q`` and reuse granularity."""
+    if getattr(target, "width_exact", False):
+        return True, 1, 1
+    return False, manifest.min_q(), manifest.reuse_step(target.max_q)
+
+
+def layout_avoid(engine, exact_widths: bool) -> frozenset | None:
+    """The prefill widths any-layout prefix reuse must avoid (None: whole aligned calls only).
+    The wide widths were measured on onnxruntime's CPU kernels, so other backends keep whole
+    aligned calls; for a width-exact target (specrt's kernels) every layout is exact."""
+    if engine.width_exact:
+        return frozenset()
+    if exact_widths and engine.backend == DEFAULT_BACKEND:
+        return engine.manifest.layout_avoid(engine.target.max_q)
+    return None
+
+
 class Engine:
     """A loaded engine folder: manifest, tokenizer, and both models on one backend.
 
@@ -155,17 +181,17 @@ class Engine:
         self.prefix_cache = prefix_cache
         self.manifest: Manifest = load_manifest(self.folder, verify_hashes=False)  # validated whole; files present
         manifest = self.manifest
-        self.backend = resolve_backend(backend, manifest)
+        self.backend = resolve_backend(choose_backend(backend, manifest), manifest)
         if verify_hashes:
             hint = REEXPORT_HINT.format(folder=self.folder)
-            check_files(manifest, self.folder, manifest.load_files(), True, hint)  # sizes: a stat each, before anything reads them
+            check_files(manifest, self.folder, files := _load_files(manifest, self.backend), True, hint)  # sizes: a stat each, first
             # Digests before any session exists: files whose identity already has the
             # manifest's digest in the digest cache are not read again, the others are hashed
             # on worker threads. Hashing first, not beside session creation, because it
             # measured faster (docs/real_shapes/load_strategy_e714.json: on 2 shared cores
             # the overlap took 15.0 s, hashing first 9.6 s, sessions alone 4.7 s), and no
             # session is ever built over unverified bytes.
-            check = Verification(self.folder, manifest.load_files(), hint)
+            check = Verification(self.folder, files, hint)
             check.wait()
             self.integrity = dict(hashed=check.hashed, cached=check.cached)
         else:
@@ -174,7 +200,8 @@ class Engine:
         self.target, self.draft = load_models(
             self.backend, self.folder, manifest, threads or ThreadConfig(), max(PREFILL_CHUNK, manifest.k_max + 1), PREFILL_CHUNK, verify_hashes
         )
-        self.slot = Slot(self.target, self.draft, manifest.reuse_step(self.target.max_q), manifest.k_max + 1)
+        self.width_exact, self.min_q, step = target_exactness(self.target, manifest)  # a step of reusable rows
+        self.slot = Slot(self.target, self.draft, step, manifest.k_max + 1)
         self._flops = flop_coefficients(manifest.target)
         self._adaptive: tuple | None = None  # per-call costs for adaptive k (adaptive_costs)
         self.tuned_elsewhere: str | None = _say_tuned_elsewhere(manifest, self.folder)
@@ -355,8 +382,7 @@ class Engine:
     def plan(self, cfg: GenerationConfig, observe: bool = False) -> Plan:
         """The decode loop's :class:`~specrt.runtime.decode.Plan` for resolved settings ``cfg``."""
         manifest = self.manifest
-        # the wide widths were measured on onnxruntime's CPU kernels: other backends keep whole aligned calls
-        avoid = manifest.layout_avoid(self.target.max_q) if cfg.exact_widths and self.backend == DEFAULT_BACKEND else None
+        avoid = layout_avoid(self, cfg.exact_widths)
         return Plan(
             k_max=cfg.k_max,
             threshold=cfg.threshold,
@@ -367,8 +393,8 @@ class Engine:
             strategy=cfg.strategy,
             chunk_bound=cfg.chunk_bound,
             observe=observe,
-            min_q=manifest.min_q() if cfg.exact_widths else 1,
-            tail_q=manifest.k_max + 1 if cfg.exact_widths else 0,
+            min_q=self.min_q if cfg.exact_widths else 1,
+            tail_q=0 if self.width_exact or not cfg.exact_widths else manifest.k_max + 1,
             any_layout=avoid is not None,
             avoid=avoid or frozenset(),
             drafter=cfg.drafter,

@@ -3,7 +3,7 @@
 A test suite that cannot fail is a defect; a mutation run shows that a named bug makes at least
 one test fail. The shared checkout is never touched: the tree (tracked and untracked files, not
 ignored ones) is copied to a temporary folder, ``engines/`` is linked in, the mutation is applied
-to the copy, and pytest runs there with ``specrt`` imported from the copy (a ``PYTHONPATH`` entry
+to the copy (a mutation of the C kernels rebuilds the copy's library), and pytest runs there with ``specrt`` imported from the copy (a ``PYTHONPATH`` entry
 ahead of the editable install's finder).
 
 Usage::
@@ -91,6 +91,13 @@ def run_one(name: str, file: str, old: str, new: str, tests: list[str]) -> bool:
         copy_tree(dst)
         apply(dst, file, old, new)
         env = dict(os.environ, PYTHONPATH=f"{import_root(dst)}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        if file.startswith("runtime/kernels/") and file.endswith((".c", ".h")):  # a C mutation: rebuild the copy's library
+            for so in (dst / "runtime" / "kernels").glob("_sk*.so"):
+                so.unlink()
+            b = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=dst, capture_output=True, text=True)
+            if b.returncode != 0 or not list((dst / "runtime" / "kernels").glob("_sk*.so")):
+                print(f"ERROR    {name}: the mutated kernels do not build: {b.stderr.strip()[-300:]}", flush=True)
+                return False
         proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *tests], cwd=dst, env=env, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
         summary = lines[-1] if lines else proc.stderr.strip()[-200:]

@@ -273,6 +273,14 @@ def _defaults_file(path: str, k_max: int) -> tuple[dict, dict | None]:
     "(no second quantization; Q6_K/Q5_0/Q8_0 layers stay 8-bit), or requantize every layer (smaller, faster, less faithful)",
 )
 @click.option(
+    "--kernels/--no-kernels",
+    default=True,
+    show_default=True,
+    help="GGUF target, int4/int8: also write its panels for specrt's own CPU kernels (target.panels: the file's blocks, "
+    "each tensor checked against gguf.dequantize; the runtime then runs the target on them where the CPU has AVX2 or "
+    "AVX-512 VNNI and they measured faster than the ONNX graph; docs/guide/kernels.md)",
+)
+@click.option(
     "--gguf-cache",
     type=click.Path(file_okay=False),
     default=None,
@@ -293,6 +301,7 @@ def export(
     external_data,
     defaults_file,
     gguf_weights,
+    kernels,
     gguf_cache,
 ):
     """Export a draft/target pair to ONNX engines (one --precision flavor) with parity and
@@ -341,6 +350,7 @@ def export(
             gguf_cache=gguf_cache,
             draft_precision=draft_precision,
             gguf_weights=gguf_weights,
+            kernels=kernels,
         )
     except SpecRTError as e:
         raise click.ClickException(str(e)) from None

@@ -32,6 +32,7 @@ MAX_SCRIPTS_SHARE = 0.15
 # prefixes; a module belongs to the wing of its longest matching prefix.
 FLOORS = (
     (("specrt.runtime.errors", "specrt.runtime.integrity", "specrt.runtime.manifest"),),  # the error tree and the export/runtime contract
+    (("specrt.runtime.kernels",),),  # specrt's C kernels and their panels: numpy and ctypes only
     (("specrt.runtime.backends",),),  # model runners: they read the manifest, nothing of the loop
     (("specrt.runtime",),),  # the token path (engine, decode loop, tokenizer, chat templates, costs)
     (("specrt.runtime.lab",), ("specrt.runtime.serve",)),  # measuring and serving: two wings on the engine, neither over the other

@@ -6,13 +6,19 @@ name     model class                                  needs
 ort-cpu  :class:`~.ort.OrtModel` (standard graphs),   onnxruntime >= 1.23 (always available)
          :class:`~.ort_gqa.OrtGqaModel` (builder
          graphs), per model from the manifest
+kernels  target: :class:`~.kern.KernelModel`          the kernel library (built at install), a
+         (specrt's C kernels over the GGUF's blocks); CPU with AVX2 or AVX-512 VNNI, and the
+         draft: as ort-cpu                            target's panels in the engine folder
+                                                      (exported from a GGUF target)
 ort-cuda :class:`~.ort_cuda.OrtCudaModel`             onnxruntime-gpu and an NVIDIA GPU
 tensorrt :class:`~.trt.TrtModel`                      tensorrt >= 10.1, cuda-python, a GPU and the
                                                       plans in the manifest's extra
 ======== ============================================ =========================================
 
-The default is ``ort-cpu``, the only backend that has run on real hardware; a GPU backend
-is used only when asked for by name (``--backend``, ``Engine(backend=...)``), and then
+Without a name, the Engine runs an engine folder whose target has kernel panels on
+``kernels`` where the library and the CPU can (:func:`specrt.runtime.target_path.choose_backend`;
+else ``ort-cpu``, with a one-line note saying why), and any other folder on ``ort-cpu``. A GPU backend is used only
+when asked for by name (``--backend``, ``Engine(backend=...)``), and then
 refused with the reason when this machine cannot run it. The GPU backends have not been run
 on a GPU yet (docs/guide/gpu.md); they are tested against a stand-in (tests/fake_gpu.py).
 """
@@ -39,11 +45,15 @@ __all__ = [
     "gpu_present",
     "refuse_builder_graphs",
     "cpu_model",
+    "kernels_unavailable",
+    "kernel_files",
+    "KERNELS_KEY",
 ]
 
-BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt")
-DEFAULT_BACKEND = "ort-cpu"  # used unless a backend is named
+BACKENDS = ("ort-cpu", "kernels", "ort-cuda", "tensorrt")
+DEFAULT_BACKEND = "ort-cpu"  # used unless a backend is named (or the Engine chooses the kernels: target_path.choose_backend)
 TRT_KEY = "tensorrt"  # key of the TensorRT record in Manifest.extra
+KERNELS_KEY = "kernels"  # key of the kernel panels record in Manifest.extra ({"target": ...})
 
 
 def _module_present(name: str) -> bool:
@@ -71,7 +81,7 @@ def backend_status(manifest: Manifest | None = None) -> dict[str, str | None]:
     """
     from .ort_cuda import ort_cuda_available
 
-    status: dict[str, str | None] = {"ort-cpu": None}
+    status: dict[str, str | None] = {"ort-cpu": None, "kernels": kernels_unavailable(manifest)}
     gpu = gpu_present()
     status["ort-cuda"] = ort_cuda_available() or (None if gpu else "no NVIDIA GPU is visible on this machine")
     if not _module_present("tensorrt"):
@@ -87,8 +97,22 @@ def backend_status(manifest: Manifest | None = None) -> dict[str, str | None]:
     return status
 
 
+def kernels_unavailable(manifest: Manifest | None) -> str | None:
+    """Why the kernels cannot run (for ``manifest``'s target when given), or None."""
+    from ..kernels import cpu_isa, status
+
+    why = status()
+    if why is None and cpu_isa() == "portable":
+        why = "this CPU has neither AVX2 (with FMA and F16C) nor AVX-512 VNNI: the kernels' portable C path is slower than onnxruntime"
+    if why is None and manifest is not None and not (manifest.extra.get(KERNELS_KEY) or {}).get("target"):
+        why = "the engine folder has no kernel panels for its target (they are written by `specrt export` from a GGUF target)"
+    return why
+
+
 def resolve_backend(name: str | None, manifest: Manifest | None = None) -> str:
-    """The backend to use: ``name``, or :data:`DEFAULT_BACKEND` (ort-cpu) when None.
+    """The backend to use: ``name``, or :data:`DEFAULT_BACKEND` (ort-cpu) when None (the
+    Engine names ``kernels`` itself where a folder's target runs on them:
+    :func:`specrt.runtime.target_path.choose_backend`).
 
     Raises:
         BackendError: unknown name, or a backend this machine/folder cannot run; the
@@ -150,6 +174,51 @@ def cpu_model(folder: Path, entry, max_ctx: int, max_q: int, threads: ThreadConf
     return OrtModel(Path(folder) / entry.file, entry, max_ctx, max_q, threads, head_sessions=head_sessions, role=role)
 
 
+def kernel_files(manifest: Manifest) -> dict[str, str]:
+    """File name -> SHA-256 of the target's kernel panels (checked at load with the graphs
+    when the kernels run), from the manifest's ``files`` map; empty when there are none."""
+    rec = (manifest.extra.get(KERNELS_KEY) or {}).get("target")
+    if not rec or rec["file"] not in manifest.files:
+        return {}
+    return {rec["file"]: manifest.files[rec["file"]].sha256}
+
+
+def kernel_target(folder: Path, manifest: Manifest, threads: ThreadConfig, max_q: int):
+    """The target on specrt's kernels (:class:`~.kern.KernelModel`) from the folder's panels,
+    on the kernels' thread team (``threads.intra_op`` threads). The path is the CPU's best,
+    or ``SPECRT_KERNELS_ISA`` (``avx512vnni``, ``avx2``, ``portable``) when set.
+
+    Raises:
+        BackendError: the kernels cannot run here, or the ISA named is not one this CPU runs.
+        EngineError: the panels do not fit the manifest (vocabulary width, size).
+    """
+    import os
+
+    from ..kernels import cpu_isa, isa_id, start_team
+    from ..kernels.weights import KernelWeights
+    from .kern import KernelModel
+
+    why = kernels_unavailable(manifest)
+    if why is not None:
+        raise BackendError(f"backend 'kernels' is unavailable here: {why}", "backend")
+    rec = manifest.extra[KERNELS_KEY]["target"]
+    isa = os.environ.get("SPECRT_KERNELS_ISA") or cpu_isa()
+    try:
+        isa_id(isa)
+    except ValueError as e:
+        raise BackendError(f"SPECRT_KERNELS_ISA: {e}", "backend") from None
+    if int(rec["dims"]["n_vocab"]) != manifest.target.vocab_size:
+        raise EngineError(
+            f"{folder / rec['file']}: {rec['dims']['n_vocab']} logits a row, the manifest's target has {manifest.target.vocab_size}; re-export the engine"
+        )
+    start_team(threads.intra_op)
+    try:
+        weights = KernelWeights(Path(folder) / rec["file"], rec, manifest.max_ctx, max_q)
+    except RuntimeError as e:
+        raise EngineError(str(e)) from None
+    return KernelModel(weights, isa)
+
+
 def refuse_builder_graphs(backend: str, manifest: Manifest, folder: Path) -> None:
     """The GPU backends run standard graphs only (TensorRT plans are built from standard-op
     graphs; the CUDA backend binds BLHD past/new-row KV).
@@ -185,6 +254,8 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
         BackendError, EngineError: see the model classes.
     """
     m = manifest
+    if backend == "kernels":
+        return kernel_target(folder, m, threads, target_q), cpu_model(folder, m.draft, m.max_ctx, draft_q, threads.for_draft(m.draft.params), role="draft")
     if backend == "ort-cpu":
         from .ort import SharedHeadSessions
 

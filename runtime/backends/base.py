@@ -18,7 +18,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Model", "HeadSplit", "SplitsHead", "ThreadConfig", "DRAFT_ONE_THREAD_BELOW", "release_scratch"]
+__all__ = ["Model", "HeadSplit", "SplitsHead", "ThreadConfig", "DRAFT_ONE_THREAD_BELOW", "release_scratch", "run_tail"]
 
 
 @runtime_checkable
@@ -141,3 +141,19 @@ def release_scratch(model, start: int) -> int:
     Call it only once the last call's logits have been read. Returns bytes released."""
     rel = getattr(model, "release_logits", None)
     return rel(start) if rel is not None else 0
+
+
+def run_tail(model, tokens: Sequence[int] | np.ndarray, start: int, need: int) -> np.ndarray:
+    """``model.run(tokens, start)`` whose caller reads only the last ``need`` logits rows
+    (0: none, e.g. a prefill chunk before the last). A model that can leave the other rows
+    unprojected (optional ``run_rows(tokens, start, lo)``: the kernels) does, saving their
+    share of the LM head; any other model runs as usual. The KV rows are written either way.
+
+    Returns:
+        float32 ``[q, vocab]``; only the last ``need`` rows are defined.
+    """
+    rr = getattr(model, "run_rows", None)
+    if rr is None:
+        return model.run(tokens, start)
+    q = len(tokens)
+    return rr(tokens, start, q - min(max(0, need), q))

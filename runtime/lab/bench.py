@@ -193,7 +193,7 @@ def divergences(engine: Engine, ids_all: list[list[int]], base: dict[int, list[i
         margin = None
         if len(prefix) < manifest.max_ctx:
             with engine._lock:  # the target's KV buffers; no generation runs meanwhile
-                margin = top2_margin(feed(engine.target, prefix, 0, manifest.min_q(), manifest.k_max + 1)[-1], manifest.vocab_size)
+                margin = top2_margin(feed(engine.target, prefix, 0, engine.min_q, manifest.k_max + 1)[-1], manifest.vocab_size)
         out.append(
             dict(
                 prompt=i,

@@ -1,0 +1,196 @@
+"""Panels for specrt's kernels, written at export from a GGUF file's own blocks.
+
+``specrt export`` with a GGUF target (or draft) writes ``<role>.panels`` beside the ONNX
+graphs and a record in the manifest's ``extra["kernels"][role]``: the decoder's dims and the
+place of every tensor in the file. The weights are the file's integers and fp16 scales in
+the kernels' panel layout (:mod:`specrt.runtime.kernels.panels`); every tensor is checked at
+write time: its panels, dequantized by the kernels' own C code, equal ``gguf.dequantize`` of
+the same bytes bit for bit, or the export stops.
+
+The decoder families the kernels run are llama.cpp's ``llama`` (also Mistral's GGUFs) and
+``qwen2``: RMSNorm, RoPE (llama.cpp's rope type of the architecture: NORM for llama, NEOX for
+qwen2; Llama 3's ``rope_freqs``), grouped-query attention with optional q/k/v biases, SwiGLU.
+Anything else (another architecture, rope scaling other than rope_freqs, a block type the
+kernels do not run) writes no record, with the reason, and the runtime keeps the ONNX graph.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["KERNEL_RECORD_VERSION", "ROPE_NEOX_ARCHS", "plan_tensors", "write_panels", "kernels_unsupported"]
+
+KERNEL_RECORD_VERSION = 1
+ROPE_NEOX_ARCHS = {"qwen2": True, "llama": False}  # llama.cpp's rope type of each architecture (llama_model_rope_type)
+ALIGN = 4096  # every tensor starts on a page
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _dims(reader) -> dict:
+    """The decoder's dims from the GGUF metadata (llama.cpp's keys)."""
+    arch = _field(reader, "general.architecture")
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    n_head = int(g("attention.head_count"))
+    n_embd = int(g("embedding_length"))
+    head_dim = int(g("attention.key_length", n_embd // n_head))
+    return dict(
+        arch=arch,
+        n_layer=int(g("block_count")),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=int(g("attention.head_count_kv", n_head)),
+        head_dim=head_dim,
+        n_ff=int(g("feed_forward_length")),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_dims=int(g("rope.dimension_count", head_dim)),
+        rope_scaling=str(g("rope.scaling.type", "none")),
+        norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        value_dim=int(g("attention.value_length", head_dim)),
+    )
+
+
+LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
+
+
+def plan_tensors(reader) -> tuple[dict, dict, str | None]:
+    """(dims, {name: reader tensor}, why not) for a GGUF reader: the tensors a kernel step
+    reads, or the first reason the kernels cannot run this file."""
+    from specrt.runtime.kernels.panels import supported
+
+    dims = _dims(reader)
+    byname = {t.name: t for t in reader.tensors}
+    if dims["arch"] not in ROPE_NEOX_ARCHS:
+        return dims, {}, f"architecture {dims['arch']!r} (the kernels run {', '.join(ROPE_NEOX_ARCHS)})"
+    if dims["rope_scaling"] not in ("none", ""):
+        return dims, {}, f"rope scaling {dims['rope_scaling']!r}"
+    if dims["rope_dims"] != dims["head_dim"] or dims["value_dim"] != dims["head_dim"]:
+        return dims, {}, "partial rotary or a value dim other than the key dim"
+    hd = dims["head_dim"]
+    if hd % 16 or hd > 256 or dims["n_head"] % dims["n_head_kv"]:
+        return dims, {}, f"head_dim {hd} (a multiple of 16 up to 256) or {dims['n_head']} heads over {dims['n_head_kv']} KV heads"
+    want = {
+        "token_embd": "token_embd.weight",
+        "output_norm": "output_norm.weight",
+        "output": "output.weight" if "output.weight" in byname else "token_embd.weight",
+    }
+    if "rope_freqs.weight" in byname:
+        want["rope_freqs"] = "rope_freqs.weight"
+    for i in range(dims["n_layer"]):
+        for t in LAYER_TENSORS:
+            want[f"blk.{i}.{t}"] = f"blk.{i}.{t}.weight"
+        for b in BIASES:
+            if f"blk.{i}.{b}" in byname:
+                want[f"blk.{i}.{b}"] = f"blk.{i}.{b}"
+    tensors = {}
+    for key, name in want.items():
+        t = byname.get(name)
+        if t is None:
+            return dims, {}, f"tensor {name} is missing"
+        ty = int(t.tensor_type)
+        if len(t.shape) == 1 or (len(t.shape) == 2 and int(t.shape[1]) == 1):
+            if ty != 0:
+                return dims, {}, f"{name} is {t.tensor_type.name} (1-D tensors must be F32)"
+        else:
+            why = supported(ty, int(t.shape[1]), int(t.shape[0]))
+            if why:
+                return dims, {}, f"{name} ({t.tensor_type.name} [{int(t.shape[1])}, {int(t.shape[0])}]): {why}"
+        tensors[key] = t
+    return dims, tensors, None
+
+
+def kernels_unsupported(gguf_path: str | Path) -> str | None:
+    """None when the kernels run this GGUF file, else why not (one line). Reads metadata only."""
+    import gguf
+
+    return plan_tensors(gguf.GGUFReader(str(gguf_path)))[2]
+
+
+def _check(key: str, t, panels: np.ndarray, log) -> None:
+    """The panels of tensor ``t`` dequantize (kernels' C code) to ``gguf.dequantize`` of its
+    bytes, bit for bit, in chunks of rows.
+
+    Raises:
+        ExportError: a row differs (the layout is wrong: never write such a file).
+    """
+    from gguf.quants import dequantize
+
+    from specrt.runtime import kernels
+    from specrt.runtime.errors import ExportError
+
+    k, n, ty = int(t.shape[0]), int(t.shape[1]), int(t.tensor_type)
+    raw = np.asarray(t.data).view(np.uint8).reshape(n, -1)
+    step = max(16, (1 << 22) // k // 16 * 16)
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        want = dequantize(raw[n0:n1], t.tensor_type).reshape(n1 - n0, k)
+        got = kernels.dequant(ty, n, k, panels, n0, n1)
+        if not np.array_equal(want.view(np.uint32), got.view(np.uint32)):
+            bad = int(np.argwhere(want.view(np.uint32) != got.view(np.uint32))[0][0]) + n0
+            raise ExportError(f"kernel panels of {key}: row {bad} differs from gguf.dequantize of the same blocks (a layout bug; not written)")
+
+
+def write_panels(gguf_path: str | Path, out: Path, role: str, log=print) -> dict | None:
+    """Write ``out/<role>.panels`` from a GGUF file and return its manifest record, or None
+    (with the reason logged) when the kernels cannot run the file or are not built here.
+
+    Returns:
+        ``{"version", "file", "gguf", "dims", "tensors": {key: {type, n, k, offset, bytes}},
+        "rope_neox", "checked", "seconds"}``.
+
+    Raises:
+        ExportError: a tensor's panels do not dequantize to the GGUF's values.
+    """
+    import gguf
+
+    from specrt.runtime import kernels
+    from specrt.runtime.kernels.panels import pack, panel_bytes
+
+    if kernels.status() is not None:
+        log(f"  kernels: no {role} panels ({kernels.status()})")
+        return None
+    t0 = time.time()
+    reader = gguf.GGUFReader(str(gguf_path))
+    dims, tensors, why = plan_tensors(reader)
+    if why:
+        log(f"  kernels: no {role} panels: the kernels do not run {Path(gguf_path).name}: {why}")
+        return None
+    path = Path(out) / f"{role}.panels"
+    index, offset = {}, 0
+    with open(path, "wb") as f:
+        for key, t in tensors.items():
+            ty = int(t.tensor_type)
+            if ty == 0:
+                blob = np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(-1))
+                n, k = int(blob.size), 1
+            else:
+                k, n = int(t.shape[0]), int(t.shape[1])
+                blob = pack(np.asarray(t.data).view(np.uint8), ty, n, k)
+                assert blob.size == panel_bytes(ty, n, k)
+                _check(key, t, blob, log)
+            pad = (-offset) % ALIGN
+            f.write(b"\0" * pad)
+            offset += pad
+            f.write(blob.tobytes())
+            index[key] = {"type": ty, "n": n, "k": k, "offset": offset, "bytes": int(blob.nbytes)}
+            offset += int(blob.nbytes)
+    secs = time.time() - t0
+    log(f"  kernels: {path.name}: {len(index)} tensors, {offset / 1e6:.1f} MB, each checked against gguf.dequantize ({secs:.0f} s)")
+    dims["n_vocab"] = index["output"]["n"]
+    return {
+        "version": KERNEL_RECORD_VERSION,
+        "file": path.name,
+        "gguf": Path(gguf_path).name,
+        "dims": dims,
+        "rope_neox": ROPE_NEOX_ARCHS[dims["arch"]],
+        "tensors": index,
+        "checked": "every tensor's panels dequantize (the kernels' C code) to gguf.dequantize of its blocks, bit for bit",
+        "seconds": round(secs, 1),
+    }

@@ -1,0 +1,114 @@
+"""The target (or draft) on specrt's own CPU kernels: :class:`KernelModel`.
+
+One ``run`` is one call into C (``sk_step``): embedding, every layer (RMSNorm, q/k/v with
+biases, RoPE, grouped-query attention over an f16 KV cache, SwiGLU) and the LM head, on the
+kernels' persistent thread team, over the GGUF's own blocks in panel layout
+(:mod:`specrt.runtime.kernels`). Each output's operations are the same whatever the call
+width, thread count or ISA path, so every row is bit-identical at every width: the loop may
+call the target 1 row wide (``exact_min_q = 1``) and speculative output still equals
+target-only output.
+
+The KV buffers are allocated once per model (:func:`~.kv_layout.host_zeros`, so released
+rows leave the RSS) and written in place, rows ``[start, start + q)`` per call; rows at or
+past ``start`` are never read (the backend contract, :mod:`.base`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import InputError
+from ..kernels import SkKv, check_rc, isa_id
+from ..kernels.weights import KernelWeights
+from .kv_layout import check_call, host_zeros, release_bytes, release_tail_rows
+
+__all__ = ["KernelModel"]
+
+
+class KernelModel:
+    """A :class:`~specrt.runtime.backends.base.Model` over :class:`KernelWeights`.
+
+    Args:
+        weights: the mapped panels (shared by forks).
+        isa: the kernels' path (``avx512vnni``, ``avx2``, ``portable``).
+
+    Attributes:
+        max_q, max_ctx, vocab: the Model contract. exact_min_q: 1; width_exact: True (rows do
+        not depend on the call's width, layout or thread split). isa: the path in use.
+
+    Buffers (once): K ``[n_layer, ctx16 / 16, n_kv, head_dim, 16]`` and V ``[n_layer, ctx16,
+    n_kv, head_dim]`` f16 (as uint16); logits float32 ``[max_q, vocab]``; token ids int32.
+    """
+
+    exact_min_q = 1
+    width_exact = True  # rows do not depend on the call's width, layout or thread split (the Engine reads it)
+
+    def __init__(self, weights: KernelWeights, isa: str):
+        self.w, self.isa, self._isa = weights, isa, isa_id(isa)
+        self.max_q, self.max_ctx, self.vocab = weights.max_q, weights.max_ctx, weights.n_vocab
+        self.k = host_zeros((weights.kv_elems,), np.uint16)
+        self.v = host_zeros((weights.kv_elems,), np.uint16)
+        self.logits = host_zeros((self.max_q, self.vocab))  # rows past a verification pass: prefill scratch
+        self.ids = np.zeros(self.max_q, np.int32)
+        self._kv = SkKv(self.k.ctypes.data, self.v.ctypes.data)
+        self._args = (ctypes.byref(weights.model), ctypes.byref(self._kv))
+
+    def run(self, tokens: Sequence[int] | np.ndarray, start: int) -> np.ndarray:
+        """Run ``q = len(tokens)`` new tokens at positions ``start .. start+q-1``: reads KV
+        rows ``[0, start)``, writes rows ``[start, start+q)``.
+
+        Returns:
+            float32 ``[q, vocab]``, a view of the logits buffer valid until the next call.
+
+        Raises:
+            InputError: q or start outside the buffers, or a token id outside the vocabulary.
+        """
+        return self.run_rows(tokens, start, 0)
+
+    def run_rows(self, tokens: Sequence[int] | np.ndarray, start: int, lo: int) -> np.ndarray:
+        """As :meth:`run`, projecting to the vocabulary only rows ``[lo, q)`` (a prefill chunk
+        whose other rows nobody reads: ``lo = q - 1``, or ``lo = q`` for none). The KV rows of
+        every token are written as by :meth:`run`; logits rows below ``lo`` are not written.
+
+        Returns:
+            float32 ``[q, vocab]`` (rows below ``lo``: stale).
+        """
+        q = len(tokens)
+        check_call(q, start, self.max_q, self.max_ctx)
+        ids = self.ids
+        ids[:q] = tokens
+        w = self.w
+        with w.lock:
+            rc = w.lib.sk_step(self._isa, *self._args, w.scratch, ids.ctypes.data, q, start, self.logits.ctypes.data, self.vocab, lo)
+        if rc == -3:
+            raise InputError(f"a token id in {list(map(int, ids[:q]))} is outside the vocabulary 0..{self.vocab - 1}")
+        check_rc(rc, "kernels step")
+        return self.logits[:q]
+
+    def fork(self) -> "KernelModel":
+        """Another model over the same weights with its own KV, logits and ids buffers."""
+        return KernelModel(self.w, self.isa)
+
+    def close(self) -> None:
+        """Drop this model's buffers (the weights go with their last user)."""
+        self.k = self.v = self.logits = None
+
+    def release_logits(self, start: int = 0) -> int:
+        """Give logits rows ``[start, max_q)`` back to the OS (whole pages); returns bytes."""
+        return release_tail_rows(self.logits, start)
+
+    def release_rows(self, start: int) -> int:
+        """Give KV rows ``[start, max_ctx)`` of every layer back to the OS (whole pages; a K
+        tile holding a row below ``start`` is kept). Returns bytes released."""
+        d = self.w.dims
+        per_row = int(d["n_head_kv"]) * int(d["head_dim"]) * 2  # bytes of one position in one layer
+        layer = self.w.ctx16 * per_row
+        t0 = -(-max(0, start) // 16) * 16
+        v0 = max(0, start)
+        n = int(d["n_layer"])
+        return release_bytes(self.k, [(i * layer + t0 * per_row, (i + 1) * layer) for i in range(n)]) + release_bytes(
+            self.v, [(i * layer + v0 * per_row, (i + 1) * layer) for i in range(n)]
+        )

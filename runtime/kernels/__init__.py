@@ -1,0 +1,242 @@
+"""specrt's own CPU kernels: exact q-row matmuls over a GGUF's blocks and the decoder step
+around them, in C (``sk.c``), built by the package's own build at install (setup.py: gcc, no
+download) and loaded here with ctypes.
+
+The library has three paths compiled in, chosen at run time by the CPU: AVX-512 VNNI, AVX2
+(with FMA and F16C) and portable C. Every path computes each output with the same sequence
+of operations, so a row's bits do not depend on the call width, the thread count or the path
+(tests/test_kernels.py proves it on every type).
+
+Nothing here raises on a machine without the library: :func:`status` says why it cannot run
+(no compiler at install, a library built from other sources, an unknown CPU) and the runtime
+keeps the onnxruntime graph with a one-line note.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import threading
+from ctypes import POINTER, c_float, c_int, c_int32, c_void_p
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "ABI",
+    "ISAS",
+    "SkMat",
+    "SkLayer",
+    "SkModel",
+    "SkKv",
+    "library",
+    "status",
+    "cpu_isa",
+    "isa_id",
+    "start_team",
+    "source_hash",
+    "check_rc",
+]
+
+ABI = 1  # sk.h's SK_ABI: the structs below
+ISAS = ("portable", "avx2", "avx512vnni")  # ids 0, 1, 2 (sk.h)
+HERE = Path(__file__).resolve().parent
+SOURCES = ("sk.c", "sk.h", "sk_isa.h", "sk_vec.h")
+_ERRORS = {
+    -1: "the requested ISA path is not supported by this CPU",
+    -2: "bad arguments (width, start, shapes or buffers)",
+    -3: "a token id outside the vocabulary",
+    -4: "out of memory",
+    -5: "could not start the thread team",
+}
+
+
+class SkMat(ctypes.Structure):
+    """sk.h ``sk_mat``: one panel matrix (type, n outputs, k inputs, panel bytes)."""
+
+    _fields_ = [("type", c_int32), ("n", c_int32), ("k", c_int32), ("pad", c_int32), ("w", c_void_p)]
+
+
+class SkLayer(ctypes.Structure):
+    """sk.h ``sk_layer``: a decoder layer's seven matrices, norms and optional biases."""
+
+    _fields_ = [(n, SkMat) for n in ("wq", "wk", "wv", "wo", "wgate", "wup", "wdown")] + [(n, c_void_p) for n in ("attn_norm", "ffn_norm", "bq", "bk", "bv")]
+
+
+class SkModel(ctypes.Structure):
+    """sk.h ``sk_model``: dims, RoPE tables, output norm, embedding and head, layers."""
+
+    _fields_ = (
+        [(n, c_int32) for n in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab", "max_ctx", "rope_neox", "max_q", "pad0", "pad1")]
+        + [(n, c_float) for n in ("norm_eps", "attn_scale", "pad2", "pad3")]
+        + [
+            ("rope_cos", c_void_p),
+            ("rope_sin", c_void_p),
+            ("out_norm", c_void_p),
+            ("tok_embd", SkMat),
+            ("output", SkMat),
+            ("layers", POINTER(SkLayer)),
+        ]
+    )
+
+
+class SkKv(ctypes.Structure):
+    """sk.h ``sk_kv``: the f16 K tiles and V rows of one sequence."""
+
+    _fields_ = [("k", c_void_p), ("v", c_void_p)]
+
+
+def source_hash(folder: Path = HERE) -> str | None:
+    """SHA-256 (hex, 16 digits) of the C sources in ``folder``, or None when they are not
+    there (an installed wheel ships the library only)."""
+    h = hashlib.sha256()
+    for name in SOURCES:
+        p = folder / name
+        if not p.is_file():
+            return None
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _find() -> Path | None:
+    found = sorted(HERE.glob("_sk*.so")) + sorted(HERE.glob("_sk*.pyd"))
+    return found[0] if found else None
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    path = _find()
+    if path is None:
+        return None, "specrt's kernels were not built at install (no C compiler then?); reinstall with gcc present (make install)"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"specrt's kernel library {path.name} does not load: {e}"
+    if lib.sk_abi() != ABI:
+        return None, f"specrt's kernel library {path.name} has ABI {lib.sk_abi()}, this runtime needs {ABI}: rebuild it (make install)"
+    lib.sk_sources.restype = ctypes.c_char_p
+    stamp, now = lib.sk_sources().decode(), source_hash()
+    if now is not None and stamp != now:
+        return None, f"specrt's kernel library {path.name} was built from other sources than runtime/kernels/ holds now: rebuild it (make install)"
+    lib.sk_cpu_isa.restype = c_int
+    lib.sk_team_start.argtypes = [c_int, c_int]
+    lib.sk_scratch_new.restype = c_void_p
+    lib.sk_scratch_new.argtypes = [c_int] * 6
+    lib.sk_scratch_free.argtypes = [c_void_p]
+    lib.sk_matmul.argtypes = [c_int, POINTER(SkMat), c_void_p, c_int, c_void_p, c_void_p]
+    lib.sk_dequant.argtypes = [POINTER(SkMat), c_int, c_int, c_void_p]
+    lib.sk_step.argtypes = [c_int, POINTER(SkModel), POINTER(SkKv), c_void_p, c_void_p, c_int, c_int, c_void_p, c_int, c_int]
+    return lib, None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library (once per process), or None when it cannot run here
+    (:func:`status` says why)."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], _state["why"] = _load()
+        return _state["lib"]
+
+
+def status() -> str | None:
+    """None when the kernels can run on this machine, else why not (one line)."""
+    library()
+    return _state["why"]
+
+
+def cpu_isa() -> str:
+    """The fastest path this CPU runs (:data:`ISAS`); ``portable`` without the library."""
+    lib = library()
+    return ISAS[lib.sk_cpu_isa()] if lib is not None else "portable"
+
+
+def isa_id(name: str) -> int:
+    """The id of an ISA path name.
+
+    Raises:
+        ValueError: not one of :data:`ISAS`, or a path this CPU cannot run.
+    """
+    if name not in ISAS:
+        raise ValueError(f"kernel ISA {name!r}; choose one of {', '.join(ISAS)}")
+    if ISAS.index(name) > ISAS.index(cpu_isa()):
+        raise ValueError(f"kernel ISA {name!r} does not run on this CPU (its best: {cpu_isa()})")
+    return ISAS.index(name)
+
+
+def start_team(threads: int, spin_us: int = 200) -> None:
+    """(Re)start the kernels' thread team: ``threads`` in all, the calling thread included;
+    an idle worker spins ``spin_us`` microseconds before it sleeps.
+
+    Raises:
+        RuntimeError: no library, or the threads could not be started.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(status())
+    with _lock:
+        if _state.get("team") == (threads, spin_us):
+            return
+        check_rc(lib.sk_team_start(threads, spin_us), "sk_team_start")
+        _state["team"] = (threads, spin_us)
+
+
+def check_rc(rc: int, what: str) -> None:
+    """Raise for a non-zero return code of the library.
+
+    Raises:
+        RuntimeError: ``what`` failed, with the reason.
+    """
+    if rc != 0:
+        raise RuntimeError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+def mat(ggml_type: int, n: int, k: int, panels: np.ndarray) -> SkMat:
+    """An :class:`SkMat` over ``panels`` (uint8, kept alive by the caller)."""
+    return SkMat(ggml_type, n, k, 0, panels.ctypes.data)
+
+
+def matmul(ggml_type: int, n: int, k: int, panels: np.ndarray, x: np.ndarray, isa: str | None = None, threads: int | None = None) -> np.ndarray:
+    """``y [q, n]`` = the kernels' product of float rows ``x [q, k]`` with a panel matrix,
+    activations quantized as a decoder step quantizes them (tests and benchmarks).
+
+    Args:
+        isa: the path (default the CPU's best); threads: restart the team with this many.
+
+    Raises:
+        RuntimeError: no library; ValueError: a bad ISA name.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(status())
+    if threads is not None:
+        start_team(threads)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    q = x.shape[0]
+    y = np.empty((q, n), np.float32)
+    m = mat(ggml_type, n, k, panels)
+    s = lib.sk_scratch_new(q, k, 0, 0, 0, 0)
+    try:
+        check_rc(lib.sk_matmul(isa_id(isa or cpu_isa()), ctypes.byref(m), x.ctypes.data, q, y.ctypes.data, s), "sk_matmul")
+    finally:
+        lib.sk_scratch_free(s)
+    return y
+
+
+def dequant(ggml_type: int, n: int, k: int, panels: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
+    """Rows ``[n0, n1)`` of a panel matrix as float32 ``[n1 - n0, k]``, read from the panels
+    by the C code the kernels use (the export's exactness check against ``gguf.dequantize``).
+
+    Raises:
+        RuntimeError: no library, or bad rows.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(status())
+    n1 = n if n1 is None else n1
+    out = np.empty((n1 - n0, k), np.float32)
+    m = mat(ggml_type, n, k, panels)
+    check_rc(lib.sk_dequant(ctypes.byref(m), n0, n1, out.ctypes.data), "sk_dequant")
+    return out

@@ -1,0 +1,645 @@
+/* One ISA's kernels: included by sk.c three times (SK_LEVEL 2 = AVX-512 VNNI, 1 = AVX2,
+ * 0 = portable C), each inside its own `#pragma GCC target` region, with SKF(name) giving
+ * each copy its own names. Plain C loops here are written lane by lane (fixed 16-lane
+ * partial sums, fixed reduction trees) so that the vectoriser of each ISA computes the
+ * same operations per lane: a result's bits never depend on the ISA, the call width or the
+ * thread split.
+ */
+#include "sk_vec.h"
+
+/* ---------------------------------------------------------------- panel kernels: RB rows */
+
+/* Q4_K: y[r][c] += xd * (sum_i (ilo*d*sc_2i + ihi*d*sc_2i+1) - dmin * sum_j m_j * xsum32_j) */
+static inline __attribute__((always_inline)) void SKF(q4k_rows)(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h,
+                                                                 int accum) {
+    vf yacc[RB];
+    for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
+    const vi m4 = VI32(0x0F0F0F0F);
+#if HI_X16
+    const vi mh = VI32((int)0xF0F0F0F0);
+    const vf sixteenth = FSET1(1.f / 16.f);
+#endif
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *o = w + (size_t)b * SK_Q4K_PSB;
+        const uint8_t *sc = o + 128 * SK_P, *mn = sc + 8 * SK_P;
+        const uint16_t *dd = (const uint16_t *)(mn + 8 * SK_P);
+        const vf d = H2F(dd + h * LANES), dmin = H2F(dd + SK_P + h * LANES);
+        vf s[RB];
+        for (int r = 0; r < Q; ++r) s[r] = FZERO();
+        for (int i = 0; i < 4; ++i) {
+            vi alo[RB], ahi[RB];
+            for (int r = 0; r < Q; ++r) alo[r] = ahi[r] = VZERO();
+            for (int t = 0; t < 8; ++t) {
+                const vi v = VLOADW(o + (size_t)((i * 8 + t) * SK_P) * 4 + h * LANES * 4);
+                const vi wl = VAND(v, m4);
+#if HI_X16
+                const vi wh = VAND(v, mh);
+#else
+                const vi wh = VAND(VSRL16(v, 4), m4);
+#endif
+#pragma GCC unroll 4
+                for (int r = 0; r < Q; ++r) {
+                    const int8_t *xq = X[(size_t)r * ldx + b].q;
+                    alo[r] = DOTU(alo[r], wl, XSET(xq + 64 * i + 4 * t));
+                    ahi[r] = DOTU(ahi[r], wh, XSET(xq + 64 * i + 32 + 4 * t));
+                }
+            }
+            const vf slo = FMUL(d, U82F(sc + (2 * i) * SK_P + h * LANES));
+#if HI_X16
+            const vf shi = FMUL(FMUL(d, U82F(sc + (2 * i + 1) * SK_P + h * LANES)), sixteenth);
+#else
+            const vf shi = FMUL(d, U82F(sc + (2 * i + 1) * SK_P + h * LANES));
+#endif
+#pragma GCC unroll 4
+            for (int r = 0; r < Q; ++r) {
+                s[r] = FMA(VCVT(alo[r]), slo, s[r]);
+                s[r] = FMA(VCVT(ahi[r]), shi, s[r]);
+            }
+        }
+        vi mp[4]; /* m_2i | m_2i+1 << 16 per lane, against the int16 pair of 32-sums */
+        for (int i = 0; i < 4; ++i) mp[i] = VOR(U8TO32(mn + 2 * i * SK_P + h * LANES), VSLL32(U8TO32(mn + (2 * i + 1) * SK_P + h * LANES), 16));
+#pragma GCC unroll 4
+        for (int r = 0; r < Q; ++r) {
+            const sk_a256 *xb = &X[(size_t)r * ldx + b];
+            vi ma = VZERO();
+            for (int i = 0; i < 4; ++i) ma = DOT16(ma, mp[i], XSET(xb->bs32 + 2 * i));
+            yacc[r] = FMA(FSET1(xb->d), FNMA(dmin, VCVT(ma), s[r]), yacc[r]);
+        }
+    }
+    for (int r = 0; r < Q; ++r) {
+        float *yr = y + (size_t)r * ldy + h * LANES;
+        FSTORE(yr, accum ? FADD(FLOAD(yr), yacc[r]) : yacc[r]);
+    }
+}
+
+/* Q6_K: y[r][c] += xd * sum_s (isum_s - 32 * xsum16_s) * d * sc_s */
+static inline __attribute__((always_inline)) void SKF(q6k_rows)(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h,
+                                                                 int accum) {
+    vf yacc[RB];
+    for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
+    const vi m4 = VI32(0x0F0F0F0F), m3 = VI32(0x03030303);
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *o = w + (size_t)b * SK_Q6K_PSB;
+        const uint8_t *qh = o + 128 * SK_P;
+        const int8_t *sc = (const int8_t *)(qh + 64 * SK_P);
+        const vf d = H2F((const uint16_t *)(sc + 16 * SK_P) + h * LANES);
+        vf s[RB];
+        for (int r = 0; r < Q; ++r) s[r] = FZERO();
+        for (int g = 0; g < 4; ++g) {
+            vi hq[4], lq[4] = {VZERO(), VZERO(), VZERO(), VZERO()};
+            for (int t = 0; t < 4; ++t) hq[t] = VLOADW(qh + (size_t)((g * 4 + t) * SK_P) * 4 + h * LANES * 4);
+            for (int u = 0; u < 4; ++u) {
+                const int sb = 4 * g + u;
+                vi a[RB];
+                for (int r = 0; r < Q; ++r) a[r] = VZERO();
+                for (int t = 0; t < 4; ++t) {
+                    if ((u & 1) == 0) lq[t] = VLOADW(o + (size_t)(((sb >> 1) * 4 + t) * SK_P) * 4 + h * LANES * 4);
+                    const vi lo = (u & 1) ? VAND(VSRL16(lq[t], 4), m4) : VAND(lq[t], m4);
+                    const vi hb = VSLL16(VAND(u ? VSRL16(hq[t], 2 * u) : hq[t], m3), 4);
+                    const vi wq = VOR(lo, hb); /* 0..63 */
+#pragma GCC unroll 4
+                    for (int r = 0; r < Q; ++r) a[r] = DOTU(a[r], wq, XSET(X[(size_t)r * ldx + b].q + 16 * sb + 4 * t));
+                }
+                const vf ss = FMUL(d, I82F(sc + sb * SK_P + h * LANES));
+#pragma GCC unroll 4
+                for (int r = 0; r < Q; ++r) s[r] = FMA(VCVT(VSUB32(a[r], VI32(32 * X[(size_t)r * ldx + b].bs16[sb]))), ss, s[r]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < Q; ++r) yacc[r] = FMA(FSET1(X[(size_t)r * ldx + b].d), s[r], yacc[r]);
+    }
+    for (int r = 0; r < Q; ++r) {
+        float *yr = y + (size_t)r * ldy + h * LANES;
+        FSTORE(yr, accum ? FADD(FLOAD(yr), yacc[r]) : yacc[r]);
+    }
+}
+
+/* Q8_0 / Q5_0 panels (signed bytes): y[r][c] += isum * (dw * dx) per 32-block */
+static inline __attribute__((always_inline)) void SKF(i8_rows)(const uint8_t *w, int nb, const sk_a32 *X, int ldx, int Q, float *y, int ldy, int h, int accum) {
+    vf yacc[RB];
+    for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *o = w + (size_t)b * SK_I8_PSB;
+        const vf dw = H2F((const uint16_t *)(o + 32 * SK_P) + h * LANES);
+        vi a[RB];
+        for (int r = 0; r < Q; ++r) a[r] = VZERO();
+        for (int t = 0; t < 8; ++t) {
+            const vi v = VLOADW(o + (size_t)(t * SK_P) * 4 + h * LANES * 4);
+#pragma GCC unroll 4
+            for (int r = 0; r < Q; ++r) a[r] = DOTS(a[r], v, XSET(X[(size_t)r * ldx + b].q + 4 * t));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < Q; ++r) {
+            const sk_a32 *xb = &X[(size_t)r * ldx + b];
+            const vi isum = VSUB32(a[r], VI32(I8_BIAS * xb->sum));
+            yacc[r] = FMA(VCVT(isum), FMUL(dw, FSET1(xb->d)), yacc[r]);
+        }
+    }
+    for (int r = 0; r < Q; ++r) {
+        float *yr = y + (size_t)r * ldy + h * LANES;
+        FSTORE(yr, accum ? FADD(FLOAD(yr), yacc[r]) : yacc[r]);
+    }
+}
+
+/* Q4_0 (offset 8) / Q4_1 (min m) panels of nibbles: per 32-block
+ * Q4_0: y += (isum - 8 * xsum) * (dw * dx);  Q4_1: y += isum * (dw * dx); y += (mw * dx) * xsum */
+static inline __attribute__((always_inline)) void SKF(u4_rows)(const uint8_t *w, int nb, int with_min, const sk_a32 *X, int ldx, int Q, float *y, int ldy, int h,
+                                                                int accum) {
+    vf yacc[RB];
+    for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
+    const vi m4 = VI32(0x0F0F0F0F);
+    const int psb = with_min ? SK_Q41_PSB : SK_Q40_PSB;
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *o = w + (size_t)b * psb;
+        const uint16_t *dd = (const uint16_t *)(o + 16 * SK_P);
+        const vf dw = H2F(dd + h * LANES);
+        vi a[RB];
+        for (int r = 0; r < Q; ++r) a[r] = VZERO();
+        for (int t = 0; t < 4; ++t) {
+            const vi v = VLOADW(o + (size_t)(t * SK_P) * 4 + h * LANES * 4);
+            const vi wl = VAND(v, m4), wh = VAND(VSRL16(v, 4), m4);
+#pragma GCC unroll 4
+            for (int r = 0; r < Q; ++r) {
+                const int8_t *xq = X[(size_t)r * ldx + b].q;
+                a[r] = DOTU(a[r], wl, XSET(xq + 4 * t));
+                a[r] = DOTU(a[r], wh, XSET(xq + 16 + 4 * t));
+            }
+        }
+        if (with_min) {
+            const vf mw = H2F(dd + SK_P + h * LANES);
+#pragma GCC unroll 4
+            for (int r = 0; r < Q; ++r) {
+                const sk_a32 *xb = &X[(size_t)r * ldx + b];
+                const vf dx = FSET1(xb->d);
+                yacc[r] = FMA(VCVT(a[r]), FMUL(dw, dx), yacc[r]);
+                yacc[r] = FMA(FMUL(mw, dx), FSET1((float)xb->sum), yacc[r]);
+            }
+        } else {
+#pragma GCC unroll 4
+            for (int r = 0; r < Q; ++r) {
+                const sk_a32 *xb = &X[(size_t)r * ldx + b];
+                yacc[r] = FMA(VCVT(VSUB32(a[r], VI32(8 * xb->sum))), FMUL(dw, FSET1(xb->d)), yacc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < Q; ++r) {
+        float *yr = y + (size_t)r * ldy + h * LANES;
+        FSTORE(yr, accum ? FADD(FLOAD(yr), yacc[r]) : yacc[r]);
+    }
+}
+
+#define SK_ROWS_CASES(CALL) \
+    switch (Q) {            \
+    case 1: CALL(1); break; \
+    case 2: CALL(2); break; \
+    case 3: CALL(3); break; \
+    default: CALL(4); break; \
+    }
+
+/* panels [p0, p1) of m for q rows of activations X (ldx blocks a row) into y (ldy floats a
+ * row); accum: add into y (a residual) instead of storing */
+static void SKF(mm)(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    const int t = m->type, kb = sk_is_kquant(t) ? 256 : 32, nb = m->k / kb;
+    const size_t psb = sk_psb(t);
+    for (int p = p0; p < p1; ++p) {
+        const uint8_t *w = m->w + (size_t)p * nb * psb;
+        for (int r0 = 0; r0 < q; r0 += RB) {
+            const int Q = q - r0 < RB ? q - r0 : RB;
+            float *yp = y + (size_t)r0 * ldy + (size_t)p * SK_P;
+            for (int h = 0; h < HALVES; ++h) {
+                if (t == SK_Q4_K) {
+                    const sk_a256 *x = (const sk_a256 *)X + (size_t)r0 * ldx;
+#define C4K(QQ) SKF(q4k_rows)(w, nb, x, ldx, QQ, yp, ldy, h, accum)
+                    SK_ROWS_CASES(C4K)
+                } else if (t == SK_Q6_K) {
+                    const sk_a256 *x = (const sk_a256 *)X + (size_t)r0 * ldx;
+#define C6K(QQ) SKF(q6k_rows)(w, nb, x, ldx, QQ, yp, ldy, h, accum)
+                    SK_ROWS_CASES(C6K)
+                } else if (t == SK_Q8_0 || t == SK_Q5_0) {
+                    const sk_a32 *x = (const sk_a32 *)X + (size_t)r0 * ldx;
+#define CI8(QQ) SKF(i8_rows)(w, nb, x, ldx, QQ, yp, ldy, h, accum)
+                    SK_ROWS_CASES(CI8)
+                } else {
+                    const sk_a32 *x = (const sk_a32 *)X + (size_t)r0 * ldx;
+                    const int with_min = t == SK_Q4_1;
+#define CU4(QQ) SKF(u4_rows)(w, nb, with_min, x, ldx, QQ, yp, ldy, h, accum)
+                    SK_ROWS_CASES(CU4)
+                }
+#undef C4K
+#undef C6K
+#undef CI8
+#undef CU4
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- element-wise, lane-structured */
+
+/* sum of 16 lanes by a fixed tree: ((l0+l8)+(l4+l12))+... */
+static inline float SKF(tree16)(float *part) {
+    for (int w = 8; w; w >>= 1)
+        for (int l = 0; l < w; ++l) part[l] = part[l] + part[l + w];
+    return part[0];
+}
+
+/* 16 f16 values to f32 (exact on every path) */
+static inline void SKF(cvt16)(const uint16_t *h, float *out) {
+#if SK_LEVEL == 2
+    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
+#elif SK_LEVEL == 1
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+    _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
+#else
+    for (int l = 0; l < 16; ++l) out[l] = sk_h2f(h[l]);
+#endif
+}
+
+/* out = x * (1 / sqrt(mean(x^2) + eps)) * w; x, w, out [n] */
+static void SKF(rmsnorm)(const float *x, const float *w, int n, float eps, float *out) {
+    float part[16] = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; ++l) part[l] = part[l] + x[i + l] * x[i + l];
+    for (; i < n; ++i) part[i & 15] = part[i & 15] + x[i] * x[i];
+    const float scale = 1.f / sqrtf(SKF(tree16)(part) / (float)n + eps);
+    for (i = 0; i < n; ++i) out[i] = (x[i] * scale) * w[i];
+}
+
+/* e^x for x <= 88 (Cephes expf: range reduction by ln 2 in two parts, degree-5 polynomial),
+ * mul/add only so that every ISA computes the same bits; flushes to 0 below -87.3 */
+static inline float SKF(expf)(float x) {
+    x = x < -87.33654f ? -87.33654f : x;
+    x = x > 88.0f ? 88.0f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f; /* round to nearest */
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = (p * (r * r) + r) + 1.f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s;
+}
+
+/* g[i] = silu(g[i]) * u[i] */
+static void SKF(silu_mul)(float *g, const float *u, int n) {
+    for (int i = 0; i < n; ++i) g[i] = (g[i] / (1.f + SKF(expf)(-g[i]))) * u[i];
+}
+
+/* llama.cpp's Q8_K activations: per 256, iscale = -127 / (the value of largest magnitude),
+ * q = nearest(iscale * x) (<= 127), d = 1 / iscale; 16- and 32-sums of q */
+static void SKF(quant_a256)(const float *x, int k, sk_a256 *out) {
+    for (int b = 0; b < k / 256; ++b) {
+        const float *xb = x + (size_t)b * 256;
+        sk_a256 *o = out + b;
+        float amax = 0.f, max = 0.f;
+        for (int j = 0; j < 256; ++j) {
+            const float a = fabsf(xb[j]);
+            if (a > amax) {
+                amax = a;
+                max = xb[j];
+            }
+        }
+        if (amax == 0.f) {
+            memset(o, 0, sizeof *o);
+            continue;
+        }
+        const float iscale = -127.f / max;
+        for (int j = 0; j < 256; ++j) {
+            const int v = (int)((iscale * xb[j] + 12582912.f) - 12582912.f);
+            o->q[j] = (int8_t)(v > 127 ? 127 : v);
+        }
+        o->d = 1.f / iscale;
+        for (int g = 0; g < 16; ++g) {
+            int s = 0;
+            for (int i = 0; i < 16; ++i) s += o->q[16 * g + i];
+            o->bs16[g] = (int16_t)s;
+        }
+        for (int j = 0; j < 8; ++j) o->bs32[j] = (int16_t)(o->bs16[2 * j] + o->bs16[2 * j + 1]);
+    }
+}
+
+/* llama.cpp's Q8_0 activations: per 32, d = amax / 127 (kept as f16, as its block stores it),
+ * q = nearest(x / d); and the sum of q */
+static void SKF(quant_a32)(const float *x, int k, sk_a32 *out) {
+    for (int b = 0; b < k / 32; ++b) {
+        const float *xb = x + (size_t)b * 32;
+        sk_a32 *o = out + b;
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        int s = 0;
+        for (int j = 0; j < 32; ++j) {
+            const int v = (int)((xb[j] * id + 12582912.f) - 12582912.f);
+            o->q[j] = (int8_t)v;
+            s += v;
+        }
+        o->d = sk_h2f(sk_f2h(d));
+        o->sum = s;
+    }
+}
+
+/* ---------------------------------------------------------------- the decoder step */
+
+typedef struct {
+    const sk_model *m;
+    const sk_kv *kv;
+    sk_scratch *s;
+    const int32_t *tokens;
+    int q, start, lo; /* rows [lo, q) get logits */
+    float *logits;
+    int ldl;
+} SKF(step_args);
+
+static inline void SKF(range)(int n, int tid, int nt, int *a, int *b) {
+    *a = (int)((int64_t)n * tid / nt);
+    *b = (int)((int64_t)n * (tid + 1) / nt);
+}
+
+/* quantize rows [r0, r1) of x (ld floats) for every activation kind the mats need */
+static void SKF(quant_rows)(sk_scratch *s, const float *x, int ld, int k, int r0, int r1, int need) {
+    for (int r = r0; r < r1; ++r) {
+        if (need & 1) SKF(quant_a256)(x + (size_t)r * ld, k, s->a256 + (size_t)r * s->lda256);
+        if (need & 2) SKF(quant_a32)(x + (size_t)r * ld, k, s->a32 + (size_t)r * s->lda32);
+    }
+}
+
+/* nm matrices over the same activations: this thread's share of their panels, one list */
+static void SKF(mm_share)(sk_scratch *s, const sk_mat *const *mats, float *const *ys, const int *ldy, int nm, int q, int accum, int tid, int nt) {
+    int total = 0;
+    for (int i = 0; i < nm; ++i) total += mats[i]->n / SK_P;
+    int a, b;
+    SKF(range)(total, tid, nt, &a, &b);
+    int base = 0;
+    for (int i = 0; i < nm; ++i) {
+        const int np = mats[i]->n / SK_P, lo = a > base ? a - base : 0, hi = b - base < np ? b - base : np;
+        if (lo < hi) {
+            const int k256 = sk_is_kquant(mats[i]->type);
+            SKF(mm)(mats[i], k256 ? (const void *)s->a256 : (const void *)s->a32, k256 ? s->lda256 : s->lda32, q, lo, hi, ys[i], ldy[i], accum);
+        }
+        base += np;
+    }
+}
+
+/* attention of rows (r, kv head g, heads [h0, h1) of the group): scores, softmax, V */
+static void SKF(attend)(const sk_model *m, const sk_kv *kv, sk_scratch *s, int l, int r, int g, int h0, int h1, int start, int tid) {
+    const int hd = m->head_dim, nkv = m->n_head_kv, T = start + r + 1, ntile = (T + 15) / 16, nh = h1 - h0;
+    const int ctx = m->max_ctx;
+    const uint16_t *K = kv->k + (size_t)l * ctx * nkv * hd;
+    const uint16_t *V = kv->v + (size_t)l * ctx * nkv * hd;
+    float *sc = s->scores + (size_t)tid * s->ld_scores; /* [nh][ntile * 16] */
+    const int lds = ntile * 16;
+    const float *Qr = s->q + (size_t)r * m->n_head * hd;
+    for (int j = 0; j < ntile; ++j) {
+        const uint16_t *kt = K + ((size_t)j * nkv + g) * hd * 16;
+        float acc[SK_GROUP_MAX][16];
+        for (int i = 0; i < nh; ++i)
+            for (int l2 = 0; l2 < 16; ++l2) acc[i][l2] = 0.f;
+        for (int d = 0; d < hd; ++d) {
+            float kf[16];
+            SKF(cvt16)(kt + d * 16, kf);
+            for (int i = 0; i < nh; ++i) {
+                const float qd = Qr[(h0 + i) * hd + d];
+                for (int l2 = 0; l2 < 16; ++l2) acc[i][l2] = acc[i][l2] + qd * kf[l2];
+            }
+        }
+        for (int i = 0; i < nh; ++i)
+            for (int l2 = 0; l2 < 16; ++l2) sc[i * lds + j * 16 + l2] = acc[i][l2] * m->attn_scale;
+    }
+    float inv[SK_GROUP_MAX];
+    for (int i = 0; i < nh; ++i) {
+        float *si = sc + i * lds, mx = si[0];
+        for (int t = 1; t < T; ++t) mx = fmaxf(mx, si[t]);
+        float part[16] = {0};
+        for (int t = 0; t < T; ++t) {
+            si[t] = SKF(expf)(si[t] - mx);
+            part[t & 15] = part[t & 15] + si[t];
+        }
+        inv[i] = SKF(tree16)(part);
+    }
+    float *out = s->att + (size_t)r * m->n_head * hd;
+    for (int i = 0; i < nh; ++i)
+        for (int d = 0; d < hd; ++d) out[(h0 + i) * hd + d] = 0.f;
+    float vf_[SK_HEAD_DIM_MAX];
+    for (int t = 0; t < T; ++t) {
+        const uint16_t *vr = V + ((size_t)t * nkv + g) * hd;
+        for (int d = 0; d < hd; d += 16) SKF(cvt16)(vr + d, vf_ + d);
+        for (int i = 0; i < nh; ++i) {
+            const float e = sc[i * lds + t];
+            float *o = out + (h0 + i) * hd;
+            for (int d = 0; d < hd; ++d) o[d] = o[d] + e * vf_[d];
+        }
+    }
+    for (int i = 0; i < nh; ++i) {
+        float *o = out + (h0 + i) * hd;
+        for (int d = 0; d < hd; ++d) o[d] = o[d] / inv[i];
+    }
+}
+
+static void SKF(rope)(float *v, const float *cs, const float *sn, int hd, int neox) {
+    const int half = hd / 2;
+    for (int i = 0; i < half; ++i) {
+        const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        const float x0 = v[a], x1 = v[b];
+        v[a] = x0 * cs[i] - x1 * sn[i];
+        v[b] = x0 * sn[i] + x1 * cs[i];
+    }
+}
+
+/* biases, RoPE, and the new K/V rows into the cache: items (row, head) over q and kv heads */
+static void SKF(qkv_post)(const sk_model *m, const sk_kv *kv, sk_scratch *s, int l, int q, int start, int tid, int nt) {
+    const sk_layer *L = &m->layers[l];
+    const int hd = m->head_dim, nh = m->n_head, nkv = m->n_head_kv, ctx = m->max_ctx, half = hd / 2;
+    const int items = q * (nh + nkv);
+    int a, b;
+    SKF(range)(items, tid, nt, &a, &b);
+    for (int it = a; it < b; ++it) {
+        const int r = it / (nh + nkv), h = it % (nh + nkv), pos = start + r;
+        const float *cs = m->rope_cos + (size_t)pos * half, *sn = m->rope_sin + (size_t)pos * half;
+        if (h < nh) {
+            float *v = s->q + ((size_t)r * nh + h) * hd;
+            if (L->bq)
+                for (int d = 0; d < hd; ++d) v[d] = v[d] + L->bq[h * hd + d];
+            SKF(rope)(v, cs, sn, hd, m->rope_neox);
+        } else {
+            const int g = h - nh;
+            float *kk = s->k + ((size_t)r * nkv + g) * hd, *vv = s->v + ((size_t)r * nkv + g) * hd;
+            if (L->bk)
+                for (int d = 0; d < hd; ++d) kk[d] = kk[d] + L->bk[g * hd + d];
+            if (L->bv)
+                for (int d = 0; d < hd; ++d) vv[d] = vv[d] + L->bv[g * hd + d];
+            SKF(rope)(kk, cs, sn, hd, m->rope_neox);
+            uint16_t *kt = kv->k + (size_t)l * ctx * nkv * hd + (((size_t)(pos / 16) * nkv + g) * hd) * 16 + (pos & 15);
+            uint16_t *vr = kv->v + (size_t)l * ctx * nkv * hd + ((size_t)pos * nkv + g) * hd;
+            for (int d = 0; d < hd; ++d) {
+                kt[d * 16] = sk_f2h(kk[d]);
+                vr[d] = sk_f2h(vv[d]);
+            }
+        }
+    }
+}
+
+static void SKF(step_job)(void *arg, int tid, int nt) {
+    const SKF(step_args) *A = (const SKF(step_args) *)arg;
+    const sk_model *m = A->m;
+    sk_scratch *s = A->s;
+    const int q = A->q, E = m->n_embd, hd = m->head_dim, nh = m->n_head, nkv = m->n_head_kv, F = m->n_ff;
+    int r0, r1;
+    SKF(range)(q, tid, nt, &r0, &r1);
+    for (int r = r0; r < r1; ++r) sk_dequant_row(&m->tok_embd, A->tokens[r], s->x + (size_t)r * E);
+    sk_bar(tid, nt);
+    for (int l = 0; l < m->n_layer; ++l) {
+        const sk_layer *L = &m->layers[l];
+        for (int r = r0; r < r1; ++r) SKF(rmsnorm)(s->x + (size_t)r * E, L->attn_norm, E, m->norm_eps, s->xn + (size_t)r * E);
+        SKF(quant_rows)(s, s->xn, E, E, r0, r1, sk_need(&L->wq) | sk_need(&L->wk) | sk_need(&L->wv));
+        sk_bar(tid, nt);
+        {
+            const sk_mat *mats[3] = {&L->wq, &L->wk, &L->wv};
+            float *ys[3] = {s->q, s->k, s->v};
+            const int ld[3] = {nh * hd, nkv * hd, nkv * hd};
+            SKF(mm_share)(s, mats, ys, ld, 3, q, 0, tid, nt);
+        }
+        sk_bar(tid, nt);
+        SKF(qkv_post)(m, A->kv, s, l, q, A->start, tid, nt);
+        sk_bar(tid, nt);
+        {
+            const int per = nh / nkv, split = s->head_split, chunk = (per + split - 1) / split, items = q * nkv * split;
+            int a, b;
+            SKF(range)(items, tid, nt, &a, &b);
+            for (int it = a; it < b; ++it) {
+                const int r = it / (nkv * split), g = (it / split) % nkv, c = it % split;
+                const int h0 = g * per + c * chunk, h1 = h0 + chunk < (g + 1) * per ? h0 + chunk : (g + 1) * per;
+                if (h0 < h1) SKF(attend)(m, A->kv, s, l, r, g, h0, h1, A->start, tid);
+            }
+        }
+        sk_bar(tid, nt);
+        SKF(quant_rows)(s, s->att, nh * hd, nh * hd, r0, r1, sk_need(&L->wo));
+        sk_bar(tid, nt);
+        {
+            const sk_mat *mats[1] = {&L->wo};
+            float *ys[1] = {s->x};
+            const int ld[1] = {E};
+            SKF(mm_share)(s, mats, ys, ld, 1, q, 1, tid, nt);
+        }
+        sk_bar(tid, nt);
+        for (int r = r0; r < r1; ++r) SKF(rmsnorm)(s->x + (size_t)r * E, L->ffn_norm, E, m->norm_eps, s->xn + (size_t)r * E);
+        SKF(quant_rows)(s, s->xn, E, E, r0, r1, sk_need(&L->wgate) | sk_need(&L->wup));
+        sk_bar(tid, nt);
+        {
+            const sk_mat *mats[2] = {&L->wgate, &L->wup};
+            float *ys[2] = {s->g, s->u};
+            const int ld[2] = {F, F};
+            SKF(mm_share)(s, mats, ys, ld, 2, q, 0, tid, nt);
+        }
+        sk_bar(tid, nt);
+        {
+            /* SwiGLU and its quantization per activation block: items (row, block) */
+            const int need = sk_need(&L->wdown), kb = (need & 1) ? 256 : 32, nb = F / kb, items = q * nb;
+            int a, b;
+            SKF(range)(items, tid, nt, &a, &b);
+            for (int it = a; it < b; ++it) {
+                const int r = it / nb, j = it % nb;
+                float *gg = s->g + (size_t)r * F + (size_t)j * kb;
+                SKF(silu_mul)(gg, s->u + (size_t)r * F + (size_t)j * kb, kb);
+                if (need & 1) SKF(quant_a256)(gg, kb, s->a256 + (size_t)r * s->lda256 + (size_t)j);
+                if (need & 2) SKF(quant_a32)(gg, kb, s->a32 + (size_t)r * s->lda32 + (size_t)j);
+            }
+        }
+        sk_bar(tid, nt);
+        {
+            const sk_mat *mats[1] = {&L->wdown};
+            float *ys[1] = {s->x};
+            const int ld[1] = {E};
+            SKF(mm_share)(s, mats, ys, ld, 1, q, 1, tid, nt);
+        }
+        sk_bar(tid, nt);
+    }
+    /* the LM head on rows [lo, q) only */
+    const int lo = A->lo, nq = q - lo;
+    if (nq <= 0) return;
+    int s0, s1;
+    SKF(range)(nq, tid, nt, &s0, &s1);
+    for (int r = lo + s0; r < lo + s1; ++r) SKF(rmsnorm)(s->x + (size_t)r * E, m->out_norm, E, m->norm_eps, s->xn + (size_t)r * E);
+    SKF(quant_rows)(s, s->xn, E, E, lo + s0, lo + s1, sk_need(&m->output));
+    sk_bar(tid, nt);
+    {
+        const int k256 = sk_is_kquant(m->output.type);
+        const void *X = k256 ? (const void *)(s->a256 + (size_t)lo * s->lda256) : (const void *)(s->a32 + (size_t)lo * s->lda32);
+        int a, b;
+        SKF(range)(m->output.n / SK_P, tid, nt, &a, &b);
+        SKF(mm)(&m->output, X, k256 ? s->lda256 : s->lda32, nq, a, b, A->logits + (size_t)lo * A->ldl, A->ldl, 0);
+    }
+}
+
+static void SKF(step)(const sk_model *m, const sk_kv *kv, sk_scratch *s, const int32_t *tokens, int q, int start, float *logits, int ldl, int lo) {
+    SKF(step_args) a = {m, kv, s, tokens, q, start, lo, logits, ldl};
+    sk_team_run(SKF(step_job), &a);
+}
+
+/* one matmul over float rows x [q][k] (quantized here as the step would), for tests */
+typedef struct {
+    const sk_mat *m;
+    const float *x;
+    int q;
+    float *y;
+    sk_scratch *s;
+} SKF(mm_args);
+
+static void SKF(mm_job)(void *arg, int tid, int nt) {
+    const SKF(mm_args) *A = (const SKF(mm_args) *)arg;
+    int r0, r1;
+    SKF(range)(A->q, tid, nt, &r0, &r1);
+    SKF(quant_rows)(A->s, A->x, A->m->k, A->m->k, r0, r1, sk_need(A->m));
+    sk_bar(tid, nt);
+    const sk_mat *mats[1] = {A->m};
+    float *ys[1] = {A->y};
+    const int ld[1] = {A->m->n};
+    SKF(mm_share)(A->s, mats, ys, ld, 1, A->q, 0, tid, nt);
+}
+
+static void SKF(matmul)(const sk_mat *m, const float *x, int q, float *y, sk_scratch *s) {
+    SKF(mm_args) a = {m, x, q, y, s};
+    sk_team_run(SKF(mm_job), &a);
+}
+
+#undef LANES
+#undef HALVES
+#undef RB
+#undef HI_X16
+#undef I8_BIAS
+#undef VLOADW
+#undef VI32
+#undef VZERO
+#undef FZERO
+#undef VAND
+#undef VOR
+#undef VXOR
+#undef VSRL16
+#undef VSLL16
+#undef VSLL32
+#undef VSUB32
+#undef VADD32
+#undef VCVT
+#undef FMA
+#undef FNMA
+#undef FMUL
+#undef FADD
+#undef FSET1
+#undef FLOAD
+#undef FSTORE
+#undef H2F
+#undef U82F
+#undef I82F
+#undef U8TO32
+#undef DOTU
+#undef DOTS
+#undef DOT16
+#undef XSET
+#undef vi
+#undef vf

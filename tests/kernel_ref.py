@@ -1,0 +1,215 @@
+"""Test fixtures for specrt's kernels: small GGUF files with random blocks of every type the
+kernels run, and an independent numpy reference of the kernels' decoder step.
+
+The reference computes in float64 from ``gguf.dequantize`` of the file's blocks, with the
+activations quantized as llama.cpp does (Q8_K per 256 for K-quant weights, Q8_0 per 32
+otherwise) and the KV rows rounded to f16: the kernels' numerics, so the two agree to float
+rounding (not bit for bit: the kernels accumulate in float32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14
+BLOCK = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
+
+
+def f16(x: float) -> np.ndarray:
+    return np.array([x], np.float16).view(np.uint8)
+
+
+def random_tensor(rng, ggml_type: int, n: int, k: int, scale: float = 0.05) -> np.ndarray:
+    """uint8 ``[n, row bytes]`` of valid random blocks of ``ggml_type`` whose values are
+    about ``scale`` in magnitude (K-quants: random bytes with sane fp16 scales; the others
+    quantized by gguf-py from random floats)."""
+    import gguf
+    from gguf.quants import quantize
+
+    if ggml_type == Q4_K:
+        b = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+        for j, v in ((0, scale / 500), (2, scale / 1000)):
+            b[..., j : j + 2] = f16(v)
+        return b.reshape(n, -1)
+    if ggml_type == Q6_K:
+        b = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+        b[..., 208:210] = f16(scale / 2000)
+        return b.reshape(n, -1)
+    w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
+    return quantize(w, gguf.GGMLQuantizationType(ggml_type))
+
+
+def dequant(raw: np.ndarray, ggml_type: int, n: int, k: int) -> np.ndarray:
+    import gguf
+    from gguf.quants import dequantize
+
+    return dequantize(raw, gguf.GGMLQuantizationType(ggml_type)).reshape(n, k)
+
+
+# ---------------------------------------------------------------- activations, as sk.c quantizes them
+
+
+def q8k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """llama.cpp Q8_K of float32 rows ``x [r, k]``: int values and one float32 scale per 256."""
+    x = np.asarray(x, np.float32)
+    r, k = x.shape
+    xb = x.reshape(r, k // 256, 256)
+    j = np.abs(xb).argmax(-1)
+    mx = np.take_along_axis(xb, j[..., None], -1)[..., 0]
+    with np.errstate(divide="ignore"):
+        isc = np.where(mx == 0, np.float32(0), np.float32(-127.0) / mx).astype(np.float32)
+    q = np.minimum(np.rint((isc[..., None] * xb).astype(np.float32)), 127).astype(np.int64)
+    with np.errstate(divide="ignore"):
+        d = np.where(isc == 0, np.float32(0), np.float32(1.0) / isc).astype(np.float32)
+    return q.reshape(r, k), d, 256
+
+
+def q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """llama.cpp Q8_0 of float32 rows: per 32, d = amax / 127 kept as f16."""
+    x = np.asarray(x, np.float32)
+    r, k = x.shape
+    xb = x.reshape(r, k // 32, 32)
+    amax = np.abs(xb).max(-1)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        idd = np.where(d == 0, np.float32(0), np.float32(1.0) / d).astype(np.float32)
+    q = np.rint((xb * idd[..., None]).astype(np.float32)).astype(np.int64)
+    return q.reshape(r, k), d.astype(np.float16).astype(np.float32), 32
+
+
+def matmul_ref(x: np.ndarray, w: np.ndarray, ggml_type: int) -> np.ndarray:
+    """float64 ``[r, n]``: rows ``x`` quantized as the kernels quantize them for a matrix of
+    ``ggml_type``, times the dequantized ``w [n, k]`` (float64 sums)."""
+    q, d, blk = (q8k if ggml_type in (Q4_K, Q6_K) else q8_0)(x)
+    r, k = q.shape
+    qb = q.reshape(r, k // blk, blk).astype(np.float64)
+    wb = w.astype(np.float64).reshape(w.shape[0], k // blk, blk)
+    return np.einsum("rbi,nbi,rb->rn", qb, wb, d.astype(np.float64))
+
+
+# ---------------------------------------------------------------- a small GGUF decoder
+
+DIMS = dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_vocab=512)
+
+
+def write_gguf(path: Path, arch: str = "qwen2", seed: int = 0, types: dict | None = None, dims: dict | None = None, strings: dict | None = None) -> Path:
+    """A decoder of ``arch`` (``qwen2``: q/k/v biases, NEOX RoPE; ``llama``: NORM RoPE, no
+    biases) with random weights, written with gguf-py. ``types`` maps tensor kinds
+    (``attn``, ``attn_v``, ``ffn``, ``ffn_down``, ``embd``, ``output``) to ggml types; the
+    defaults mix Q4_K, Q6_K, Q8_0 and Q4_1 as llama.cpp's Q4_K_M does. ``strings``: more
+    string metadata (``{key: value}``, the key without the architecture prefix)."""
+    import gguf
+
+    d = {**DIMS, **(dims or {})}
+    t = {"attn": Q4_K, "attn_v": Q6_K, "ffn": Q4_K, "ffn_down": Q6_K, "embd": Q8_0, "output": Q6_K, **(types or {})}
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(d["n_layer"])
+    w.add_context_length(4096)
+    w.add_embedding_length(d["n_embd"])
+    w.add_feed_forward_length(d["n_ff"])
+    w.add_head_count(d["n_head"])
+    w.add_head_count_kv(d["n_head_kv"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    for key, value in (strings or {}).items():
+        w.add_string(f"{arch}.{key}", value)
+    E, F, V, qd, kd = d["n_embd"], d["n_ff"], d["n_vocab"], d["n_head"] * d["head_dim"], d["n_head_kv"] * d["head_dim"]
+
+    def add(name, ty, n, k, scale=0.05):
+        w.add_tensor(name, random_tensor(rng, ty, n, k, scale), raw_dtype=gguf.GGMLQuantizationType(ty))
+
+    def f32(name, v):
+        w.add_tensor(name, np.asarray(v, np.float32))
+
+    add("token_embd.weight", t["embd"], V, E, 1.0)
+    f32("output_norm.weight", 1 + 0.1 * rng.standard_normal(E))
+    add("output.weight", t["output"], V, E, 0.1)
+    for i in range(d["n_layer"]):
+        p = f"blk.{i}."
+        f32(p + "attn_norm.weight", 1 + 0.1 * rng.standard_normal(E))
+        f32(p + "ffn_norm.weight", 1 + 0.1 * rng.standard_normal(E))
+        add(p + "attn_q.weight", t["attn"], qd, E, 0.1)
+        add(p + "attn_k.weight", t["attn"], kd, E, 0.1)
+        add(p + "attn_v.weight", t["attn_v"], kd, E)
+        add(p + "attn_output.weight", t["attn"], E, qd)
+        add(p + "ffn_gate.weight", t["ffn"], F, E)
+        add(p + "ffn_up.weight", t["ffn"], F, E)
+        add(p + "ffn_down.weight", t["ffn_down"], E, F)
+        if arch == "qwen2":
+            for name, n in (("attn_q.bias", qd), ("attn_k.bias", kd), ("attn_v.bias", kd)):
+                f32(p + name, 0.1 * rng.standard_normal(n))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def reference_step(gguf_path: Path, tokens: list[int], rope_neox: bool) -> np.ndarray:
+    """float64 logits ``[len(tokens), n_vocab]`` of the decoder in ``gguf_path`` run over
+    ``tokens`` from position 0, by the kernels' math in numpy (module docstring)."""
+    import gguf
+
+    from specrt.runtime.kernels.weights import rope_tables
+
+    r = gguf.GGUFReader(str(gguf_path))
+    T = {x.name: x for x in r.tensors}
+    arch = r.fields["general.architecture"].contents()
+    g = lambda k: r.fields[f"{arch}.{k}"].contents()  # noqa: E731
+    L, E, H, KV = g("block_count"), g("embedding_length"), g("attention.head_count"), g("attention.head_count_kv")
+    hd, eps = E // H, g("attention.layer_norm_rms_epsilon")
+
+    def W(name):
+        x = T[name]
+        if int(x.tensor_type) == 0:
+            return np.asarray(x.data, np.float64), 0
+        n, k = int(x.shape[1]), int(x.shape[0])
+        return dequant(np.asarray(x.data).view(np.uint8), int(x.tensor_type), n, k), int(x.tensor_type)
+
+    def mm(x, name):
+        w, ty = W(name)
+        return matmul_ref(x.astype(np.float32), w, ty)
+
+    def norm(x, name):
+        w = W(name)[0]
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    n = len(tokens)
+    cos, sin = (a.astype(np.float64) for a in rope_tables(n, hd, g("rope.freq_base")))
+
+    def rope(v):  # v [n, heads, hd]
+        c, s = cos[:, None, :], sin[:, None, :]
+        if rope_neox:
+            a, b = v[..., : hd // 2], v[..., hd // 2 :]
+            return np.concatenate([a * c - b * s, a * s + b * c], -1)
+        a, b = v[..., 0::2], v[..., 1::2]
+        out = np.empty_like(v)
+        out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+        return out
+
+    emb, _ = W("token_embd.weight")
+    x = emb[tokens].astype(np.float64)
+    mask = np.triu(np.full((n, n), -np.inf), 1)
+    for i in range(L):
+        p = f"blk.{i}."
+        xn = norm(x, p + "attn_norm.weight")
+        q, k, v = (mm(xn, p + f"attn_{c}.weight") for c in "qkv")
+        if p + "attn_q.bias" in T:
+            q, k, v = q + W(p + "attn_q.bias")[0], k + W(p + "attn_k.bias")[0], v + W(p + "attn_v.bias")[0]
+        q = rope(q.reshape(n, H, hd))
+        k = rope(k.reshape(n, KV, hd)).astype(np.float16).astype(np.float64)
+        v = v.reshape(n, KV, hd).astype(np.float16).astype(np.float64)
+        rep = H // KV
+        k, v = np.repeat(k, rep, 1), np.repeat(v, rep, 1)
+        s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        att = np.einsum("hqk,khd->qhd", s, v).reshape(n, H * hd)
+        x = x + mm(att, p + "attn_output.weight")
+        xn = norm(x, p + "ffn_norm.weight")
+        gt, up = mm(xn, p + "ffn_gate.weight"), mm(xn, p + "ffn_up.weight")
+        x = x + mm(gt / (1 + np.exp(-gt)) * up, p + "ffn_down.weight")
+    return mm(norm(x, "output_norm.weight"), "output.weight")

@@ -1,0 +1,244 @@
+"""specrt's CPU kernels (runtime/kernels): the panel layout, the q-row matmuls and the whole
+decoder step.
+
+Oracles: ``gguf.dequantize`` of the same blocks (the layout, bit for bit), a float64 numpy
+product on the same 8-bit activations (the matmuls), an independent numpy decoder step
+(tests/kernel_ref.py) and, for a real file, PyTorch on the GGUF's converted folder. The
+exactness the decode loop relies on: every row is bit-identical whatever the call width
+(every width 1..k_max+1 and the prefill chunk), the thread count and the ISA path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+
+import kernel_ref as R  # noqa: E402
+
+from specrt.runtime import kernels as K  # noqa: E402
+from specrt.runtime.kernels import panels as PN  # noqa: E402
+
+if K.status() is not None:
+    pytest.skip(f"kernels not available: {K.status()}", allow_module_level=True)
+
+ISAS = K.ISAS[: K.ISAS.index(K.cpu_isa()) + 1]  # every path this CPU runs
+TYPES = [R.Q4_0, R.Q4_1, R.Q5_0, R.Q8_0, R.Q4_K, R.Q6_K]
+K_MAX = 8
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    """Per type: (raw blocks, panels, n, k) of a random [48, 512] matrix."""
+    rng = np.random.default_rng(0)
+    out = {}
+    for ty in TYPES:
+        n, k = 48, 512
+        raw = R.random_tensor(rng, ty, n, k)
+        out[ty] = (raw, PN.pack(raw, ty, n, k), n, k)
+    return out
+
+
+def test_isa_paths_named():
+    assert K.cpu_isa() in K.ISAS and ISAS[0] == "portable"
+    with pytest.raises(ValueError, match="choose one of"):
+        K.isa_id("sse9")
+
+
+@pytest.mark.parametrize("ty", TYPES, ids=lambda t: PN.TYPES[t])
+def test_panels_hold_the_gguf_values(tensors, ty):
+    """Read back by the kernels' C code, the panels are gguf.dequantize of the blocks, bit for bit."""
+    raw, pan, n, k = tensors[ty]
+    assert pan.size == PN.panel_bytes(ty, n, k)
+    want = R.dequant(raw, ty, n, k)
+    np.testing.assert_array_equal(bits(K.dequant(ty, n, k, pan)), bits(want))
+    np.testing.assert_array_equal(bits(K.dequant(ty, n, k, pan, 16, 32)), bits(want[16:32]))
+
+
+def test_pack_refuses_shapes_it_cannot_lay_out():
+    assert PN.supported(R.Q4_K, 40, 512) == "40 output columns is not a multiple of 16"
+    assert "not a multiple of the Q4_K block" in PN.supported(R.Q4_K, 32, 320)
+    assert "is not one the kernels run" in PN.supported(13, 32, 256)
+    with pytest.raises(ValueError, match="bytes for a"):
+        PN.pack(np.zeros(10, np.uint8), R.Q8_0, 16, 32)
+
+
+@pytest.mark.parametrize("ty", TYPES, ids=lambda t: PN.TYPES[t])
+def test_matmul_is_the_product_on_8_bit_activations(tensors, ty):
+    raw, pan, n, k = tensors[ty]
+    x = np.random.default_rng(1).standard_normal((5, k)).astype(np.float32)
+    ref = R.matmul_ref(x, R.dequant(raw, ty, n, k), ty)
+    for isa in ISAS:
+        y = K.matmul(ty, n, k, pan, x, isa=isa)
+        assert np.abs(y - ref).max() <= 2e-6 * np.sqrt((ref**2).mean()), isa
+
+
+@pytest.mark.parametrize("ty", TYPES, ids=lambda t: PN.TYPES[t])
+def test_matmul_rows_do_not_depend_on_width_threads_or_isa(tensors, ty):
+    """Every window of every width 1..k_max+1, the 256-row prefill chunk, 1 and 2 threads,
+    every ISA path: the same bits for each row."""
+    _, pan, n, k = tensors[ty]
+    x = np.random.default_rng(2).standard_normal((256, k)).astype(np.float32)
+    base = K.matmul(ty, n, k, pan, x, isa="portable", threads=1)
+    for isa in ISAS:
+        for th in (1, 2):
+            full = K.matmul(ty, n, k, pan, x, isa=isa, threads=th)
+            np.testing.assert_array_equal(bits(full), bits(base), err_msg=f"{isa} {th} threads, 256 rows")
+            for q in range(1, K_MAX + 2):
+                for r0 in (0, 3, 250 - q):
+                    y = K.matmul(ty, n, k, pan, x[r0 : r0 + q], isa=isa)
+                    np.testing.assert_array_equal(bits(y), bits(base[r0 : r0 + q]), err_msg=f"{isa} {th} threads, q={q} at {r0}")
+    K.start_team(2)
+
+
+# ---------------------------------------------------------------- the decoder step
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def tiny(request, tmp_path_factory):
+    """(gguf path, panels record, weights factory) of a random 2-layer decoder."""
+    from specrt.export.kernel_pack import write_panels
+    from specrt.runtime.kernels.weights import KernelWeights
+
+    out = tmp_path_factory.mktemp(f"kern_{request.param}")
+    g = R.write_gguf(out / "m.gguf", request.param)
+    rec = write_panels(g, out, "target", log=lambda *_: None)
+    assert rec is not None and rec["rope_neox"] == (request.param == "qwen2")
+    K.start_team(2)
+    return g, rec, lambda ctx=256, q=64: KernelWeights(out / "target.panels", rec, ctx, q)
+
+
+def model(w, isa=None):
+    from specrt.runtime.backends.kern import KernelModel
+
+    return KernelModel(w, isa or K.cpu_isa())
+
+
+PROMPT = [int(t) for t in np.random.default_rng(3).integers(0, 512, 40)]
+
+
+def test_step_matches_the_numpy_reference(tiny):
+    g, rec, weights = tiny
+    got = model(weights()).run(PROMPT, 0).astype(np.float64)
+    ref = R.reference_step(g, PROMPT, rec["rope_neox"])
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-3
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.95
+
+
+def test_step_rows_do_not_depend_on_the_calls(tiny):
+    """One 40-row call == 1-row steps == uneven chunks == every verification width from a
+    past, on every ISA path and with 1 or 2 threads; the KV rows too."""
+    _, _, weights = tiny
+    w = weights()
+    one = model(w, "portable")
+    base = one.run(PROMPT, 0).copy()
+    kv = (one.k.copy(), one.v.copy())
+    for isa in ISAS:
+        for th in (1, 2):
+            K.start_team(th)
+            m = model(w, isa)
+            rows = np.stack([m.run([t], i)[0].copy() for i, t in enumerate(PROMPT)])
+            np.testing.assert_array_equal(bits(rows), bits(base), err_msg=f"{isa} {th} threads, 1-row steps")
+            assert np.array_equal(m.k, kv[0]) and np.array_equal(m.v, kv[1])
+            lo = 0
+            for q in (7, 1, 12, 3, 17):
+                got = m.run(PROMPT[lo : lo + q], lo)
+                np.testing.assert_array_equal(bits(got), bits(base[lo : lo + q]), err_msg=f"{isa} chunk {lo}+{q}")
+                lo += q
+            for q in range(1, K_MAX + 2):  # verification widths after a past of 30
+                got = m.run(PROMPT[30 : 30 + q], 30)
+                np.testing.assert_array_equal(bits(got), bits(base[30 : 30 + q]), err_msg=f"{isa} q={q}")
+    K.start_team(2)
+
+
+def test_rows_past_start_are_never_read(tiny):
+    """Rolling back is a smaller start: garbage in KV rows >= start changes nothing."""
+    _, _, weights = tiny
+    m = model(weights())
+    base = m.run(PROMPT, 0).copy()
+    m.run([1, 2, 3, 4, 5], 20)  # overwrite rows 20..24 with other tokens
+    np.testing.assert_array_equal(bits(m.run(PROMPT[20:40], 20)), bits(base[20:40]))
+    assert m.release_rows(0) > 0  # all rows back to the OS (zeros)
+    np.testing.assert_array_equal(bits(m.run(PROMPT, 0)), bits(base))
+
+
+def test_run_rows_projects_only_the_rows_asked(tiny):
+    _, _, weights = tiny
+    m = model(weights())
+    base = m.run(PROMPT, 0).copy()
+    m.logits[:] = np.nan
+    got = m.run_rows(PROMPT, 0, len(PROMPT) - 1)
+    assert np.isnan(got[:-1]).all()
+    np.testing.assert_array_equal(bits(got[-1]), bits(base[-1]))
+    m.run_rows(PROMPT[:30], 0, 30)  # no row projected: KV only
+    np.testing.assert_array_equal(bits(m.run(PROMPT[30:], 30)), bits(base[30:]))
+
+
+def test_bad_calls_are_refused_in_one_line(tiny):
+    from specrt.runtime.errors import InputError
+
+    _, _, weights = tiny
+    m = model(weights(ctx=64, q=16))
+    with pytest.raises(InputError, match="allowed 1 <= q <= 16"):
+        m.run(list(range(17)), 0)
+    with pytest.raises(InputError, match="max_ctx=64"):
+        m.run([1, 2], 63)
+    with pytest.raises(InputError, match="outside the vocabulary 0..511"):
+        m.run([1, 600], 0)
+
+
+def test_unsupported_files_write_no_panels(tmp_path):
+    from specrt.export.kernel_pack import kernels_unsupported, write_panels
+
+    g = R.write_gguf(tmp_path / "m.gguf", "qwen2", strings={"rope.scaling.type": "yarn"})
+    lines: list[str] = []
+    assert write_panels(g, tmp_path, "target", log=lines.append) is None
+    assert "rope scaling 'yarn'" in lines[-1] and not (tmp_path / "target.panels").exists()
+    assert kernels_unsupported(R.write_gguf(tmp_path / "ok.gguf", "llama")) is None
+
+
+# ---------------------------------------------------------------- a real file: SmolLM2-135M Q4_1
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    import os
+
+    from specrt.export.fetch import fetch
+    from specrt.runtime.errors import ExportError
+
+    try:
+        return fetch("smollm2-135m-instruct-q4_1", log=lambda *_: None)
+    except ExportError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"cannot fetch the SmolLM2 GGUF here: {e}")
+
+
+def test_real_file_logits_match_pytorch(smol, tmp_path_factory):
+    """SmolLM2-135M (llama, Q4_1 layers, Q8_0 tied embeddings): the kernels' logits against
+    PyTorch float32 on the GGUF's converted folder (transformers' own conversion)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specrt.export.gguf_import import checkpoint_folder
+    from specrt.export.kernel_pack import write_panels
+    from specrt.runtime.kernels.weights import KernelWeights
+
+    out = tmp_path_factory.mktemp("smol_kern")
+    rec = write_panels(smol, out, "target", log=lambda *_: None)
+    folder, _ = checkpoint_folder(smol, "target", out / "hf", log=lambda *_: None)
+    tok = AutoTokenizer.from_pretrained(folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = tok("def fibonacci(n):\n    if n < 2:\n        return n\n", return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = hf(ids).logits[0].numpy().astype(np.float64)
+    K.start_team(2)
+    got = model(KernelWeights(out / "target.panels", rec, 256, 64)).run(ids[0].tolist(), 0)[:, : ref.shape[1]]
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05  # 8-bit activations, as llama.cpp
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
