@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["KERNEL_RECORD_VERSION", "ROPE_NEOX_ARCHS", "plan_tensors", "write_panels", "kernels_unsupported"]
+__all__ = ["KERNEL_RECORD_VERSION", "ROPE_NEOX_ARCHS", "plan_tensors", "write_panels", "kernels_unsupported", "panels_record", "add_to_engine"]
 
 KERNEL_RECORD_VERSION = 1
 ROPE_NEOX_ARCHS = {"qwen2": True, "llama": False}  # llama.cpp's rope type of each architecture (llama_model_rope_type)
@@ -194,3 +194,50 @@ def write_panels(gguf_path: str | Path, out: Path, role: str, log=print) -> dict
         "checked": "every tensor's panels dequantize (the kernels' C code) to gguf.dequantize of its blocks, bit for bit",
         "seconds": round(secs, 1),
     }
+
+
+def panels_record(gguf_path: str | Path, out: Path, entry, max_ctx: int, log=print) -> dict | None:
+    """:func:`write_panels` for the target, with its exact step timed on the kernels and on the
+    ONNX graph on this machine (``measured``: :func:`specrt.runtime.lab.kernel_paths.measure_paths`);
+    None when no panels were written."""
+    from specrt.runtime.lab.kernel_paths import measure_paths
+
+    rec = write_panels(gguf_path, out, "target", log)
+    if rec is None:
+        return None
+    m = measure_paths(Path(out), entry, rec, max_ctx, log=log)
+    log(
+        f"  kernels: exact target step {m['kernels_ms']:.1f} ms ({m['isa']}, 1 row) vs the ONNX graph's {m['ort_ms']:.1f} ms ({m['ort_q']} rows) on this machine"
+    )
+    return {**rec, "measured": [m]}
+
+
+def add_to_engine(folder: str | Path, gguf_path: str | Path, log=print) -> dict | None:
+    """Add the target's kernel panels to an engine folder exported before them (or refresh
+    them): writes ``target.panels``, records it in the manifest's ``files`` and
+    ``extra["kernels"]``, and rewrites the manifest. ``gguf_path`` must be the file the
+    target was exported from (its SHA-256 is checked against ``extra.gguf.target``).
+
+    Returns:
+        The record, or None (the reason logged) when the kernels cannot run the file.
+
+    Raises:
+        ExportError: the folder's target was not exported from this GGUF file.
+    """
+    from dataclasses import replace
+
+    from specrt.runtime.errors import ExportError
+    from specrt.runtime.manifest import FileRecord, load_manifest, sha256_file
+
+    folder = Path(folder)
+    m = load_manifest(folder, verify_hashes=False)
+    src = (m.extra.get("gguf") or {}).get("target") or {}
+    if src.get("sha256") != sha256_file(Path(gguf_path)):
+        raise ExportError(f"{folder}'s target was not exported from {gguf_path} (its SHA-256 differs from the manifest's extra.gguf.target)")
+    rec = panels_record(gguf_path, folder, m.target, m.max_ctx, log)
+    if rec is None:
+        return None
+    p = folder / rec["file"]
+    files = {**m.files, rec["file"]: FileRecord(sha256=sha256_file(p), bytes=p.stat().st_size)}
+    replace(m, files=files, extra={**m.extra, "kernels": {"target": rec}}).write(folder)
+    return rec

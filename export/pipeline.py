@@ -460,22 +460,16 @@ def _export_pair(draft_dir: Path, target_dir: Path, out: Path, o: ExportOptions,
 
 
 def _kernel_panels(gguf_path: Path, out: Path, entry, o: ExportOptions, files: dict, meter, log) -> dict | None:
-    """The target's panels for the kernels (:func:`specrt.export.kernel_pack.write_panels`),
-    recorded in ``files``, with the 1-row step of the kernels and of the ONNX graph timed on
-    this machine (``measured``); None when the kernels cannot run the file or are not built."""
-    from .kernel_pack import write_panels
+    """The target's kernel panels record (:func:`specrt.export.kernel_pack.panels_record`),
+    its file recorded in ``files``; None when the kernels cannot run the file or are not built."""
+    from .kernel_pack import panels_record
 
     meter.phase("target: kernel panels")
-    rec = write_panels(gguf_path, out, "target", log)
-    if rec is None:
-        return None
-    p = out / rec["file"]
-    files[rec["file"]] = FileRecord(sha256=sha256_file(p), bytes=p.stat().st_size)
-    from specrt.runtime.lab.kernel_paths import measure_paths
-
-    m = measure_paths(out, entry, rec, o.max_ctx, log=log)
-    log(f"  kernels: 1-row target step {m['kernels_ms']:.1f} ms ({m['isa']}) vs the ONNX graph's {m['ort_ms']:.1f} ms on this machine")
-    return {**rec, "measured": [m]}
+    rec = panels_record(gguf_path, out, entry, o.max_ctx, log)
+    if rec is not None:
+        p = out / rec["file"]
+        files[rec["file"]] = FileRecord(sha256=sha256_file(p), bytes=p.stat().st_size)
+    return rec
 
 
 def _from_gguf(draft_dir: Path, target_dir: Path, o: ExportOptions, quants: dict, meter, log) -> tuple:

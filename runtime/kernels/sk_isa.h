@@ -11,7 +11,7 @@
 
 /* Q4_K: y[r][c] += xd * (sum_i (ilo*d*sc_2i + ihi*d*sc_2i+1) - dmin * sum_j m_j * xsum32_j) */
 static inline __attribute__((always_inline)) void SKF(q4k_rows)(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h,
-                                                                 int accum) {
+                                                                 int accum, int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
     const vi m4 = VI32(0x0F0F0F0F);
@@ -21,6 +21,7 @@ static inline __attribute__((always_inline)) void SKF(q4k_rows)(const uint8_t *w
 #endif
     for (int b = 0; b < nb; ++b) {
         const uint8_t *o = w + (size_t)b * SK_Q4K_PSB;
+        if (pf) sk_prefetch(o + SK_PF_AHEAD * SK_Q4K_PSB, SK_Q4K_PSB);
         const uint8_t *sc = o + 128 * SK_P, *mn = sc + 8 * SK_P;
         const uint16_t *dd = (const uint16_t *)(mn + 8 * SK_P);
         const vf d = H2F(dd + h * LANES), dmin = H2F(dd + SK_P + h * LANES);
@@ -74,12 +75,13 @@ static inline __attribute__((always_inline)) void SKF(q4k_rows)(const uint8_t *w
 
 /* Q6_K: y[r][c] += xd * sum_s (isum_s - 32 * xsum16_s) * d * sc_s */
 static inline __attribute__((always_inline)) void SKF(q6k_rows)(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h,
-                                                                 int accum) {
+                                                                 int accum, int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
     const vi m4 = VI32(0x0F0F0F0F), m3 = VI32(0x03030303);
     for (int b = 0; b < nb; ++b) {
         const uint8_t *o = w + (size_t)b * SK_Q6K_PSB;
+        if (pf) sk_prefetch(o + SK_PF_AHEAD * SK_Q6K_PSB, SK_Q6K_PSB);
         const uint8_t *qh = o + 128 * SK_P;
         const int8_t *sc = (const int8_t *)(qh + 64 * SK_P);
         const vf d = H2F((const uint16_t *)(sc + 16 * SK_P) + h * LANES);
@@ -115,11 +117,13 @@ static inline __attribute__((always_inline)) void SKF(q6k_rows)(const uint8_t *w
 }
 
 /* Q8_0 / Q5_0 panels (signed bytes): y[r][c] += isum * (dw * dx) per 32-block */
-static inline __attribute__((always_inline)) void SKF(i8_rows)(const uint8_t *w, int nb, const sk_a32 *X, int ldx, int Q, float *y, int ldy, int h, int accum) {
+static inline __attribute__((always_inline)) void SKF(i8_rows)(const uint8_t *w, int nb, const sk_a32 *X, int ldx, int Q, float *y, int ldy, int h, int accum,
+                                                               int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
     for (int b = 0; b < nb; ++b) {
         const uint8_t *o = w + (size_t)b * SK_I8_PSB;
+        if (pf) sk_prefetch(o + 4 * SK_PF_AHEAD * SK_I8_PSB, SK_I8_PSB);
         const vf dw = H2F((const uint16_t *)(o + 32 * SK_P) + h * LANES);
         vi a[RB];
         for (int r = 0; r < Q; ++r) a[r] = VZERO();
@@ -144,13 +148,14 @@ static inline __attribute__((always_inline)) void SKF(i8_rows)(const uint8_t *w,
 /* Q4_0 (offset 8) / Q4_1 (min m) panels of nibbles: per 32-block
  * Q4_0: y += (isum - 8 * xsum) * (dw * dx);  Q4_1: y += isum * (dw * dx); y += (mw * dx) * xsum */
 static inline __attribute__((always_inline)) void SKF(u4_rows)(const uint8_t *w, int nb, int with_min, const sk_a32 *X, int ldx, int Q, float *y, int ldy, int h,
-                                                                int accum) {
+                                                                int accum, int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
     const vi m4 = VI32(0x0F0F0F0F);
     const int psb = with_min ? SK_Q41_PSB : SK_Q40_PSB;
     for (int b = 0; b < nb; ++b) {
         const uint8_t *o = w + (size_t)b * psb;
+        if (pf) sk_prefetch(o + 8 * SK_PF_AHEAD * psb, psb);
         const uint16_t *dd = (const uint16_t *)(o + 16 * SK_P);
         const vf dw = H2F(dd + h * LANES);
         vi a[RB];
@@ -207,22 +212,23 @@ static void SKF(mm)(const sk_mat *m, const void *X, int ldx, int q, int p0, int 
             const int Q = q - r0 < RB ? q - r0 : RB;
             float *yp = y + (size_t)r0 * ldy + (size_t)p * SK_P;
             for (int h = 0; h < HALVES; ++h) {
+                const int pf = r0 == 0 && h == 0; /* the first pass over a panel streams it from memory: fetch ahead */
                 if (t == SK_Q4_K) {
                     const sk_a256 *x = (const sk_a256 *)X + (size_t)r0 * ldx;
-#define C4K(QQ) SKF(q4k_rows)(w, nb, x, ldx, QQ, yp, ldy, h, accum)
+#define C4K(QQ) SKF(q4k_rows)(w, nb, x, ldx, QQ, yp, ldy, h, accum, pf)
                     SK_ROWS_CASES(C4K)
                 } else if (t == SK_Q6_K) {
                     const sk_a256 *x = (const sk_a256 *)X + (size_t)r0 * ldx;
-#define C6K(QQ) SKF(q6k_rows)(w, nb, x, ldx, QQ, yp, ldy, h, accum)
+#define C6K(QQ) SKF(q6k_rows)(w, nb, x, ldx, QQ, yp, ldy, h, accum, pf)
                     SK_ROWS_CASES(C6K)
                 } else if (t == SK_Q8_0 || t == SK_Q5_0) {
                     const sk_a32 *x = (const sk_a32 *)X + (size_t)r0 * ldx;
-#define CI8(QQ) SKF(i8_rows)(w, nb, x, ldx, QQ, yp, ldy, h, accum)
+#define CI8(QQ) SKF(i8_rows)(w, nb, x, ldx, QQ, yp, ldy, h, accum, pf)
                     SK_ROWS_CASES(CI8)
                 } else {
                     const sk_a32 *x = (const sk_a32 *)X + (size_t)r0 * ldx;
                     const int with_min = t == SK_Q4_1;
-#define CU4(QQ) SKF(u4_rows)(w, nb, with_min, x, ldx, QQ, yp, ldy, h, accum)
+#define CU4(QQ) SKF(u4_rows)(w, nb, with_min, x, ldx, QQ, yp, ldy, h, accum, pf)
                     SK_ROWS_CASES(CU4)
                 }
 #undef C4K
