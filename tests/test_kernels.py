@@ -137,13 +137,18 @@ def test_step_rows_do_not_depend_on_the_calls(tiny):
     w = weights()
     one = model(w, "portable")
     base = one.run(PROMPT, 0).copy()
+    att = w.last_attention(len(PROMPT))  # the last layer's attention rows, before quantization
     kv = (one.k.copy(), one.v.copy())
     for isa in ISAS:
         for th in (1, 2):
             K.start_team(th)
             m = model(w, isa)
-            rows = np.stack([m.run([t], i)[0].copy() for i, t in enumerate(PROMPT)])
-            np.testing.assert_array_equal(bits(rows), bits(base), err_msg=f"{isa} {th} threads, 1-row steps")
+            rows, atts = [], []
+            for i, t in enumerate(PROMPT):
+                rows.append(m.run([t], i)[0].copy())
+                atts.append(w.last_attention(1)[0])
+            np.testing.assert_array_equal(bits(np.stack(rows)), bits(base), err_msg=f"{isa} {th} threads, 1-row steps")
+            np.testing.assert_array_equal(bits(np.stack(atts)), bits(att), err_msg=f"{isa} {th} threads, attention rows")
             assert np.array_equal(m.k, kv[0]) and np.array_equal(m.v, kv[1])
             lo = 0
             for q in (7, 1, 12, 3, 17):

@@ -128,6 +128,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sk_scratch_free.argtypes = [c_void_p]
     lib.sk_matmul.argtypes = [c_int, POINTER(SkMat), c_void_p, c_int, c_void_p, c_void_p]
     lib.sk_dequant.argtypes = [POINTER(SkMat), c_int, c_int, c_void_p]
+    lib.sk_scratch_attention.argtypes = [c_void_p, c_int, c_int, c_void_p]
     lib.sk_step.argtypes = [c_int, POINTER(SkModel), POINTER(SkKv), c_void_p, c_void_p, c_int, c_int, c_void_p, c_int, c_int]
     return lib, None
 

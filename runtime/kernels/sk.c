@@ -438,6 +438,15 @@ SK_EXPORT int sk_matmul(int isa, const sk_mat *m, const float *x, int q, float *
     return SK_OK;
 }
 
+/* the last step's attention output of its last layer, rows [0, q) x n_head * head_dim floats
+ * (before its 8-bit quantization: the bits the tests compare across calls) */
+SK_EXPORT int sk_scratch_attention(void *scratch, int q, int cols, float *out) {
+    sk_scratch *s = (sk_scratch *)scratch;
+    if (!s || q < 1 || q > s->max_q || cols < 1) return SK_E_ARGS;
+    memcpy(out, s->att, (size_t)q * cols * sizeof(float));
+    return SK_OK;
+}
+
 /* rows [n0, n1) of a panel matrix as floats, out [(n1 - n0)][m->k] */
 SK_EXPORT int sk_dequant(const sk_mat *m, int n0, int n1, float *out) {
     if (!sk_mat_ok(m) || n0 < 0 || n1 > m->n || n0 > n1) return SK_E_ARGS;

@@ -28,33 +28,28 @@ static inline __attribute__((always_inline)) void SKF(q4k_rows)(const uint8_t *w
         vf s[RB];
         for (int r = 0; r < Q; ++r) s[r] = FZERO();
         for (int i = 0; i < 4; ++i) {
-            vi alo[RB], ahi[RB];
-            for (int r = 0; r < Q; ++r) alo[r] = ahi[r] = VZERO();
-            for (int t = 0; t < 8; ++t) {
-                const vi v = VLOADW(o + (size_t)((i * 8 + t) * SK_P) * 4 + h * LANES * 4);
-                const vi wl = VAND(v, m4);
+            /* sub-block 2i (low nibbles), then 2i+1 (high): one int32 accumulator a row at a time,
+             * the 64-byte weight loads repeated from L1 for the second */
+            for (int half = 0; half < 2; ++half) {
+                vi a[RB];
+                for (int r = 0; r < Q; ++r) a[r] = VZERO();
+                for (int t = 0; t < 8; ++t) {
+                    const vi v = VLOADW(o + (size_t)((i * 8 + t) * SK_P) * 4 + h * LANES * 4);
 #if HI_X16
-                const vi wh = VAND(v, mh);
+                    const vi wq = half ? VAND(v, mh) : VAND(v, m4);
 #else
-                const vi wh = VAND(VSRL16(v, 4), m4);
+                    const vi wq = half ? VAND(VSRL16(v, 4), m4) : VAND(v, m4);
 #endif
-#pragma GCC unroll 4
-                for (int r = 0; r < Q; ++r) {
-                    const int8_t *xq = X[(size_t)r * ldx + b].q;
-                    alo[r] = DOTU(alo[r], wl, XSET(xq + 64 * i + 4 * t));
-                    ahi[r] = DOTU(ahi[r], wh, XSET(xq + 64 * i + 32 + 4 * t));
+#pragma GCC unroll 8
+                    for (int r = 0; r < Q; ++r) a[r] = DOTU(a[r], wq, XSET(X[(size_t)r * ldx + b].q + 64 * i + 32 * half + 4 * t));
                 }
-            }
-            const vf slo = FMUL(d, U82F(sc + (2 * i) * SK_P + h * LANES));
 #if HI_X16
-            const vf shi = FMUL(FMUL(d, U82F(sc + (2 * i + 1) * SK_P + h * LANES)), sixteenth);
+                const vf sv = half ? FMUL(FMUL(d, U82F(sc + (2 * i + 1) * SK_P + h * LANES)), sixteenth) : FMUL(d, U82F(sc + (2 * i) * SK_P + h * LANES));
 #else
-            const vf shi = FMUL(d, U82F(sc + (2 * i + 1) * SK_P + h * LANES));
+                const vf sv = FMUL(d, U82F(sc + (2 * i + half) * SK_P + h * LANES));
 #endif
-#pragma GCC unroll 4
-            for (int r = 0; r < Q; ++r) {
-                s[r] = FMA(VCVT(alo[r]), slo, s[r]);
-                s[r] = FMA(VCVT(ahi[r]), shi, s[r]);
+#pragma GCC unroll 8
+                for (int r = 0; r < Q; ++r) s[r] = FMA(VCVT(a[r]), sv, s[r]);
             }
         }
         vi mp[4]; /* m_2i | m_2i+1 << 16 per lane, against the int16 pair of 32-sums */
@@ -73,20 +68,21 @@ static inline __attribute__((always_inline)) void SKF(q4k_rows)(const uint8_t *w
     }
 }
 
-/* Q6_K: y[r][c] += xd * sum_s (isum_s - 32 * xsum16_s) * d * sc_s */
+/* Q6_K: y[r][c] += xd * (d * float(isum)), isum = sum_s sc_s * a_s - 32 * sum_s sc_s * xsum16_s, all in
+ * exact int32 (|isum| < 4e8): one rounding per super-block, the offset term by int16 pairs */
 static inline __attribute__((always_inline)) void SKF(q6k_rows)(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h,
                                                                  int accum, int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
-    const vi m4 = VI32(0x0F0F0F0F), m3 = VI32(0x03030303);
+    const vi m4 = VI32(0x0F0F0F0F), m3 = VI32(0x03030303), lo16 = VI32(0xFFFF);
     for (int b = 0; b < nb; ++b) {
         const uint8_t *o = w + (size_t)b * SK_Q6K_PSB;
         if (pf) sk_prefetch(o + SK_PF_AHEAD * SK_Q6K_PSB, SK_Q6K_PSB);
         const uint8_t *qh = o + 128 * SK_P;
         const int8_t *sc = (const int8_t *)(qh + 64 * SK_P);
         const vf d = H2F((const uint16_t *)(sc + 16 * SK_P) + h * LANES);
-        vf s[RB];
-        for (int r = 0; r < Q; ++r) s[r] = FZERO();
+        vi is[RB];
+        for (int r = 0; r < Q; ++r) is[r] = VZERO();
         for (int g = 0; g < 4; ++g) {
             vi hq[4], lq[4] = {VZERO(), VZERO(), VZERO(), VZERO()};
             for (int t = 0; t < 4; ++t) hq[t] = VLOADW(qh + (size_t)((g * 4 + t) * SK_P) * 4 + h * LANES * 4);
@@ -99,16 +95,23 @@ static inline __attribute__((always_inline)) void SKF(q6k_rows)(const uint8_t *w
                     const vi lo = (u & 1) ? VAND(VSRL16(lq[t], 4), m4) : VAND(lq[t], m4);
                     const vi hb = VSLL16(VAND(u ? VSRL16(hq[t], 2 * u) : hq[t], m3), 4);
                     const vi wq = VOR(lo, hb); /* 0..63 */
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                     for (int r = 0; r < Q; ++r) a[r] = DOTU(a[r], wq, XSET(X[(size_t)r * ldx + b].q + 16 * sb + 4 * t));
                 }
-                const vf ss = FMUL(d, I82F(sc + sb * SK_P + h * LANES));
-#pragma GCC unroll 4
-                for (int r = 0; r < Q; ++r) s[r] = FMA(VCVT(VSUB32(a[r], VI32(32 * X[(size_t)r * ldx + b].bs16[sb]))), ss, s[r]);
+                const vi scv = I8TO32(sc + sb * SK_P + h * LANES);
+#pragma GCC unroll 8
+                for (int r = 0; r < Q; ++r) is[r] = VADD32(is[r], VMUL32(a[r], scv));
             }
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < Q; ++r) yacc[r] = FMA(FSET1(X[(size_t)r * ldx + b].d), s[r], yacc[r]);
+        vi scp[8]; /* sc_2j | sc_2j+1 << 16 as int16 pairs, against the pairs of 16-sums */
+        for (int j = 0; j < 8; ++j) scp[j] = VOR(VAND(I8TO32(sc + 2 * j * SK_P + h * LANES), lo16), VSLL32(I8TO32(sc + (2 * j + 1) * SK_P + h * LANES), 16));
+#pragma GCC unroll 8
+        for (int r = 0; r < Q; ++r) {
+            const sk_a256 *xb = &X[(size_t)r * ldx + b];
+            vi m = VZERO();
+            for (int j = 0; j < 8; ++j) m = DOT16(m, scp[j], XSET(xb->bs16 + 2 * j));
+            yacc[r] = FMA(FSET1(xb->d), FMUL(d, VCVT(VSUB32(is[r], VSLL32(m, 5)))), yacc[r]);
+        }
     }
     for (int r = 0; r < Q; ++r) {
         float *yr = y + (size_t)r * ldy + h * LANES;
@@ -193,6 +196,19 @@ static inline __attribute__((always_inline)) void SKF(u4_rows)(const uint8_t *w,
     }
 }
 
+#if RB == 8
+#define SK_ROWS_CASES(CALL) \
+    switch (Q) {            \
+    case 1: CALL(1); break; \
+    case 2: CALL(2); break; \
+    case 3: CALL(3); break; \
+    case 4: CALL(4); break; \
+    case 5: CALL(5); break; \
+    case 6: CALL(6); break; \
+    case 7: CALL(7); break; \
+    default: CALL(8); break; \
+    }
+#else
 #define SK_ROWS_CASES(CALL) \
     switch (Q) {            \
     case 1: CALL(1); break; \
@@ -200,6 +216,7 @@ static inline __attribute__((always_inline)) void SKF(u4_rows)(const uint8_t *w,
     case 3: CALL(3); break; \
     default: CALL(4); break; \
     }
+#endif
 
 /* panels [p0, p1) of m for q rows of activations X (ldx blocks a row) into y (ldy floats a
  * row); accum: add into y (a residual) instead of storing */
@@ -208,8 +225,9 @@ static void SKF(mm)(const sk_mat *m, const void *X, int ldx, int q, int p0, int 
     const size_t psb = sk_psb(t);
     for (int p = p0; p < p1; ++p) {
         const uint8_t *w = m->w + (size_t)p * nb * psb;
-        for (int r0 = 0; r0 < q; r0 += RB) {
-            const int Q = q - r0 < RB ? q - r0 : RB;
+        const int rb = t == SK_Q4_K ? RB_Q4K : RB; /* Q4_K keeps 4 registers a row: fewer rows a pass */
+        for (int r0 = 0; r0 < q; r0 += rb) {
+            const int Q = q - r0 < rb ? q - r0 : rb;
             float *yp = y + (size_t)r0 * ldy + (size_t)p * SK_P;
             for (int h = 0; h < HALVES; ++h) {
                 const int pf = r0 == 0 && h == 0; /* the first pass over a panel streams it from memory: fetch ahead */
@@ -617,6 +635,7 @@ static void SKF(matmul)(const sk_mat *m, const float *x, int q, float *y, sk_scr
 #undef LANES
 #undef HALVES
 #undef RB
+#undef RB_Q4K
 #undef HI_X16
 #undef I8_BIAS
 #undef VLOADW
@@ -643,6 +662,9 @@ static void SKF(matmul)(const sk_mat *m, const float *x, int q, float *y, sk_scr
 #undef U82F
 #undef I82F
 #undef U8TO32
+#undef I8TO32
+#undef VMUL32
+#undef SK_ROWS_CASES
 #undef DOTU
 #undef DOTS
 #undef DOT16

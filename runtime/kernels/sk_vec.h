@@ -44,13 +44,18 @@ typedef __m512 SKF(vf);
 #define U82F(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define I82F(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define U8TO32(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define I8TO32(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define VMUL32(a, b) _mm512_mullo_epi32(a, b)
 #define DOTU(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
 /* s8 x s8 through the u8 x s8 instruction: (w + 128) * x, the 128 * sum(x) taken off per block */
 #define DOTS(acc, w, x) _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi32((int)0x80808080)), x)
 #define I8_BIAS 128
 #define DOT16(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #define HI_X16 1 /* Q4_K high nibble used in place (x16); 1/16 folded into its (exact) scale */
-#define RB 4     /* rows per register-blocked pass */
+#define RB 8     /* rows per register-blocked pass (32 zmm registers) */
+#ifndef RB_Q4K
+#define RB_Q4K 6
+#endif
 
 #elif SK_LEVEL == 1 /* ---------------------------------------------------------- AVX2 */
 #define LANES 8
@@ -80,6 +85,8 @@ typedef __m256 SKF(vf);
 #define U82F(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define I82F(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define U8TO32(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define I8TO32(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define VMUL32(a, b) _mm256_mullo_epi32(a, b)
 /* maddubs: u8 (<= 63) x s8 -> int16 pairs without saturation (63 * 127 * 2 < 32767); madd -> int32 */
 static inline vi SKF(dotu)(vi acc, vi w, vi x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))); }
 /* s8 x s8: |w| x sign(x, w) (|w| <= 128, |x| <= 127: 128 * 127 * 2 < 32767) */
@@ -93,6 +100,7 @@ static inline vi SKF(dot16)(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _
 #define DOT16(acc, a, b) SKF(dot16)(acc, a, b)
 #define HI_X16 0 /* maddubs would saturate on 240: the high nibble is shifted down */
 #define RB 4
+#define RB_Q4K 4
 
 #else /* ------------------------------------------------------------------------- portable C */
 #define LANES 16
@@ -208,6 +216,14 @@ static inline vi SKF(u8to32)(const void *p) {
 #define U82F(p) SKF(u82f)(p)
 #define I82F(p) SKF(i82f)(p)
 #define U8TO32(p) SKF(u8to32)(p)
+static inline vi SKF(i8to32)(const void *p) {
+    vi r;
+    for (int l = 0; l < 16; ++l) r.v[l] = ((const int8_t *)p)[l];
+    return r;
+}
+#define I8TO32(p) SKF(i8to32)(p)
+SK_VOP2(vmul32, vi, (int32_t)((uint32_t)a.v[l] * (uint32_t)b.v[l]))
+#define VMUL32(a, b) SKF(vmul32)(a, b)
 static inline vi SKF(dotu)(vi acc, vi w, vi x) {
     for (int l = 0; l < 16; ++l) {
         const uint32_t ww = (uint32_t)w.v[l], xx = (uint32_t)x.v[l];
@@ -239,7 +255,9 @@ static inline vi SKF(dot16)(vi acc, vi a, vi b) {
 #define I8_BIAS 0
 #define HI_X16 0
 #define RB 4
+#define RB_Q4K 4
 #endif
 
 #define XSET(p) VI32(sk_ld32(p))
+_Static_assert(RB_Q4K <= RB, "the row dispatch (SK_ROWS_CASES) covers RB rows");
 #define HALVES (SK_P / LANES)

@@ -104,6 +104,17 @@ class KernelWeights:
     def _mat(self, rec: dict) -> SkMat:
         return SkMat(int(rec["type"]), int(rec["n"]), int(rec["k"]), 0, self._ptr(rec))
 
+    def last_attention(self, q: int) -> np.ndarray:
+        """float32 ``[q, n_head * head_dim]``: the attention output of the last layer in the
+        last step over these weights (before its quantization), for tests of the exactness
+        contract (an attention whose sums depended on the call would show here first)."""
+        cols = int(self.dims["n_head"]) * int(self.dims["head_dim"])
+        out = np.empty((q, cols), np.float32)
+        rc = self.lib.sk_scratch_attention(ctypes.c_void_p(self.scratch), q, cols, out.ctypes.data_as(ctypes.c_void_p))
+        if rc != 0:
+            raise RuntimeError(f"kernels: no attention rows for q={q}")
+        return out
+
     @property
     def kv_elems(self) -> int:
         """f16 elements of one K (or V) cache for ``max_ctx`` rows."""
