@@ -1,0 +1,152 @@
+"""An engine folder whose target runs on specrt's kernels: SmolLM2-135M-Instruct Q4_1 (a real
+GGUF file the registry ships) exported int4, so the export writes the target's panels and the
+runtime takes the ``kernels`` backend on a CPU that runs them.
+
+Oracles: the target alone (speculative == target-only, greedy, every width the loop makes,
+prefix hits == cold runs); the manifest's files map (the panels are hashed at load); the
+onnxruntime graph of the same folder (what a machine without the kernels runs, with a one-line
+note saying why).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("gguf")
+
+from specrt import Engine, GenerationConfig  # noqa: E402
+from specrt.runtime import kernels as K  # noqa: E402
+from specrt.runtime.errors import ExportError  # noqa: E402
+
+if K.status() is not None:
+    pytest.skip(f"kernels not available: {K.status()}", allow_module_level=True)
+
+PROMPTS = ["def fibonacci(n):\n    ", "import os\n\ndef list_python_files(root):\n", "The three primary colours are"]
+
+
+@pytest.fixture(scope="module")
+def smol_gguf():
+    from specrt.export.fetch import fetch
+
+    try:
+        return fetch("smollm2-135m-instruct-q4_1", log=lambda *_: None)
+    except ExportError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"cannot fetch the SmolLM2 GGUF here: {e}")
+
+
+@pytest.fixture(scope="module")
+def folder(smol_gguf, tmp_path_factory):
+    """The exported engine folder (int4: the target keeps the file's blocks; panels written)."""
+    from specrt.export.pipeline import export_pair
+
+    root = tmp_path_factory.mktemp("smol_int4")
+    lines: list[str] = []
+    export_pair(smol_gguf, smol_gguf, root / "engine", k_max=4, max_ctx=512, log=lines.append, precision="int4", gguf_cache=root / "hf")
+    assert any("kernels: target.panels" in x for x in lines), lines
+    return root / "engine"
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    return Engine(folder)
+
+
+def test_the_export_writes_checked_panels_and_their_timing(engine):
+    m = engine.manifest
+    rec = m.extra["kernels"]["target"]
+    assert rec["file"] == "target.panels" and rec["file"] in m.files and m.files[rec["file"]].bytes > 0
+    assert rec["dims"]["arch"] == "llama" and rec["rope_neox"] is False
+    assert "gguf.dequantize" in rec["checked"]
+    (t,) = rec["measured"]
+    assert t["kernels_ms"] > 0 and t["ort_ms"] > 0 and t["isa"] == K.cpu_isa() and t["machine"]["cores"] >= 1
+
+
+def test_the_engine_runs_the_target_on_the_kernels(engine):
+    assert engine.backend == "kernels" and engine.width_exact and engine.min_q == 1
+    assert type(engine.target).__name__ == "KernelModel" and type(engine.draft).__name__ == "OrtGqaModel"
+    assert engine.plan(engine.resolve(GenerationConfig())).min_q == 1
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_speculative_equals_target_only_on_the_kernels(engine, k):
+    """Greedy speculative output == the target's own greedy output (1-row target-only steps,
+    verification passes of every width up to k + 1)."""
+    for p in PROMPTS:
+        alone = engine.generate(p, GenerationConfig(max_new_tokens=40, speculative=False))
+        spec = engine.generate(p, GenerationConfig(max_new_tokens=40, k_max=k, threshold=0.0))
+        assert spec.tokens == alone.tokens, p
+        assert spec.stats.target_calls < alone.stats.target_calls
+
+
+def test_a_repeated_prompt_reuses_rows_and_equals_its_cold_run(folder):
+    """Any layout is exact on the kernels: the second request reuses every row a call can."""
+    e = Engine(folder)
+    cfg = GenerationConfig(max_new_tokens=24, logprobs=0)
+    cold = Engine(folder, prefix_cache=False).generate(PROMPTS[1], cfg)
+    first = e.generate(PROMPTS[1], cfg)
+    again = e.generate(PROMPTS[1], cfg)
+    assert first.tokens == again.tokens == cold.tokens
+    assert [x.logprob for x in again.logprobs] == [x.logprob for x in cold.logprobs]
+    assert again.stats.cached_tokens == len(e.prompt_ids(PROMPTS[1])) - 1
+
+
+def test_without_the_library_the_onnx_graph_runs_with_a_note(folder, monkeypatch, caplog):
+    """A machine where the kernels were not built (no C compiler at install) loads the same
+    folder on onnxruntime, saying so in one line."""
+    import specrt.runtime.kernels as kern
+    import specrt.runtime.target_path as tp
+
+    monkeypatch.setattr(kern, "_find", lambda: None)
+    monkeypatch.setattr(kern, "_state", {})
+    monkeypatch.setattr(tp, "_SAID", set())
+    with caplog.at_level(logging.WARNING, logger="specrt"):
+        e = Engine(folder)
+    assert e.backend == "ort-cpu" and not e.width_exact
+    notes = [r.getMessage() for r in caplog.records if "not specrt's kernels" in r.getMessage()]
+    assert len(notes) == 1 and "not built at install" in notes[0] and "\n" not in notes[0]
+    alone = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16, speculative=False))
+    assert e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16)).tokens == alone.tokens
+    from specrt.runtime.errors import BackendError
+
+    with pytest.raises(BackendError, match="backend 'kernels' is unavailable here: specrt's kernels were not built"):
+        Engine(folder, backend="kernels")
+
+
+def test_a_measured_slower_machine_keeps_the_onnx_graph(folder, tmp_path, caplog):
+    """The export's timing on this kind of machine decides: where the graph measured faster,
+    a folder loads on onnxruntime (one line), unless ``kernels`` is named."""
+    import json
+
+    import specrt.runtime.target_path as tp
+
+    copy = tmp_path / "engine"
+    shutil.copytree(folder, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["extra"]["kernels"]["target"]["measured"][0].update(kernels_ms=50.0, ort_ms=10.0)
+    (copy / "manifest.json").write_text(json.dumps(m))
+    tp._SAID.clear()
+    with caplog.at_level(logging.WARNING, logger="specrt"):
+        assert Engine(copy, verify_hashes=False).backend == "ort-cpu"
+    assert any("measured 10.0 ms against the kernels' 50.0 ms" in r.getMessage() for r in caplog.records)
+    assert Engine(copy, verify_hashes=False, backend="kernels").backend == "kernels"
+
+
+def test_altered_panels_are_refused_at_load(folder, tmp_path):
+    from specrt.runtime.errors import EngineError
+
+    copy = tmp_path / "engine"
+    shutil.copytree(folder, copy)
+    with open(copy / "target.panels", "r+b") as f:
+        f.seek(4096 * 3 + 17)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(EngineError, match="target.panels"):
+        Engine(copy, backend="kernels")
