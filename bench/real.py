@@ -6,6 +6,8 @@ Rows (each in its own worker process, bench/workers/, with the venv it needs):
   specrt target-only (exact width)    the 2-row step exactness by construction needs (the baseline)
   specrt target-only (fastest width)  1-row steps (``exact_widths=False``): what a target-only user runs
   specrt speculative                  the engine's tuned defaults (manifest)
+  specrt ..., onnxruntime graph       where the target runs specrt's kernels: target-only and speculative
+                                     on the folder's ONNX target (``backend="ort-cpu"``) in the same run
   llama-server target-only            the native server of llama-cpp-python 0.3.36's llama.cpp
   llama-server draft (best)           ``-md`` the draft GGUF; n-max x p-min x draft threads searched
   llama-server n-gram (best)          ngram-simple / ngram-mod / ngram-map-k / ngram-cache, searched
@@ -43,6 +45,7 @@ from specrt.runtime.machine import machine_record
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository (bench/ sits at its top)
 BASE = "specrt target-only (exact width)"  # summarize() compares every row with this one
+ORT_BASE = "specrt target-only, onnxruntime graph (exact width)"  # where the folder's target runs specrt's kernels
 log = logger()
 
 
@@ -255,6 +258,19 @@ def specrt_rows(c: SimpleNamespace) -> list[dict]:
             own_base=BASE,
         ),
     ]
+    if (c.m.extra.get("kernels") or {}).get("target"):  # the target runs specrt's kernels: the onnxruntime graph beside them
+        ort = dict(c.common, engines=eng, backend="ort-cpu")
+        rows.append(row(ORT_BASE, "specrt", c.py, "specrt_worker.py", dict(ort, variant=dict(speculative=False))))
+        rows.append(
+            row(
+                f"specrt speculative, onnxruntime graph (k={c.k} th={c.th:g})",
+                "specrt",
+                c.py,
+                "specrt_worker.py",
+                dict(ort, variant=dict(speculative=True)),
+                own_base=ORT_BASE,
+            )
+        )
     for extra in (x for x in c.a.specrt_extra.split(",") if x.strip()):
         dr, _, ad = extra.partition(":")
         v = dict(speculative=True, drafter=dr, adaptive=ad == "adaptive")

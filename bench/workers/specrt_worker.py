@@ -34,7 +34,8 @@ def _load(init: dict):
     from specrt.runtime.backends.base import ThreadConfig
 
     # prefix cache off: every request of the bench runs cold, as the other runtimes' rows do
-    return Engine(init["engines"], threads=ThreadConfig(intra_op=int(init["threads"]), spinning=bool(init.get("spinning", False))), prefix_cache=False)
+    tc = ThreadConfig(intra_op=int(init["threads"]), spinning=bool(init.get("spinning", False)))
+    return Engine(init["engines"], threads=tc, prefix_cache=False, backend=init.get("backend"))  # backend None: the folder's choice
 
 
 def _config(init: dict, max_new_tokens: int):
@@ -117,6 +118,7 @@ def setup(init: dict):
 
     info = dict(
         system="specrt",
+        backend=engine.backend,
         onnxruntime=ort.__version__,
         numpy=np.__version__,
         load_seconds=load_s,

@@ -221,13 +221,7 @@ class BatchPool:
             ServeError: see the class.
         """
         from ..engine import Engine
-        from ..manifest import load_manifest
 
-        if backend is None and (load_manifest(folder, verify_hashes=False).extra.get("kernels") or {}).get("target"):
-            # the batched step is onnxruntime's graph: the whole pool runs it, so that every
-            # row of a request comes from one numerics (the kernels serve without --max-batch)
-            log.warning("specrt serve: --max-batch runs the target on onnxruntime's batched graph, not specrt's kernels (serve without --max-batch for them)")
-            backend = "ort-cpu"
         return cls(Engine(folder, threads=threads, backend=backend), max_batch, **kw)
 
     # ---- the WorkerPool interface ----------------------------------------------------
