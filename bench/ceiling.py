@@ -129,10 +129,22 @@ def specrt_costs(eng, batched, past: int, q_max: int, max_batch: int, reps: int)
     from specrt.runtime.costs import measure_costs, measure_step_costs
 
     c = measure_costs(eng, range(1, q_max + 1), past, reps=reps)
-    out = dict(target={str(q): s * 1e3 for q, s in c.target_s_by_q.items()}, draft={"1": c.draft_s_per_call * 1e3})
-    steps = measure_step_costs(batched, length=past, reps=reps, vocab=eng.manifest.vocab_size)
-    out["batched"] = {str(b): steps.step_s[b] * 1e3 for b in range(1, max_batch + 1)}
+    out = dict(target={str(q): s * 1e3 for q, s in c.target_s_by_q.items()}, draft={"1": c.draft_s_per_call * 1e3}, batched={})
+    if batched is not None:
+        steps = measure_step_costs(batched, length=past, reps=reps, vocab=eng.manifest.vocab_size)
+        out["batched"] = {str(b): steps.step_s[b] * 1e3 for b in range(1, max_batch + 1)}
     return out
+
+
+def llama_bench_costs(bench: str, target: str, draft: str, past: int, q_max: int, threads: int) -> dict:
+    """llama.cpp's costs from its ``llama-bench`` (no llama-cpp-python needed): ms of a call
+    of q = 1..q_max tokens at depth ``past`` on the target, and of a 1-token call on the draft;
+    no batched steps (``{"target", "draft", "batched": {}}``)."""
+    from specrt.bench.kernel_step import llama_round
+
+    t = llama_round(bench, target, past, threads, [])
+    d = llama_round(bench, draft, past, threads, [])
+    return dict(target={str(q): v for q, v in t["calls_ms"].items() if q <= q_max}, draft={"1": d["calls_ms"][1]}, batched={})
 
 
 def tokens_per_pass(eng, prompts: list[str], ks: list[int], new_tokens: int) -> dict:
@@ -266,6 +278,7 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="engines/default")
     ap.add_argument("--llama-python", help="python of a venv with llama-cpp-python (llama.cpp rows)")
+    ap.add_argument("--llama-bench", help="llama.cpp's llama-bench: its call costs without llama-cpp-python (no batched rows)")
     ap.add_argument("--gguf-target")
     ap.add_argument("--gguf-draft")
     ap.add_argument("--prompts", help="JSONL of held-out prompts for the measured tokens per pass")
@@ -285,12 +298,14 @@ def measure_rounds(a: argparse.Namespace, eng, batched, q_max: int) -> tuple[lis
     """``--rounds`` interleaved repetitions of specrt's costs and (when asked) llama.cpp's;
     (specrt samples, llama.cpp samples, why llama.cpp was not measured or None)."""
     llama_reason = None
-    if not (a.llama_python and a.gguf_target and a.gguf_draft):
-        llama_reason = "not measured: needs --llama-python, --gguf-target and --gguf-draft"
+    if not ((a.llama_python or a.llama_bench) and a.gguf_target and a.gguf_draft):
+        llama_reason = "not measured: needs --llama-python (or --llama-bench), --gguf-target and --gguf-draft"
     ours, theirs = [], []
     for r in range(a.rounds):
         ours.append(specrt_costs(eng, batched, a.past, q_max, a.max_batch, a.reps))
-        if llama_reason is None:
+        if llama_reason is None and a.llama_bench and not a.llama_python:
+            theirs.append(llama_bench_costs(a.llama_bench, a.gguf_target, a.gguf_draft, a.past, q_max, a.threads))
+        elif llama_reason is None:
             arg = dict(target=a.gguf_target, draft=a.gguf_draft, past=a.past, q_max=q_max, max_batch=a.max_batch, reps=a.reps, threads=a.threads)
             got, llama_reason = llama_costs(a.llama_python, arg)
             if got is not None:
@@ -312,7 +327,7 @@ def add_llama_cpp(rec: dict, a: argparse.Namespace, ours_m: dict, theirs: list, 
     rec["specrt"]["speculation_vs_llama_cpp_target_only"] = dict(rows=rows, best=best(rows))
     rows = ceilings(tm, L, all_k, ll1)
     rec["llama_cpp"]["speculation_on_its_kernels_vs_its_target_only"] = dict(rows=rows, best=best(rows))
-    rec["llama_cpp"]["batched_tok_s"] = {b: 1e3 * int(b) / v["median"] for b, v in tm["batched"].items()}
+    rec["llama_cpp"]["batched_tok_s"] = {b: 1e3 * int(b) / v["median"] for b, v in tm.get("batched", {}).items()}
 
 
 def add_batching(rec: dict, L: dict) -> None:
@@ -339,6 +354,7 @@ def main(argv=None) -> dict:
 
     from specrt import Engine
     from specrt.runtime.backends.base import ThreadConfig
+    from specrt.runtime.backends.ort_gqa import OrtGqaModel
     from specrt.runtime.backends.ort_gqa_batch import BatchedGqaModel
     from specrt.runtime.machine import machine_record
 
@@ -346,12 +362,13 @@ def main(argv=None) -> dict:
     ks = [int(k) for k in a.k.split(",")]
     tc = ThreadConfig()  # the runtime's defaults (target 2 threads, draft 1, no spinning)
     eng = Engine(a.engines, threads=tc)
-    min_q = eng.manifest.min_q()
+    min_q = eng.min_q  # the Engine's: 1 on a width-exact target (specrt's kernels)
     q_max = max(max(ks) + 1, min_q)
     all_k = list(range(1, max(ks) + 1))
     if not 1 <= min(ks) or max(ks) > eng.manifest.k_max:
         ap.error(f"--k {a.k}: every k must be in 1..{eng.manifest.k_max} (these engines' k_max)")
-    batched = BatchedGqaModel(eng.target, a.max_batch, eng.target.max_q)
+    # the batched step exists for onnxruntime's builder graphs only (not on the kernels yet)
+    batched = BatchedGqaModel(eng.target, a.max_batch, eng.target.max_q) if a.max_batch > 0 and isinstance(eng.target, OrtGqaModel) else None
     load0 = os.getloadavg()
     ours, theirs, llama_reason = measure_rounds(a, eng, batched, q_max)
     load1 = os.getloadavg()
@@ -371,7 +388,7 @@ def main(argv=None) -> dict:
         past=a.past,
         rounds=a.rounds,
         reps=a.reps,
-        specrt=dict(engines=a.engines, min_q=min_q, k_max=eng.manifest.k_max, threads=asdict(tc), costs_ms=ours_m),
+        specrt=dict(engines=a.engines, backend=eng.backend, min_q=min_q, k_max=eng.manifest.k_max, threads=asdict(tc), costs_ms=ours_m),
         tokens_per_pass=L,
     )
     spec_only_ms = ours_m["target"][str(min_q)]["median"]
@@ -380,7 +397,7 @@ def main(argv=None) -> dict:
     rec["specrt"]["speculation_vs_own_target_only"] = dict(rows=rows, best=best(rows))
     rec["specrt"]["batched_tok_s"] = {b: 1e3 * int(b) / v["median"] for b, v in ours_m["batched"].items()}
     add_llama_cpp(rec, a, ours_m, theirs, L, all_k, min_q, llama_reason)
-    if L is not None:
+    if L is not None and rec["specrt"]["batched_tok_s"]:
         add_batching(rec, L)
     return emit(rec, a.out)
 

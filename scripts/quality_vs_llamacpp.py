@@ -13,6 +13,11 @@ against the dequantized fp32 model (``extra.quality``) beside it.
     python scripts/quality_vs_llamacpp.py --engines engines/qwen2.5-coder \\
         --gguf ~/.cache/specrt/real-pair/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
         --llama-python .venv-llamacpp/bin/python --windows 32 --out docs/bench/quality_vs_llamacpp.json
+
+The engine's target runs on the backend the folder loads with (``--backend`` to name one:
+``kernels``, specrt's CPU kernels, or ``ort-cpu``, the ONNX graph). ``--llama-pythonpath`` and
+``--llama-lib`` run the worker on an unpacked llama-cpp-python source over a separately built
+libllama (the sdist's ``llama_cpp`` package and the folder holding ``libllama.so``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from pathlib import Path
 import numpy as np
 
 from specrt.bench.common import write_json
-from specrt.runtime.backends import cpu_model
 from specrt.runtime.backends.base import ThreadConfig
 from specrt.runtime.lab.quality import Scores, compare, encode_texts, heldout_windows, score_model, stdlib_heldout_texts
 from specrt.runtime.manifest import load_manifest
@@ -59,6 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--margin", type=float, default=0.1, help="logit lead below which a position counts as a near-tie")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backend", default=None, help="the engine's backend (default: the folder's own choice)")
+    ap.add_argument("--llama-pythonpath", default=None, help="PYTHONPATH for the worker (an unpacked llama-cpp-python source)")
+    ap.add_argument("--llama-lib", default=None, help="LLAMA_CPP_LIB_PATH for the worker (the folder of a built libllama.so)")
     ap.add_argument("--out", default=None, help="JSON record")
     a = ap.parse_args(argv)
     t0 = time.time()
@@ -70,12 +77,22 @@ def main(argv=None) -> int:
     data = encode_texts(lambda t: tok.encode(t, add_special_tokens=False).ids, stdlib_heldout_texts(), m.eos_token_id)
     wins = heldout_windows(data, a.windows, min(a.window, m.max_ctx - 1)).tolist()
     first = [0] * len(wins)
-    ref, margin = llama_scores(a.llama_python, a.gguf, wins, first, a.threads)
-    model = cpu_model(folder, m.target, m.max_ctx, max(256, m.k_max + 1), ThreadConfig(a.threads))
-    got = score_model(model, wins, first, m.vocab_size, m.min_q())
+    env = None
+    if a.llama_pythonpath or a.llama_lib:
+        import os
+
+        env = dict(
+            os.environ, **({"PYTHONPATH": a.llama_pythonpath} if a.llama_pythonpath else {}), **({"LLAMA_CPP_LIB_PATH": a.llama_lib} if a.llama_lib else {})
+        )
+    ref, margin = llama_scores(a.llama_python, a.gguf, wins, first, a.threads, env)
+    from specrt import Engine
+
+    engine = Engine(folder, threads=ThreadConfig(a.threads), backend=a.backend, prefix_cache=False)
+    got = score_model(engine.target, wins, first, m.vocab_size, engine.min_q)
     clear = margin > a.margin
     rec = dict(
         engines=str(folder),
+        backend=engine.backend,
         gguf=str(a.gguf),
         set=dict(name="held-out stdlib text", windows=len(wins), window=len(wins[0]) - 1),
         vs_llama_cpp=dict(
