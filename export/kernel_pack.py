@@ -21,11 +21,25 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["KERNEL_RECORD_VERSION", "ROPE_NEOX_ARCHS", "plan_tensors", "write_panels", "kernels_unsupported", "panels_record", "add_to_engine"]
+__all__ = [
+    "KERNEL_RECORD_VERSION",
+    "ROPE_NEOX_ARCHS",
+    "DRAFT_REQUANT",
+    "DRAFT_HEAD",
+    "plan_tensors",
+    "write_panels",
+    "kernels_unsupported",
+    "panels_record",
+    "draft_panels",
+    "ranked_ids",
+    "add_to_engine",
+]
 
 KERNEL_RECORD_VERSION = 1
 ROPE_NEOX_ARCHS = {"qwen2": True, "llama": False}  # llama.cpp's rope type of each architecture (llama_model_rope_type)
 ALIGN = 4096  # every tensor starts on a page
+DRAFT_REQUANT = 2  # Q4_0: the draft's weight matrices on the kernels (4.5 bits a weight, any K divisible by 32)
+DRAFT_HEAD = 65536  # ids kept in the draft's LM head (FR-Spec); 0 keeps them all
 
 
 def _field(reader, key: str, default=None):
@@ -113,45 +127,87 @@ def kernels_unsupported(gguf_path: str | Path) -> str | None:
     return plan_tensors(gguf.GGUFReader(str(gguf_path)))[2]
 
 
-def _check(key: str, t, panels: np.ndarray, log) -> None:
-    """The panels of tensor ``t`` dequantize (kernels' C code) to ``gguf.dequantize`` of its
-    bytes, bit for bit, in chunks of rows.
+def _check(key: str, raw: np.ndarray, ty: int, n: int, k: int, panels: np.ndarray) -> None:
+    """The panels of a tensor (``raw``: its blocks, uint8 ``[n, row bytes]``) dequantize (the
+    kernels' C code) to ``gguf.dequantize`` of the same blocks, bit for bit, in chunks of rows.
 
     Raises:
         ExportError: a row differs (the layout is wrong: never write such a file).
     """
+    import gguf
     from gguf.quants import dequantize
 
     from specrt.runtime import kernels
     from specrt.runtime.errors import ExportError
 
-    k, n, ty = int(t.shape[0]), int(t.shape[1]), int(t.tensor_type)
-    raw = np.asarray(t.data).view(np.uint8).reshape(n, -1)
     step = max(16, (1 << 22) // k // 16 * 16)
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
-        want = dequantize(raw[n0:n1], t.tensor_type).reshape(n1 - n0, k)
+        want = dequantize(raw[n0:n1], gguf.GGMLQuantizationType(ty)).reshape(n1 - n0, k)
         got = kernels.dequant(ty, n, k, panels, n0, n1)
         if not np.array_equal(want.view(np.uint32), got.view(np.uint32)):
             bad = int(np.argwhere(want.view(np.uint32) != got.view(np.uint32))[0][0]) + n0
             raise ExportError(f"kernel panels of {key}: row {bad} differs from gguf.dequantize of the same blocks (a layout bug; not written)")
 
 
-def write_panels(gguf_path: str | Path, out: Path, role: str, log=print) -> dict | None:
+def _blocks(t, requant: int | None, rows: np.ndarray | None) -> tuple[int, int, int, np.ndarray]:
+    """``(type, n, k, blocks uint8 [n, row bytes])`` of a 2-D GGUF tensor: its own blocks, or
+    (``requant``: a ggml type) quantized again by gguf-py from ``gguf.dequantize`` of them,
+    keeping only ``rows`` (ids of a trimmed head) when given."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    ty, k, n = int(t.tensor_type), int(t.shape[0]), int(t.shape[1])
+    raw = np.asarray(t.data).view(np.uint8).reshape(n, -1)
+    if rows is not None:
+        raw = raw[rows]
+        n = len(rows)
+    if requant is None or requant == ty:
+        return ty, n, k, np.ascontiguousarray(raw)
+    w = dequantize(raw, t.tensor_type).reshape(n, k)
+    return requant, n, k, np.ascontiguousarray(quantize(w, gguf.GGMLQuantizationType(requant)).reshape(n, -1))
+
+
+def _tensor_blob(key: str, t, requant: int | None, head_ids: np.ndarray | None) -> tuple[int, int, int, np.ndarray]:
+    """``(type, n, k, bytes)`` of one entry of a panels file: the head's ids (int32), a 1-D
+    float32 tensor, or a matrix's panels (:func:`_blocks`, checked by :func:`_check`)."""
+    from specrt.runtime.kernels.panels import pack, panel_bytes
+
+    if key == "head_ids":
+        return 26, len(t), 1, np.ascontiguousarray(t)  # ggml's I32
+    if int(t.tensor_type) == 0:
+        blob = np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(-1))
+        return 0, int(blob.size), 1, blob
+    ty, n, k, raw = _blocks(t, None if key == "token_embd" else requant, head_ids if key == "output" else None)
+    blob = pack(raw, ty, n, k)
+    assert blob.size == panel_bytes(ty, n, k)
+    _check(key, raw, ty, n, k, blob)
+    return ty, n, k, blob
+
+
+def write_panels(gguf_path: str | Path, out: Path, role: str, log=print, requant: int | None = None, head_ids: np.ndarray | None = None) -> dict | None:
     """Write ``out/<role>.panels`` from a GGUF file and return its manifest record, or None
     (with the reason logged) when the kernels cannot run the file or are not built here.
 
+    Args:
+        requant: None (the target: the file's own blocks), or a ggml type every weight
+            matrix but the embedding is quantized to again, from its dequantized values (a
+            draft, which needs speed and acceptance, not exactness to its file).
+        head_ids: int ids (a multiple of 16 of them) whose LM-head rows are kept (FR-Spec,
+            Zhao et al. 2025, Sec. 3: a draft proposes among the most frequent ids only);
+            stored in the file (``head_ids``), the rest of the vocabulary gets no logit.
+
     Returns:
         ``{"version", "file", "gguf", "dims", "tensors": {key: {type, n, k, offset, bytes}},
-        "rope_neox", "checked", "seconds"}``.
+        "rope_neox", "checked", "seconds"}`` (+ ``"requantized"``, ``"head"`` when asked).
 
     Raises:
-        ExportError: a tensor's panels do not dequantize to the GGUF's values.
+        ExportError: a tensor's panels do not dequantize to its blocks' values.
+        ValueError: ``head_ids`` not a multiple of 16 ids, or outside the vocabulary.
     """
     import gguf
 
     from specrt.runtime import kernels
-    from specrt.runtime.kernels.panels import pack, panel_bytes
 
     if kernels.status() is not None:
         log(f"  kernels: no {role} panels ({kernels.status()})")
@@ -162,19 +218,17 @@ def write_panels(gguf_path: str | Path, out: Path, role: str, log=print) -> dict
     if why:
         log(f"  kernels: no {role} panels: the kernels do not run {Path(gguf_path).name}: {why}")
         return None
+    vocab = int(tensors["token_embd"].shape[1])
+    if head_ids is not None:
+        head_ids = np.asarray(head_ids, dtype=np.int32)
+        if len(head_ids) % 16 or len(head_ids) == 0 or head_ids.min() < 0 or head_ids.max() >= vocab:
+            raise ValueError(f"head_ids: {len(head_ids)} ids in [{head_ids.min()}, {head_ids.max()}]; need a positive multiple of 16 ids in 0..{vocab - 1}")
     path = Path(out) / f"{role}.panels"
     index, offset = {}, 0
+    extra = {"head_ids": head_ids} if head_ids is not None else {}
     with open(path, "wb") as f:
-        for key, t in tensors.items():
-            ty = int(t.tensor_type)
-            if ty == 0:
-                blob = np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(-1))
-                n, k = int(blob.size), 1
-            else:
-                k, n = int(t.shape[0]), int(t.shape[1])
-                blob = pack(np.asarray(t.data).view(np.uint8), ty, n, k)
-                assert blob.size == panel_bytes(ty, n, k)
-                _check(key, t, blob, log)
+        for key, t in [*tensors.items(), *extra.items()]:
+            ty, n, k, blob = _tensor_blob(key, t, requant, head_ids)
             pad = (-offset) % ALIGN
             f.write(b"\0" * pad)
             offset += pad
@@ -183,8 +237,8 @@ def write_panels(gguf_path: str | Path, out: Path, role: str, log=print) -> dict
             offset += int(blob.nbytes)
     secs = time.time() - t0
     log(f"  kernels: {path.name}: {len(index)} tensors, {offset / 1e6:.1f} MB, each checked against gguf.dequantize ({secs:.0f} s)")
-    dims["n_vocab"] = index["output"]["n"]
-    return {
+    dims["n_vocab"] = vocab
+    rec = {
         "version": KERNEL_RECORD_VERSION,
         "file": path.name,
         "gguf": Path(gguf_path).name,
@@ -194,6 +248,15 @@ def write_panels(gguf_path: str | Path, out: Path, role: str, log=print) -> dict
         "checked": "every tensor's panels dequantize (the kernels' C code) to gguf.dequantize of its blocks, bit for bit",
         "seconds": round(secs, 1),
     }
+    if requant is not None:
+        rec["requantized"] = {
+            "type": gguf.GGMLQuantizationType(requant).name,
+            "from": "gguf.dequantize of the file's blocks, quantized by gguf-py",
+            "except": ["token_embd"],
+        }
+    if head_ids is not None:
+        rec["head"] = {"ids": len(head_ids), "of": vocab}
+    return rec
 
 
 def panels_record(gguf_path: str | Path, out: Path, entry, max_ctx: int, log=print) -> dict | None:
@@ -212,14 +275,16 @@ def panels_record(gguf_path: str | Path, out: Path, entry, max_ctx: int, log=pri
     return {**rec, "measured": [m]}
 
 
-def add_to_engine(folder: str | Path, gguf_path: str | Path, log=print) -> dict | None:
-    """Add the target's kernel panels to an engine folder exported before them (or refresh
-    them): writes ``target.panels``, records it in the manifest's ``files`` and
-    ``extra["kernels"]``, and rewrites the manifest. ``gguf_path`` must be the file the
-    target was exported from (its SHA-256 is checked against ``extra.gguf.target``).
+def add_to_engine(folder: str | Path, gguf_path: str | Path, log=print, draft_gguf: str | Path | None = None) -> dict | None:
+    """Add the kernel panels to an engine folder exported before them (or refresh them):
+    writes ``target.panels`` and, where the draft's GGUF is found (``draft_gguf``, else the
+    file ``extra.gguf.draft`` names beside ``gguf_path``), ``draft.panels``
+    (:func:`draft_panels`); records them in the manifest's ``files`` and ``extra["kernels"]``
+    and rewrites the manifest. ``gguf_path`` must be the file the target was exported from
+    (its SHA-256 is checked against ``extra.gguf.target``).
 
     Returns:
-        The record, or None (the reason logged) when the kernels cannot run the file.
+        The target's record, or None (the reason logged) when the kernels cannot run the file.
 
     Raises:
         ExportError: the folder's target was not exported from this GGUF file.
@@ -237,7 +302,56 @@ def add_to_engine(folder: str | Path, gguf_path: str | Path, log=print) -> dict 
     rec = panels_record(gguf_path, folder, m.target, m.max_ctx, log)
     if rec is None:
         return None
-    p = folder / rec["file"]
-    files = {**m.files, rec["file"]: FileRecord(sha256=sha256_file(p), bytes=p.stat().st_size)}
-    replace(m, files=files, extra={**m.extra, "kernels": {"target": rec}}).write(folder)
+    recs = {"target": rec}
+    draft_src = Path(gguf_path).parent / ((m.extra.get("gguf") or {}).get("draft") or {}).get("file", "")
+    if draft_gguf is not None or draft_src.is_file():
+        d = draft_panels(draft_gguf or draft_src, folder, folder / m.tokenizer_file, (m.eos_token_id,), log=log)
+        if d is not None:
+            recs["draft"] = d
+    files = dict(m.files)
+    for r in recs.values():
+        p = folder / r["file"]
+        files[r["file"]] = FileRecord(sha256=sha256_file(p), bytes=p.stat().st_size)
+    replace(m, files=files, extra={**m.extra, "kernels": recs}).write(folder)
     return rec
+
+
+def ranked_ids(tokenizer_json: Path, vocab: int, first: tuple[int, ...] = ()) -> np.ndarray:
+    """Every id in ``0..vocab-1`` by descending count on the counting text, ``first`` (the end
+    ids, which a draft must be able to propose) and the tokenizer's added tokens (chat and
+    FIM markup) ahead of all (FR-Spec, Zhao et al. 2025, Sec. 3). The counting text is the
+    running interpreter's stdlib sources, the files the quality record holds out excepted
+    (:func:`specrt.runtime.lab.quality.stdlib_files`): code and its docstrings."""
+    from collections import Counter
+
+    from tokenizers import Tokenizer
+
+    from specrt.runtime.lab.quality import HELDOUT_EVERY, stdlib_files
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    counts: Counter = Counter()
+    for i, p in enumerate(stdlib_files()):
+        if i % HELDOUT_EVERY == 0:
+            continue
+        try:
+            counts.update(tok.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids)
+        except (UnicodeDecodeError, OSError):
+            continue
+    head = [*first, *sorted(tok.get_added_tokens_decoder())]
+    order = list(dict.fromkeys([t for t in head if 0 <= t < vocab] + [t for t, _ in counts.most_common() if t < vocab]))
+    seen = set(order)
+    return np.asarray(order + [t for t in range(vocab) if t not in seen], dtype=np.int32)
+
+
+def draft_panels(gguf_path: str | Path, out: Path, tokenizer_json: Path, end_ids: tuple[int, ...], head: int = DRAFT_HEAD, log=print) -> dict | None:
+    """The draft's panels (``draft.panels``): every weight matrix quantized again to
+    :data:`DRAFT_REQUANT`, the LM head cut to the ``head`` most frequent ids
+    (:func:`ranked_ids`; 0 = all). The draft needs speed and acceptance, not exactness: the
+    target verifies every candidate. None when the kernels cannot run the file."""
+    import gguf
+
+    vocab = int(next(t for t in gguf.GGUFReader(str(gguf_path)).tensors if t.name == "token_embd.weight").shape[1])
+    ids = None
+    if head and head < vocab:
+        ids = np.sort(ranked_ids(tokenizer_json, vocab, tuple(end_ids))[: head // 16 * 16])
+    return write_panels(gguf_path, out, "draft", log, requant=DRAFT_REQUANT, head_ids=ids)

@@ -405,7 +405,7 @@ def export_pair(draft_dir: str | Path, target_dir: str | Path, out: str | Path, 
 def _export_pair(draft_dir: Path, target_dir: Path, out: Path, o: ExportOptions, quants: dict, log) -> Manifest:
     """:func:`export_pair` after its options are checked and its preflight passed."""
     meter = PhaseMeter(log)
-    target_src = target_dir
+    target_src, draft_src = target_dir, draft_dir
     (draft_dir, target_dir), gguf = _from_gguf(draft_dir, target_dir, o, quants, meter, log)
     for role, d in (("draft", draft_dir), ("target", target_dir)):
         if not (d / "config.json").is_file():
@@ -416,25 +416,18 @@ def _export_pair(draft_dir: Path, target_dir: Path, out: Path, o: ExportOptions,
     _check_configs(draft_dir, target_dir, o.max_ctx, special[3], log)
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)  # half-written until the new one lands
-    for name in (BODY_FILE, HEAD_FILE, "target.onnx.data", "draft.onnx.data", "target.panels"):  # stale files of another flavor
+    for name in (BODY_FILE, HEAD_FILE, "target.onnx.data", "draft.onnx.data", "target.panels", "draft.panels"):  # stale files of another flavor
         (out / name).unlink(missing_ok=True)
     entries, lazy, files = _export_models({"target": target_dir, "draft": draft_dir}, out, o, quants, special[3], meter, log)
-    kernels = None
-    if o.kernels and target_src.is_file():
-        if o.precision in ("int8", "int4"):
-            kernels = _kernel_panels(target_src, out, entries["target"], o, files, meter, log)
-        else:
-            log(
-                f"  kernels: no target panels for a {o.precision} target (they compute the GGUF's blocks with 8-bit activations, as llama.cpp; export --precision int4 for them)"
-            )
     template = _write_tokenizer_files(out, tok_json, fixed_tokenizer, target_dir, files, log)
+    kernels = _kernel_records(target_src, draft_src, out, entries, o, special, files, meter, log)
     for name, rec in files.items():
         if rec.external:
             log(f"  {name}: weights in {', '.join(rec.external)} ({sum(files[x].bytes for x in rec.external) / 2**30:.2f} GiB)")
     extra: dict = {
         **({LAZY_HEAD_KEY: lazy} if lazy is not None else {}),
         **({"gguf": gguf} if gguf else {}),
-        **({"kernels": {"target": kernels}} if kernels else {}),
+        **({"kernels": kernels} if kernels else {}),
     }
     manifest = _manifest(out, o, entries, vocab_hash(tok_json), special, target_dir, template, files, extra)
     if o.quality is not None:
@@ -459,17 +452,30 @@ def _export_pair(draft_dir: Path, target_dir: Path, out: Path, o: ExportOptions,
     return manifest
 
 
-def _kernel_panels(gguf_path: Path, out: Path, entry, o: ExportOptions, files: dict, meter, log) -> dict | None:
-    """The target's kernel panels record (:func:`specrt.export.kernel_pack.panels_record`),
-    its file recorded in ``files``; None when the kernels cannot run the file or are not built."""
-    from .kernel_pack import panels_record
+def _kernel_records(target_src: Path, draft_src: Path, out: Path, entries: dict, o: ExportOptions, special: tuple, files: dict, meter, log) -> dict | None:
+    """``extra["kernels"]``: the target's panels (:func:`specrt.export.kernel_pack.panels_record`:
+    the file's own blocks, timed against the ONNX graph) for a GGUF target exported int8/int4,
+    and, with them, the draft's (:func:`~specrt.export.kernel_pack.draft_panels`) for a GGUF
+    draft; each file recorded in ``files``. None when the kernels do not apply."""
+    from .kernel_pack import draft_panels, panels_record
 
+    if not (o.kernels and target_src.is_file()):
+        return None
+    if o.precision not in ("int8", "int4"):
+        log(
+            f"  kernels: no target panels for a {o.precision} target (they compute the GGUF's blocks with 8-bit activations, as llama.cpp; export --precision int4 for them)"
+        )
+        return None
     meter.phase("target: kernel panels")
-    rec = panels_record(gguf_path, out, entry, o.max_ctx, log)
-    if rec is not None:
+    recs = {"target": panels_record(target_src, out, entries["target"], o.max_ctx, log)}
+    if recs["target"] is not None and draft_src.is_file():
+        meter.phase("draft: kernel panels")
+        recs["draft"] = draft_panels(draft_src, out, out / "tokenizer.json", (special[0],), log=log)  # added tokens (end, chat, FIM) ranked first too
+    recs = {k: v for k, v in recs.items() if v is not None}
+    for rec in recs.values():
         p = out / rec["file"]
         files[rec["file"]] = FileRecord(sha256=sha256_file(p), bytes=p.stat().st_size)
-    return rec
+    return recs or None
 
 
 def _from_gguf(draft_dir: Path, target_dir: Path, o: ExportOptions, quants: dict, meter, log) -> tuple:

@@ -2,7 +2,8 @@
 
     python scripts/add_kernels.py ENGINE_FOLDER TARGET.gguf
 
-Writes ``target.panels`` from the GGUF file the target was exported from (each tensor checked
+Writes ``target.panels`` from the GGUF file the target was exported from, and ``draft.panels``
+from the draft's GGUF beside it (requantized to Q4_0, its head cut to the 65,536 most frequent ids; each tensor checked
 against ``gguf.dequantize``), times the exact target step on the kernels and on the ONNX graph
 here, and records both in the manifest (:func:`specrt.export.kernel_pack.add_to_engine`).
 A fresh ``specrt export`` of a GGUF target (int4/int8) writes the same.

@@ -247,3 +247,29 @@ def test_real_file_logits_match_pytorch(smol, tmp_path_factory):
     got = model(KernelWeights(out / "target.panels", rec, 256, 64)).run(ids[0].tolist(), 0)[:, : ref.shape[1]]
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05  # 8-bit activations, as llama.cpp
     assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+
+
+def test_a_trimmed_draft_head_gives_the_full_heads_logits_at_its_ids(tiny, tmp_path):
+    """A draft's panels: every matrix quantized again (Q4_0), the LM head cut to some ids
+    (FR-Spec). Each kept id's logit is the full head's, bit for bit; the others read -inf."""
+    from specrt.export.kernel_pack import write_panels
+    from specrt.runtime.kernels.weights import KernelWeights
+
+    g, _, _ = tiny
+    ids = np.sort(np.random.default_rng(5).choice(512, 64, replace=False)).astype(np.int32)
+    full = write_panels(g, tmp_path, "full", log=lambda *_: None, requant=R.Q4_0)
+    cut = write_panels(g, tmp_path, "cut", log=lambda *_: None, requant=R.Q4_0, head_ids=ids)
+    assert cut["head"] == {"ids": 64, "of": 512} and cut["requantized"]["type"] == "Q4_0"
+    assert cut["tensors"]["output"]["n"] == 64 and cut["tensors"]["blk.0.ffn_down"]["type"] == R.Q4_0
+    assert cut["tensors"]["token_embd"]["type"] == full["tensors"]["token_embd"]["type"] == R.Q8_0  # rows looked up, kept
+    a = model(KernelWeights(tmp_path / "full.panels", full, 256, 64)).run(PROMPT, 0).copy()
+    m = model(KernelWeights(tmp_path / "cut.panels", cut, 256, 64))
+    b = m.run(PROMPT, 0)
+    np.testing.assert_array_equal(bits(b[:, ids]), bits(a[:, ids]))
+    rest = np.setdiff1d(np.arange(512), ids)
+    assert np.isneginf(b[:, rest]).all()
+    m.release_logits(0)  # released rows read zeros until the next call fills them again
+    np.testing.assert_array_equal(bits(m.run(PROMPT[:5], 0)[:, ids]), bits(a[:5, ids]))
+    assert np.isneginf(m.logits[:5, rest]).all()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        write_panels(g, tmp_path, "bad", log=lambda *_: None, head_ids=ids[:10])

@@ -1,6 +1,7 @@
 """An engine folder whose target runs on specrt's kernels: SmolLM2-135M-Instruct Q4_1 (a real
-GGUF file the registry ships) exported int4, so the export writes the target's panels and the
-runtime takes the ``kernels`` backend on a CPU that runs them.
+GGUF file the registry ships) exported int4, so the export writes the target's panels (and the
+draft's, requantized to Q4_0: the same file drafts for itself) and the runtime takes the
+``kernels`` backend on a CPU that runs them.
 
 Oracles: the target alone (speculative == target-only, greedy, every width the loop makes,
 prefix hits == cold runs); the manifest's files map (the panels are hashed at load); the
@@ -70,7 +71,10 @@ def test_the_export_writes_checked_panels_and_their_timing(engine):
 
 def test_the_engine_runs_the_target_on_the_kernels(engine):
     assert engine.backend == "kernels" and engine.width_exact and engine.min_q == 1
-    assert type(engine.target).__name__ == "KernelModel" and type(engine.draft).__name__ == "OrtGqaModel"
+    assert type(engine.target).__name__ == "KernelModel" and type(engine.draft).__name__ == "KernelModel"
+    d = engine.manifest.extra["kernels"]["draft"]
+    assert d["file"] in engine.manifest.files and d["requantized"]["type"] == "Q4_0"
+    assert "head" not in d  # SmolLM2's 49,152 ids are fewer than the 65,536 a draft head keeps
     assert engine.plan(engine.resolve(GenerationConfig())).min_q == 1
 
 

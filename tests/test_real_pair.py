@@ -191,11 +191,13 @@ def test_agent_turns_with_the_prefix_cache_equal_cold_runs(engine):
             assert hits[0] == 0 and all(h >= 256 for h in hits[1:]), hits
 
 
-def test_batch_slots_reuse_agent_histories_and_equal_cold_runs(engine):
+def test_batch_slots_reuse_agent_histories_and_equal_cold_runs():
     """The continuous-batching scheduler's prefix reuse on the real pair: two coding-agent
     conversations (data/agent_conversations.jsonl) send their first two turns together to
     two batch slots (policy speculate); each output equals a cold Engine's and the second
-    turn of each reuses its history's rows from the slot it left them in."""
+    turn of each reuses its history's rows from the slot it left them in. The batched step is
+    onnxruntime's graph, so both Engines run it (``ort-cpu``; the folder's own choice may be
+    specrt's kernels, which ``serve --max-batch`` also leaves aside)."""
     from test_batching import Events
 
     from specrt.runtime.chat import ChatTemplate, normalize_messages, special_token_strings
@@ -203,8 +205,9 @@ def test_batch_slots_reuse_agent_histories_and_equal_cold_runs(engine):
     from specrt.runtime.serve.batching import BatchPool
     from specrt.runtime.serve.jobs import Job
 
+    engine = Engine(ENGINES, backend="ort-cpu")
     tpl = ChatTemplate(engine.chat_template, "chat_template.jinja", special_token_strings(engine))
-    cold = Engine(ENGINES, prefix_cache=False, verify_hashes=False)
+    cold = Engine(ENGINES, prefix_cache=False, verify_hashes=False, backend="ort-cpu")
     convs = [json.loads(x) for x in (REPO / "data" / "agent_conversations.jsonl").read_text().splitlines()[:2]]
     turns = [[i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"][:2] for c in convs]
     cfg = GenerationConfig(max_new_tokens=16)

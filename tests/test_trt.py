@@ -792,7 +792,7 @@ def test_gpu_backends_refused_clearly_where_unavailable(tiny_pair):
     status = backend_status(m)
     assert status["ort-cpu"] is None and status["tensorrt"] is not None
     assert resolve_backend(None, m) == "ort-cpu" and Engine(tiny_pair[2]).backend == "ort-cpu"
-    with pytest.raises(BackendError, match="backend='cpu'; choose one of ort-cpu, ort-cuda, tensorrt"):
+    with pytest.raises(BackendError, match="backend='cpu'; choose one of ort-cpu, kernels, ort-cuda, tensorrt"):
         resolve_backend("cpu")
     for name in ("ort-cuda", "tensorrt"):
         if status[name] is None:  # a GPU machine with onnxruntime-gpu

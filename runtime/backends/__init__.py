@@ -47,6 +47,7 @@ __all__ = [
     "cpu_model",
     "kernels_unavailable",
     "kernel_files",
+    "kernel_model",
     "KERNELS_KEY",
 ]
 
@@ -175,12 +176,10 @@ def cpu_model(folder: Path, entry, max_ctx: int, max_q: int, threads: ThreadConf
 
 
 def kernel_files(manifest: Manifest) -> dict[str, str]:
-    """File name -> SHA-256 of the target's kernel panels (checked at load with the graphs
-    when the kernels run), from the manifest's ``files`` map; empty when there are none."""
-    rec = (manifest.extra.get(KERNELS_KEY) or {}).get("target")
-    if not rec or rec["file"] not in manifest.files:
-        return {}
-    return {rec["file"]: manifest.files[rec["file"]].sha256}
+    """File name -> SHA-256 of the kernel panels (target, and draft where written: checked at
+    load with the graphs when the kernels run), from the manifest's ``files`` map."""
+    recs = (manifest.extra.get(KERNELS_KEY) or {}).values()
+    return {r["file"]: manifest.files[r["file"]].sha256 for r in recs if isinstance(r, dict) and r.get("file") in manifest.files}
 
 
 def kernel_target(folder: Path, manifest: Manifest, threads: ThreadConfig, max_q: int):
@@ -195,8 +194,6 @@ def kernel_target(folder: Path, manifest: Manifest, threads: ThreadConfig, max_q
     import os
 
     from ..kernels import cpu_isa, isa_id, start_team
-    from ..kernels.weights import KernelWeights
-    from .kern import KernelModel
 
     why = kernels_unavailable(manifest)
     if why is not None:
@@ -212,11 +209,28 @@ def kernel_target(folder: Path, manifest: Manifest, threads: ThreadConfig, max_q
             f"{folder / rec['file']}: {rec['dims']['n_vocab']} logits a row, the manifest's target has {manifest.target.vocab_size}; re-export the engine"
         )
     start_team(threads.intra_op)
+    return kernel_model(folder, manifest, "target", max_q, isa)
+
+
+def kernel_model(folder: Path, manifest: Manifest, role: str, max_q: int, isa: str | None = None):
+    """A :class:`~.kern.KernelModel` over the folder's ``role`` panels (``extra.kernels[role]``)
+    on the path ``isa`` (default: as :func:`kernel_target` chooses it).
+
+    Raises:
+        EngineError: the panels file does not hold what its record says.
+    """
+    import os
+
+    from ..kernels import cpu_isa
+    from ..kernels.weights import KernelWeights
+    from .kern import KernelModel
+
+    rec = manifest.extra[KERNELS_KEY][role]
     try:
         weights = KernelWeights(Path(folder) / rec["file"], rec, manifest.max_ctx, max_q)
     except RuntimeError as e:
         raise EngineError(str(e)) from None
-    return KernelModel(weights, isa)
+    return KernelModel(weights, isa or os.environ.get("SPECRT_KERNELS_ISA") or cpu_isa())
 
 
 def refuse_builder_graphs(backend: str, manifest: Manifest, folder: Path) -> None:
@@ -255,7 +269,10 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
     """
     m = manifest
     if backend == "kernels":
-        return kernel_target(folder, m, threads, target_q), cpu_model(folder, m.draft, m.max_ctx, draft_q, threads.for_draft(m.draft.params), role="draft")
+        target = kernel_target(folder, m, threads, target_q)
+        if (m.extra.get(KERNELS_KEY) or {}).get("draft"):  # the draft's panels too: one thread team for both
+            return target, kernel_model(folder, m, "draft", draft_q)
+        return target, cpu_model(folder, m.draft, m.max_ctx, draft_q, threads.for_draft(m.draft.params), role="draft")
     if backend == "ort-cpu":
         from .ort import SharedHeadSessions
 

@@ -53,6 +53,10 @@ class KernelModel:
         self.v = host_zeros((weights.kv_elems,), np.uint16)
         self.logits = host_zeros((self.max_q, self.vocab))  # rows past a verification pass: prefill scratch
         self.ids = np.zeros(self.max_q, np.int32)
+        # a trimmed head: the step writes [q, len(head_ids)] here, scattered into logits rows whose
+        # other ids hold -inf (filled once a row: rows_ready)
+        self.head = None if weights.head_ids is None else np.zeros((self.max_q, len(weights.head_ids)), np.float32)
+        self.rows_ready = 0
         self._kv = SkKv(self.k.ctypes.data, self.v.ctypes.data)
         self._args = (ctypes.byref(weights.model), ctypes.byref(self._kv))
 
@@ -81,11 +85,17 @@ class KernelModel:
         ids = self.ids
         ids[:q] = tokens
         w = self.w
+        out, ld = (self.logits, self.vocab) if self.head is None else (self.head, self.head.shape[1])
         with w.lock:
-            rc = w.lib.sk_step(self._isa, *self._args, w.scratch, ids.ctypes.data, q, start, self.logits.ctypes.data, self.vocab, lo)
+            rc = w.lib.sk_step(self._isa, *self._args, w.scratch, ids.ctypes.data, q, start, out.ctypes.data, ld, lo)
         if rc == -3:
             raise InputError(f"a token id in {list(map(int, ids[:q]))} is outside the vocabulary 0..{self.vocab - 1}")
         check_rc(rc, "kernels step")
+        if self.head is not None and lo < q:
+            if self.rows_ready < q:
+                self.logits[self.rows_ready : q] = -np.inf
+                self.rows_ready = q
+            self.logits[lo:q, w.head_ids] = self.head[lo:q]
         return self.logits[:q]
 
     def fork(self) -> "KernelModel":
@@ -98,6 +108,7 @@ class KernelModel:
 
     def release_logits(self, start: int = 0) -> int:
         """Give logits rows ``[start, max_q)`` back to the OS (whole pages); returns bytes."""
+        self.rows_ready = min(self.rows_ready, max(0, start))  # released rows read zeros, not -inf
         return release_tail_rows(self.logits, start)
 
     def release_rows(self, start: int) -> int:

@@ -459,10 +459,10 @@ SK_EXPORT int sk_dequant(const sk_mat *m, int n0, int n1, float *out) {
 SK_EXPORT int sk_step(int isa, const sk_model *m, const sk_kv *kv, void *scratch, const int32_t *tokens, int q, int start, float *logits, int ldl, int lo) {
     sk_scratch *s = (sk_scratch *)scratch;
     if (!sk_isa_ok(isa)) return SK_E_ISA;
-    if (!s || q < 1 || q > s->max_q || start < 0 || start + q > m->max_ctx || lo < 0 || lo > q || ldl < m->n_vocab) return SK_E_ARGS;
+    if (!s || q < 1 || q > s->max_q || start < 0 || start + q > m->max_ctx || lo < 0 || lo > q || ldl < m->output.n) return SK_E_ARGS;
     if (m->head_dim % 16 || m->head_dim > SK_HEAD_DIM_MAX || m->n_head % m->n_head_kv) return SK_E_ARGS;
     for (int r = 0; r < q; ++r)
-        if (tokens[r] < 0 || tokens[r] >= m->n_vocab) return SK_E_TOKEN;
+        if (tokens[r] < 0 || tokens[r] >= m->tok_embd.n) return SK_E_TOKEN; /* the embedding's rows (a draft's head may be trimmed) */
     /* heads of one KV head per attention item: at most SK_GROUP_MAX, and enough items for the team */
     const int per = m->n_head / m->n_head_kv;
     int split = (per + SK_GROUP_MAX - 1) / SK_GROUP_MAX;

@@ -47,7 +47,7 @@ typedef struct {
     float norm_eps, attn_scale, pad2, pad3;
     const float *rope_cos, *rope_sin; /* [max_ctx][head_dim / 2] */
     const float *out_norm;            /* [n_embd] */
-    sk_mat tok_embd, output;          /* token rows (n = n_vocab, k = n_embd); the LM head */
+    sk_mat tok_embd, output;          /* token rows (n = ids, k = n_embd); the LM head (n = logits a row: n_vocab) */
     const sk_layer *layers;
 } sk_model;
 

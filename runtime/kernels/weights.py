@@ -43,7 +43,8 @@ class KernelWeights:
         max_q: the widest step.
 
     Attributes:
-        dims: the record's dims; n_vocab: logits width; ctx16: ``max_ctx`` rounded up to 16;
+        dims: the record's dims; n_vocab: logits width (the vocabulary); head_ids: int32 ids
+        of a trimmed LM head (None: every id has a row); ctx16: ``max_ctx`` rounded up to 16;
         model: the ``sk_model`` struct; scratch: the C scratch; lock: serializes steps.
 
     Raises:
@@ -63,7 +64,9 @@ class KernelWeights:
         if end > size:
             raise RuntimeError(f"{self.path} holds {size} bytes; its record needs {end}: re-export the engine")
         self.map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self.n_vocab = int(d["n_vocab"])
+        self.n_vocab = int(d["n_vocab"])  # logits a row as the Model gives them (the embedding's ids)
+        # a trimmed head (a draft's, FR-Spec): the C step writes logits of these ids only
+        self.head_ids = np.frombuffer(self.map, dtype=np.int32, count=int(t["head_ids"]["n"]), offset=int(t["head_ids"]["offset"])) if "head_ids" in t else None
         self.ctx16 = (max_ctx + 15) // 16 * 16
         self.max_ctx, self.max_q = max_ctx, max_q
         hd = int(d["head_dim"])
