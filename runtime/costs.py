@@ -204,18 +204,20 @@ def measure_step_costs(batched, length: int = 64, reps: int = 5, vocab: int | No
     return BatchCosts(step)
 
 
-def recorded_call_costs(manifest):
+def recorded_call_costs(manifest, backend: str = "ort-cpu"):
     """The per-call :class:`Costs` ``specrt tune`` recorded in the
     manifest (``extra["tune"]["costs"]``) when they were measured on this kind of machine
-    (the record's own machine, else the tune's: :func:`specrt.runtime.machine.differs`);
-    else None (the caller measures them here).
+    (the record's own machine, else the tune's: :func:`specrt.runtime.machine.differs`) and
+    on ``backend`` (the record's ``backend``; one without it predates the kernels: ort-cpu);
+    else None (the caller measures them here). A target on specrt's kernels costs a third of
+    its ONNX graph's step: costs of the other backend would mislead adaptive k.
 
     Raises:
         InputError: a malformed record.
     """
     tune = (manifest.extra or {}).get("tune") or {}
     rec = tune.get("costs")
-    if not rec or differs(rec.get("machine") or tune.get("machine")) is not None:
+    if not rec or differs(rec.get("machine") or tune.get("machine")) is not None or rec.get("backend", "ort-cpu") != backend:
         return None
     return Costs.from_json(rec, "manifest extra.tune.costs")
 

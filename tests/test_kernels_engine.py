@@ -154,3 +154,22 @@ def test_altered_panels_are_refused_at_load(folder, tmp_path):
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(EngineError, match="target.panels"):
         Engine(copy, backend="kernels")
+
+
+def test_adaptive_k_reuses_recorded_costs_of_its_own_backend_only(folder, tmp_path):
+    """Costs ``specrt tune`` recorded on the ONNX graph (a record without ``backend``, or with
+    another) would mislead adaptive k on the kernels: the Engine measures its own instead."""
+    import json
+
+    from specrt.runtime.machine import machine_record
+
+    copy = tmp_path / "engine"
+    shutil.copytree(folder, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    fake = {"draft_s_per_call": 9.0, "target_s_by_q": {str(q): 1.0 for q in range(1, 6)}, "machine": machine_record()}
+    for backend, used in ((None, False), ("ort-cpu", False), ("kernels", True)):
+        m["extra"]["tune"] = {"costs": {**fake, **({"backend": backend} if backend else {})}, "machine": fake["machine"]}
+        (copy / "manifest.json").write_text(json.dumps(m))
+        e = Engine(copy, verify_hashes=False)
+        assert e.backend == "kernels"
+        assert (e.adaptive_costs()[1] == 9.0) is used, backend

@@ -200,7 +200,7 @@ def tune(
     n_prompt = float(np.mean([len(x) for x in ids]))
     past = int(min(max(1, round(n_prompt + max_new_tokens / 2)), manifest.max_ctx - manifest.k_max - 1))
     costs = measure_costs(engine, range(1, manifest.k_max + 2), past, cost_reps, progress=progress)
-    result["costs"] = costs.to_json()
+    result["costs"] = {**costs.to_json(), "backend": engine.backend}  # adaptive k reuses them on this backend only
     if batch_sizes > 0:
         result["batch_step_costs"] = batch_step_costs(engine, batch_sizes, past, min(cost_reps, 15))
     # 3. wide trace -> predictions
