@@ -406,17 +406,15 @@ class Engine:
         seconds of a target call of width q = 1..k_max+1 (q = 1 as the loop makes it) and
         of a draft step, and the acceptance to start from. From ``specrt tune``'s record in
         the manifest (``extra.tune.costs``, ``extra.calibration.acceptance``) when there is
-        one measured on this kind of machine and backend (:func:`~specrt.runtime.costs.recorded_call_costs`), else
+        one of this machine and backend (:func:`specrt.runtime.costs.recorded_call_costs`), else
         measured once on this Engine (5 interleaved repetitions, 256 rows of past) and kept."""
         if self._adaptive is None:
             from .costs import measure_costs, recorded_call_costs
 
-            manifest = self.manifest
-            costs = recorded_call_costs(manifest, self.backend) or measure_costs(
-                self, range(1, manifest.k_max + 2), min(256, manifest.max_ctx - manifest.k_max - 2), reps=5
-            )
-            prior = float((manifest.extra.get("calibration") or {}).get("acceptance", 0.7))
-            self._adaptive = (tuple(costs.target(q) for q in range(1, manifest.k_max + 2)), costs.draft_s_per_call, prior)
+            m = self.manifest
+            costs = recorded_call_costs(m, self.backend) or measure_costs(self, range(1, m.k_max + 2), min(256, m.max_ctx - m.k_max - 2), reps=5)
+            prior = float((m.extra.get("calibration") or {}).get("acceptance", 0.7))
+            self._adaptive = (tuple(costs.target(q) for q in range(1, m.k_max + 2)), costs.draft_s_per_call, prior)
         return self._adaptive
 
     def _locked(self):
