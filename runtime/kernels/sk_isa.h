@@ -196,6 +196,9 @@ static inline __attribute__((always_inline)) void SKF(u4_rows)(const uint8_t *w,
     }
 }
 
+#if RB != 8 && RB != 4
+#error "SK_ROWS_CASES dispatches passes of 4 or 8 rows only: another RB would leave rows of a pass unwritten"
+#endif
 #if RB == 8
 #define SK_ROWS_CASES(CALL) \
     switch (Q) {            \
