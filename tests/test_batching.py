@@ -201,7 +201,8 @@ def test_batched_steps_diverge_only_at_near_ties(int4):
     pool = BatchPool(int4, 4, policy="batched", costs=flat_costs(4))
     try:
         cfg = dict(max_new_tokens=32, k_max=3)
-        jobs = [submit(pool, int4, p, **cfg) for p in PROMPTS[:4]]
+        # queued in one call: one at a time, a loaded machine let the first run alone for a while
+        jobs = submit_together(pool, int4, PROMPTS[:4], [cfg] * 4)
         got = {i: ev.result().tokens for i, (_, ev) in enumerate(jobs)}
         # every row that takes a batched step is ready for the next one (its KV length
         # advanced with its token): after admission, iterations stay batched
