@@ -310,8 +310,7 @@ def add_to_engine(folder: str | Path, gguf_path: str | Path, log=print, draft_gg
             recs["draft"] = d
     files = dict(m.files)
     for r in recs.values():
-        p = folder / r["file"]
-        files[r["file"]] = FileRecord(sha256=sha256_file(p), bytes=p.stat().st_size)
+        files[r["file"]] = FileRecord.of(folder / r["file"])
     replace(m, files=files, extra={**m.extra, "kernels": recs}).write(folder)
     return rec
 

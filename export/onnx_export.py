@@ -590,7 +590,7 @@ def file_records(folder: Path, graphs: list[str]) -> dict[str, FileRecord]:
             if not p.is_file():
                 raise ExportError(f"{folder / g} references external data {name!r}, which was not written")
             if name not in out:
-                out[name] = FileRecord(sha256=sha256_file(p), bytes=p.stat().st_size)
+                out[name] = FileRecord.of(p)
         out[g] = FileRecord(sha256=out[g].sha256, bytes=out[g].bytes, external=ext)
     return out
 

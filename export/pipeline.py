@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specrt.runtime.errors import PairError  # noqa: F401  (in the SpecRTError tree)
-from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, FileRecord, Manifest, sha256_file
+from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, FileRecord, Manifest
 
 from .onnx_export import BODY_FILE, HEAD_FILE, export_model
 from .preflight import describe_vocab_difference, tokenizer_json, vocab_map
@@ -473,8 +473,7 @@ def _kernel_records(target_src: Path, draft_src: Path, out: Path, entries: dict,
         recs["draft"] = draft_panels(draft_src, out, out / "tokenizer.json", (special[0],), log=log)  # added tokens (end, chat, FIM) ranked first too
     recs = {k: v for k, v in recs.items() if v is not None}
     for rec in recs.values():
-        p = out / rec["file"]
-        files[rec["file"]] = FileRecord(sha256=sha256_file(p), bytes=p.stat().st_size)
+        files[rec["file"]] = FileRecord.of(out / rec["file"])
     return recs or None
 
 
@@ -543,7 +542,7 @@ def _write_tokenizer_files(out: Path, tok_json: Path, fixed: str | None, target_
     else:
         (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
     for name in ("tokenizer.json", *((CHAT_TEMPLATE_FILE,) if template is not None else ())):
-        files[name] = FileRecord(sha256=sha256_file(out / name), bytes=(out / name).stat().st_size)
+        files[name] = FileRecord.of(out / name)
     return template
 
 

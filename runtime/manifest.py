@@ -105,6 +105,12 @@ class FileRecord:
     bytes: int
     external: tuple[str, ...] = ()
 
+    @classmethod
+    def of(cls, path: str | Path, external: tuple[str, ...] = ()) -> "FileRecord":
+        """The record of the file at ``path`` as it is now (its SHA-256 and size)."""
+        p = Path(path)
+        return cls(sha256=sha256_file(p), bytes=p.stat().st_size, external=external)
+
 
 @dataclass(frozen=True)
 class ModelEntry:

@@ -191,15 +191,13 @@ def kernel_target(folder: Path, manifest: Manifest, threads: ThreadConfig, max_q
         BackendError: the kernels cannot run here, or the ISA named is not one this CPU runs.
         EngineError: the panels do not fit the manifest (vocabulary width, size).
     """
-    import os
-
-    from ..kernels import cpu_isa, isa_id, start_team
+    from ..kernels import isa_id, start_team
 
     why = kernels_unavailable(manifest)
     if why is not None:
         raise BackendError(f"backend 'kernels' is unavailable here: {why}", "backend")
     rec = manifest.extra[KERNELS_KEY]["target"]
-    isa = os.environ.get("SPECRT_KERNELS_ISA") or cpu_isa()
+    isa = kernels_isa()
     try:
         isa_id(isa)
     except ValueError as e:
@@ -212,6 +210,16 @@ def kernel_target(folder: Path, manifest: Manifest, threads: ThreadConfig, max_q
     return kernel_model(folder, manifest, "target", max_q, isa)
 
 
+def kernels_isa() -> str:
+    """The kernels' ISA path here: ``SPECRT_KERNELS_ISA`` when set, else the CPU's best
+    (:func:`specrt.runtime.kernels.cpu_isa`)."""
+    import os
+
+    from ..kernels import cpu_isa
+
+    return os.environ.get("SPECRT_KERNELS_ISA") or cpu_isa()
+
+
 def kernel_model(folder: Path, manifest: Manifest, role: str, max_q: int, isa: str | None = None):
     """A :class:`~.kern.KernelModel` over the folder's ``role`` panels (``extra.kernels[role]``)
     on the path ``isa`` (default: as :func:`kernel_target` chooses it).
@@ -219,9 +227,6 @@ def kernel_model(folder: Path, manifest: Manifest, role: str, max_q: int, isa: s
     Raises:
         EngineError: the panels file does not hold what its record says.
     """
-    import os
-
-    from ..kernels import cpu_isa
     from ..kernels.weights import KernelWeights
     from .kern import KernelModel
 
@@ -230,7 +235,7 @@ def kernel_model(folder: Path, manifest: Manifest, role: str, max_q: int, isa: s
         weights = KernelWeights(Path(folder) / rec["file"], rec, manifest.max_ctx, max_q)
     except RuntimeError as e:
         raise EngineError(str(e)) from None
-    return KernelModel(weights, isa or os.environ.get("SPECRT_KERNELS_ISA") or cpu_isa())
+    return KernelModel(weights, isa or kernels_isa())
 
 
 def refuse_builder_graphs(backend: str, manifest: Manifest, folder: Path) -> None:

@@ -56,6 +56,8 @@ class KernelModel:
         # a trimmed head: the step writes [q, len(head_ids)] here, scattered into logits rows whose
         # other ids hold -inf (filled once a row: rows_ready)
         self.head = None if weights.head_ids is None else np.zeros((self.max_q, len(weights.head_ids)), np.float32)
+        self._out = self.logits if self.head is None else self.head  # what the C step writes, and its row stride
+        self._ld = self._out.shape[1]
         self.rows_ready = 0
         self._kv = SkKv(self.k.ctypes.data, self.v.ctypes.data)
         self._args = (ctypes.byref(weights.model), ctypes.byref(self._kv))
@@ -85,9 +87,8 @@ class KernelModel:
         ids = self.ids
         ids[:q] = tokens
         w = self.w
-        out, ld = (self.logits, self.vocab) if self.head is None else (self.head, self.head.shape[1])
         with w.lock:
-            rc = w.lib.sk_step(self._isa, *self._args, w.scratch, ids.ctypes.data, q, start, out.ctypes.data, ld, lo)
+            rc = w.lib.sk_step(self._isa, *self._args, w.scratch, ids.ctypes.data, q, start, self._out.ctypes.data, self._ld, lo)
         if rc == -3:
             raise InputError(f"a token id in {list(map(int, ids[:q]))} is outside the vocabulary 0..{self.vocab - 1}")
         check_rc(rc, "kernels step")
@@ -104,7 +105,7 @@ class KernelModel:
 
     def close(self) -> None:
         """Drop this model's buffers (the weights go with their last user)."""
-        self.k = self.v = self.logits = None
+        self.k = self.v = self.logits = self.head = self._out = None
 
     def release_logits(self, start: int = 0) -> int:
         """Give logits rows ``[start, max_q)`` back to the OS (whole pages); returns bytes."""
