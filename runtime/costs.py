@@ -222,15 +222,18 @@ def recorded_call_costs(manifest, backend: str = "ort-cpu"):
     return Costs.from_json(rec, "manifest extra.tune.costs")
 
 
-def recorded_costs(manifest, max_batch: int) -> BatchCosts | None:
+def recorded_costs(manifest, max_batch: int, backend: str = "ort-cpu") -> BatchCosts | None:
     """The batched step costs ``specrt tune --batch-costs N`` recorded in the manifest
-    (``extra["tune"]["batch_step_costs"]``, ``{"n": seconds}``), when they were measured on
-    this kind of machine (:func:`specrt.runtime.machine.differs`) and cover batch sizes
-    1..max_batch with positive numbers; else None (the caller measures them here)."""
+    (``extra["tune"]["batch_step_costs"]``, ``{"n": seconds, "backend": name}``), when they
+    were measured on this kind of machine (:func:`specrt.runtime.machine.differs`) and on
+    ``backend`` (a record without ``backend`` predates the kernels: ort-cpu), and cover batch
+    sizes 1..max_batch with positive numbers; else None (the caller measures them here)."""
     tune = (manifest.extra or {}).get("tune") or {}
     if differs(tune.get("machine")) is not None:
         return None
     rec = tune.get("batch_step_costs") or {}
+    if rec.get("backend", "ort-cpu") != backend:
+        return None
     try:
         step = [0.0] + [float(rec[str(n)]) for n in range(1, max_batch + 1)]
     except (KeyError, TypeError, ValueError):

@@ -63,6 +63,10 @@ __all__ = [
     "decode",
     "prefill",
     "one_round",
+    "Drafted",
+    "draft_round",
+    "verification_call",
+    "end_round",
     "bonus_round",
     "catch_up",
     "commit_forced",
@@ -311,11 +315,27 @@ def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, c
         yield lo, split.head(h, e - h)[off + lo - h :]
 
 
-def one_round(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter, policy=None) -> Round:
-    """One round on ``seq`` (prompt + committed tokens; extended in place); see the module
-    docstring. ``drafter``: the draft side (:mod:`specrt.runtime.drafters`: candidates, the
-    draft model and its KV length); ``policy``: an :class:`~specrt.runtime.adaptive.AdaptiveK`
-    choosing how many candidates this round may propose (None: up to ``k_max``)."""
+@dataclass
+class Drafted:
+    """A round between its candidates and its verification (:func:`draft_round` ->
+    :func:`end_round`): the sequence length before it, the candidates and their
+    confidences, the draft's steps (and ``pre``: see :class:`Round`), the target calls made so
+    far (a catch-up's), and the clock at the round's start, the draft's start and its end."""
+
+    seq_len: int
+    cands: list
+    confs: list
+    steps: list
+    pre: list | None
+    calls: list
+    t0: float
+    t1: float
+    t2: float
+
+
+def draft_round(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter, policy=None) -> Drafted:
+    """The first half of :func:`one_round`: bring the target's KV up to the pending token
+    (:func:`catch_up`) and propose this round's candidates (the draft's calls happen here)."""
     clock = time.perf_counter
     seq_len = len(seq)
     calls: list = []
@@ -330,31 +350,55 @@ def one_round(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan:
     drafter.model_calls = 0
     drafter.forced_steps.clear()
     cands, confs = propose(drafter.steps(seq, acc, steps, pre), n_max, plan.threshold, plan.eos, acc.propose_below)
-    t2 = clock()
-    m, token = verify(cands, target_blocks(target, seq, cands, kv.target, confs, plan, calls), acc)
-    t3 = clock()
+    return Drafted(seq_len, cands, confs, steps, pre, calls, t0, t1, clock())
+
+
+def verification_call(seq: list[int], cands: Sequence[int], valid: int, min_q: int) -> tuple[list[int], int, int]:
+    """The one target call that verifies ``cands`` (the ``full`` strategy of
+    :func:`target_blocks`): ``(tokens, start, off)``, the call's tokens from position
+    ``start`` (:func:`call_start`: at least ``min_q`` wide where the committed prefix allows)
+    and the row of the pending token in its output (verification rows ``[off, off + n + 1)``)."""
+    pend, n = len(seq) - 1, len(cands)
+    s = call_start(pend, pend + n + 1, valid, min_q)
+    return seq[s:] + list(cands), s, pend - s
+
+
+def end_round(d: Drafted, m: int, token: int, target_s: float, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter, policy=None) -> Round:
+    """The second half of :func:`one_round`, once :func:`verify` gave ``(m, token)``:
+    commit, roll back, and the round's record (``target_s``: seconds of its verification)."""
     if policy is not None:
-        policy.update(len(cands), m)
-    new, ended, forced = commit_forced(commit(cands, m, token, plan.eos), seq_len, n_prompt, plan, acc)
+        policy.update(len(d.cands), m)
+    new, ended, forced = commit_forced(commit(d.cands, m, token, plan.eos), d.seq_len, n_prompt, plan, acc)
     seq.extend(new)
-    kv.target, kept = rollback_lengths(seq_len, drafter.kv, m)
+    kv.target, kept = rollback_lengths(d.seq_len, drafter.kv, m)
     drafter.rollback(kept)
     finish = "stop" if ended else length_finish(seq, n_prompt, plan)
     return Round(
-        pos=seq_len - n_prompt,
-        steps=steps,
-        n=len(cands),
+        pos=d.seq_len - n_prompt,
+        steps=d.steps,
+        n=len(d.cands),
         m=m,
         commit=new,
         finish=finish,
         draft_calls=drafter.model_calls,
-        draft_s=t2 - t1 if steps else 0.0,
-        target_s=t1 - t0 + t3 - t2,
-        calls=calls,
-        pre=pre[0] if pre else None,
+        draft_s=d.t2 - d.t1 if d.steps else 0.0,
+        target_s=d.t1 - d.t0 + target_s,
+        calls=d.calls,
+        pre=d.pre[0] if d.pre else None,
         forced=forced,
         forced_accepted=sum(1 for i in drafter.forced_steps if i < m),
     )
+
+
+def one_round(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter, policy=None) -> Round:
+    """One round on ``seq`` (prompt + committed tokens; extended in place); see the module
+    docstring. ``drafter``: the draft side (:mod:`specrt.runtime.drafters`: candidates, the
+    draft model and its KV length); ``policy``: an :class:`~specrt.runtime.adaptive.AdaptiveK`
+    choosing how many candidates this round may propose (None: up to ``k_max``).
+    :func:`draft_round`, :func:`verify` over :func:`target_blocks`, :func:`end_round`."""
+    d = draft_round(target, seq, n_prompt, kv, plan, acc, drafter, policy)
+    m, token = verify(d.cands, target_blocks(target, seq, d.cands, kv.target, d.confs, plan, d.calls), acc)
+    return end_round(d, m, token, time.perf_counter() - d.t2, seq, n_prompt, kv, plan, acc, drafter, policy)
 
 
 def catch_up(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, calls: list) -> int:
@@ -454,13 +498,15 @@ def prefill(target: Model, seq: list[int], plan: Plan, acc: Acceptor, kv: KVLeng
     )
 
 
-def bonus_round(seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, row: np.ndarray, seconds: float) -> Round:
+def bonus_round(seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, row: np.ndarray, seconds: float, exact: bool = False) -> Round:
     """A round without candidates whose target row (the logits of the pending token
     ``seq[-1]`` at position ``kv.target``) was computed elsewhere, e.g. by a batched step
     over several generations: commits the acceptor's token (and what a constraint forces
-    after it) and returns the record (``seconds``: this generation's share of the call)."""
+    after it) and returns the record (``seconds``: this generation's share of the call;
+    ``exact``: the call's rows are a batch-1 call's bit for bit, so its KV row stays
+    reusable, else ``kv.batched_from`` marks it)."""
     tok = acc.bonus(0, row)
-    if kv.batched_from is None:  # rows from here on are not a batch-1 call's (prefix reuse stops here)
+    if not exact and kv.batched_from is None:  # rows from here on are not a batch-1 call's (prefix reuse stops here)
         kv.batched_from = kv.target
     pos, seq_len = len(seq) - n_prompt, len(seq)
     new, ended, forced = commit_forced(([tok], tok in plan.eos), seq_len, n_prompt, plan, acc)

@@ -39,7 +39,21 @@ import numpy as np
 
 from .backends.base import Model
 from .constraints import ConstrainedAcceptor
-from .decode import KVLengths, Plan, Round, adaptive_policy, bonus_round, observe_tail, one_round, prefill
+from .decode import (
+    Drafted,
+    KVLengths,
+    Plan,
+    Round,
+    adaptive_policy,
+    bonus_round,
+    draft_round,
+    end_round,
+    observe_tail,
+    one_round,
+    prefill,
+    verification_call,
+    verify,
+)
 from .drafters import make_drafter
 from .logprobs import LogprobRecorder, TokenLogprob
 from .prefix import KVPrefix, reuse_draft
@@ -172,17 +186,49 @@ class Generation:
         """One round on ``target`` (:func:`~specrt.runtime.decode.one_round`: draft,
         verify, commit, roll back); returns the text released."""
         rec = one_round(target, self.seq, self.n_prompt, self.kv, self.plan, self.acc, self.drafter, self.policy)
+        return self._pushed_round(rec)
+
+    def draft_step(self, target: Model) -> tuple[list[int], int, int]:
+        """The first half of :meth:`step` for a verification made by a call over several
+        generations (continuous batching on specrt's kernels): catch up and propose the
+        candidates (:func:`~specrt.runtime.decode.draft_round`; ``target`` is this
+        generation's batch-1 model, for a catch-up); returns the verification call
+        ``(tokens, start, off)`` (:func:`~specrt.runtime.decode.verification_call`), which
+        the caller makes and hands to :meth:`verify_step`."""
+        d = draft_round(target, self.seq, self.n_prompt, self.kv, self.plan, self.acc, self.drafter, self.policy)
+        self._drafted = d
+        return verification_call(self.seq, d.cands, self.kv.target, self.plan.min_q)
+
+    def verify_step(self, rows: np.ndarray, seconds: float) -> str:
+        """The second half: accept over the verification rows (float32 ``[n + 1, >= vocab]``,
+        the pending token's row first, from a call whose rows are a batch-1 call's bit for
+        bit), commit and roll back as :meth:`step` does; ``seconds``: this generation's share
+        of the call. Returns the text released.
+
+        Raises:
+            RuntimeError: no :meth:`draft_step` is waiting for its rows.
+        """
+        d: Drafted | None = getattr(self, "_drafted", None)
+        if d is None:
+            raise RuntimeError("verify_step without a draft_step before it")
+        self._drafted = None
+        m, token = verify(d.cands, [(0, rows)], self.acc)
+        rec = end_round(d, m, token, seconds, self.seq, self.n_prompt, self.kv, self.plan, self.acc, self.drafter, self.policy)
+        return self._pushed_round(rec)
+
+    def _pushed_round(self, rec: Round) -> str:
         if self._draft_scratch and getattr(self.drafter, "model_calls", 0):
             # the draft's first feed (the prompt, in wide chunks) is in this round: as prefill
             release_prefill_logits(self.draft, self.plan.k_max)
             self._draft_scratch = False
         return self.push(self._observed(rec))
 
-    def push_row(self, row: np.ndarray, seconds: float) -> str:
+    def push_row(self, row: np.ndarray, seconds: float, exact: bool = False) -> str:
         """Commit one token from the pending token's target logits ``row`` (float32
         ``[>= vocab]``) computed by a call over several generations
-        (:func:`~specrt.runtime.decode.bonus_round`); returns the text released."""
-        return self.push(self._observed(bonus_round(self.seq, self.n_prompt, self.kv, self.plan, self.acc, row, seconds)))
+        (:func:`~specrt.runtime.decode.bonus_round`; ``exact``: that call's rows are a
+        batch-1 call's bit for bit); returns the text released."""
+        return self.push(self._observed(bonus_round(self.seq, self.n_prompt, self.kv, self.plan, self.acc, row, seconds, exact)))
 
     def push(self, rec: Round) -> str:
         """Count a round record and append its committed tokens (and logprob entries) to

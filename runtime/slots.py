@@ -335,15 +335,11 @@ class Slots:
 
     def exchange(self, a: int, b: int, rows_a: int, rows_b: int) -> None:
         """Swap slots ``a`` and ``b`` of the batched model: KV rows ``[0, rows_a)`` of ``a``
-        go to ``b`` and ``[0, rows_b)`` of ``b`` to ``a`` (every layer; a copy of b's rows
-        keeps them while a's move), with their draft forks and records."""
+        go to ``b`` and ``[0, rows_b)`` of ``b`` to ``a`` (the batched model's ``exchange``),
+        with their draft forks and records."""
         if a == b:
             return
-        bt = self.kv
-        keep = [buf[b, :, :rows_b].copy() for buf in (*bt.keys, *bt.values)]
-        bt.move(a, b, rows_a)
-        for buf, k in zip((*bt.keys, *bt.values), keep):
-            buf[a, :, :rows_b] = k
+        self.kv.exchange(a, b, rows_a, rows_b)
         sa, sb = self.slots[a], self.slots[b]
         for name in ("draft", "rec", "used"):
             va, vb = getattr(sa, name), getattr(sb, name)

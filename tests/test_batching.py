@@ -333,11 +333,12 @@ def test_tune_records_batch_costs_and_the_pool_starts_from_them(int4, tiny_pair)
     from specrt.runtime.serve.batching import recorded_costs
 
     rec = batch_step_costs(int4, 3, past=20, reps=2)
-    assert set(rec) == {"1", "2", "3"} and min(rec.values()) > 0
+    assert rec.pop("backend") == "ort-cpu" and set(rec) == {"1", "2", "3"} and min(rec.values()) > 0
     assert batch_step_costs(Engine(tiny_pair[2]), 3, past=20) is None  # standard graphs: no batched model
     eng = copy.copy(int4)
     eng.manifest = replace(int4.manifest, extra={**int4.manifest.extra, "tune": {"batch_step_costs": rec, "machine": this_machine().to_json()}})
     assert recorded_costs(eng.manifest, 4) is None  # does not cover size 4
+    assert recorded_costs(eng.manifest, 3, "kernels") is None  # measured on another backend
     pool = BatchPool(eng, 3, policy="auto")
     try:
         assert pool.costs.as_dict() == {n: round(s, 6) for n, s in rec.items()}

@@ -173,3 +173,86 @@ def test_adaptive_k_reuses_recorded_costs_of_its_own_backend_only(folder, tmp_pa
         e = Engine(copy, verify_hashes=False)
         assert e.backend == "kernels"
         assert (e.adaptive_costs()[1] == 9.0) is used, backend
+
+
+# ---- continuous batching on the kernels (issue 45): rows of a batched call are batch-1 rows -----
+
+
+def test_a_batched_call_gives_every_row_its_batch1_bits(engine):
+    """KernelBatch: rows of several slots in one call (q = 1 each, and a slot with two rows
+    beside others) equal the same rows of a batch-1 model alone, bit for bit; an exchange
+    moves a slot's cache whole; bad rows are refused in one line."""
+    import numpy as np
+
+    from specrt.runtime.backends import batched_model
+    from specrt.runtime.errors import InputError
+
+    rng = np.random.default_rng(3)
+    V = engine.manifest.vocab_size
+    seqs = [rng.integers(0, V, size=n).tolist() for n in (9, 3, 17, 6)]
+    ref = []
+    for s in seqs:
+        alone = engine.target.fork()
+        alone.run(s[:-2], 0)
+        ref.append(alone.run(s[-2:], len(s) - 2).copy())  # rows of the last two positions
+        alone.close()
+    b = batched_model(engine.target, 4)
+    assert type(b).__name__ == "KernelBatch" and b.exact
+    try:
+        for j, s in enumerate(seqs):
+            b.slots[j].run(s[:-2], 0)
+        got = b.step([s[-2] for s in seqs], [len(s) - 2 for s in seqs]).copy()
+        for i in range(4):
+            assert np.array_equal(got[i], ref[i][0]), i
+        # slot 2's last row beside a 2-row... after the exchange slot 0 holds slot 2's cache
+        b.exchange(0, 2)
+        got = b.rows([0, 1, 3], [seqs[2][-1], seqs[1][-1], seqs[3][-1]], [len(seqs[2]) - 1, len(seqs[1]) - 1, len(seqs[3]) - 1]).copy()
+        assert np.array_equal(got[0], ref[2][1]) and np.array_equal(got[1], ref[1][1]) and np.array_equal(got[2], ref[3][1])
+        with pytest.raises(InputError, match="one \\(slot, position\\) twice"):
+            b.rows([1, 1], [1, 2], [4, 4])
+        with pytest.raises(InputError, match="slots 0..3"):
+            b.rows([4], [1], [0])
+        with pytest.raises(InputError, match="positions must be in"):
+            b.rows([0], [1], [engine.manifest.max_ctx])
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("policy", ["batched", "auto"])
+def test_batched_serving_on_the_kernels_equals_each_request_alone(folder, policy):
+    """BatchPool over the kernels: greedy and seeded sampled requests, with logprobs, run
+    together through batched steps (and, under auto, speculative rounds) equal each request
+    alone bit for bit (tokens, text, logprobs); the rows batched steps wrote stay reusable."""
+    from test_batching import flat_costs, submit_together
+
+    from specrt.runtime.serve.batching import BatchPool
+
+    e = Engine(folder)
+    cold = Engine(folder, prefix_cache=False)
+    prompts = PROMPTS + ["def add(a, b):\n"]
+    cfgs = [
+        dict(max_new_tokens=28, logprobs=2),
+        dict(max_new_tokens=20, temperature=0.8, top_p=0.95, seed=7, logprobs=1),
+        dict(max_new_tokens=24, temperature=1.0, seed=11),
+        dict(max_new_tokens=16, k_max=2, logprobs=0),
+    ]
+    # costs that make a batched step the cheaper choice under auto too
+    pool = BatchPool(e, 4, policy=policy, costs=flat_costs(4, 1e-6))
+    try:
+        jobs = submit_together(pool, e, prompts, cfgs)
+        results = [ev.result(timeout=120) for _, ev in jobs]
+        assert pool.steps["batched"] > 0, pool.steps
+        for p, c, r in zip(prompts, cfgs, results):
+            alone = cold.generate(p, GenerationConfig(**c))
+            assert r.tokens == alone.tokens and r.text == alone.text, (p, c)
+            if c.get("logprobs") is not None:
+                assert [(x.token, x.logprob, x.top) for x in r.logprobs] == [(x.token, x.logprob, x.top) for x in alone.logprobs]
+        # a follow-up whose prompt is the first request's whole sequence reuses the rows its
+        # batched steps computed (before: a batched row ended the reusable prefix)
+        follow = prompts[0] + results[0].text
+        (job, ev), = submit_together(pool, e, [follow], [dict(max_new_tokens=8)])
+        r = ev.result(timeout=120)
+        assert r.stats.cached_tokens > len(e.prompt_ids(prompts[0])) + 10
+        assert r.tokens == cold.generate(follow, GenerationConfig(max_new_tokens=8)).tokens
+    finally:
+        pool.close()

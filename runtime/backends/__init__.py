@@ -45,6 +45,7 @@ __all__ = [
     "gpu_present",
     "refuse_builder_graphs",
     "cpu_model",
+    "batched_model",
     "kernels_unavailable",
     "kernel_files",
     "kernel_model",
@@ -306,3 +307,27 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
             models.append(TrtModel(folder / r["plan"], entry, ProfileSet.from_json(r["profiles"]), q, trt=trt, cuda=cuda))
         return tuple(models)
     raise BackendError(f"backend={backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def batched_model(target, max_batch: int):
+    """The batched model continuous batching runs over ``target`` (``max_batch`` KV slots):
+    a :class:`~.kern_batch.KernelBatch` for a target on specrt's kernels (exact: its rows are
+    batch-1 rows), a :class:`~.ort_gqa_batch.BatchedGqaModel` for a builder graph on
+    onnxruntime CPU; None for any other target (no batched model for it).
+
+    Raises:
+        InputError: max_batch < 1 (param ``max_batch``).
+    """
+    from .kern import KernelModel
+    from .ort_gqa import OrtGqaModel
+
+    if isinstance(target, KernelModel):
+        from .kern_batch import KernelBatch
+
+        return KernelBatch(target, max_batch, target.max_q)  # a call may verify every row's candidates
+    if isinstance(target, OrtGqaModel):
+        from .ort_gqa_batch import BatchedGqaModel
+
+        return BatchedGqaModel(target, max_batch, target.max_q)
+    return None
+

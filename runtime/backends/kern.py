@@ -103,6 +103,14 @@ class KernelModel:
         """Another model over the same weights with its own KV, logits and ids buffers."""
         return KernelModel(self.w, self.isa)
 
+    def swap_kv(self, other: "KernelModel") -> None:
+        """Exchange KV caches with ``other`` (a model over the same weights): each then holds
+        the other's rows. O(1): the buffers change owner (continuous batching moves slots so)."""
+        for name in ("k", "v", "_kv", "_args"):
+            a, b = getattr(self, name), getattr(other, name)
+            setattr(self, name, b)
+            setattr(other, name, a)
+
     def close(self) -> None:
         """Drop this model's buffers (the weights go with their last user)."""
         self.k = self.v = self.logits = self.head = self._out = None

@@ -59,6 +59,8 @@ class BatchedGqaModel:
         InputError: ``max_batch`` or ``max_q`` below 1 (param ``max_batch`` / ``max_q``).
     """
 
+    exact = False  # a batched row may round differently from a batch-1 row (module docstring)
+
     def __init__(self, base: OrtGqaModel, max_batch: int, max_q: int):
         if max_batch < 1:
             raise InputError(f"max_batch must be >= 1, got {max_batch}", "max_batch")
@@ -146,6 +148,21 @@ class BatchedGqaModel:
             return
         for buf in (*self.keys, *self.values):
             buf[dst, :, :rows] = buf[src, :, :rows]
+
+    def exchange(self, a: int, b: int, rows_a: int, rows_b: int) -> None:
+        """Swap slots ``a`` and ``b``: KV rows ``[0, rows_a)`` of ``a`` go to ``b`` and
+        ``[0, rows_b)`` of ``b`` to ``a`` (every layer; a copy of b's rows keeps them while
+        a's move).
+
+        Raises:
+            InputError: a slot outside 0..max_batch-1 or rows outside 0..max_ctx (param ``slot``).
+        """
+        if a == b:
+            return
+        keep = [buf[b, :, :rows_b].copy() for buf in (*self.keys, *self.values)]
+        self.move(a, b, rows_a)
+        for buf, k in zip((*self.keys, *self.values), keep):
+            buf[a, :, :rows_b] = k
 
     def release_logits(self, start: int) -> int:
         """Give rows ``[max(start, max_batch), max(max_batch, max_q))`` of the shared logits

@@ -38,7 +38,7 @@ __all__ = [
     "check_rc",
 ]
 
-ABI = 1  # sk.h's SK_ABI: the structs below
+ABI = 2  # sk.h's SK_ABI: the structs below
 ISAS = ("portable", "avx2", "avx512vnni")  # ids 0, 1, 2 (sk.h)
 HERE = Path(__file__).resolve().parent
 SOURCES = ("sk.c", "sk.h", "sk_isa.h", "sk_vec.h")
@@ -130,6 +130,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sk_dequant.argtypes = [POINTER(SkMat), c_int, c_int, c_void_p]
     lib.sk_scratch_attention.argtypes = [c_void_p, c_int, c_int, c_void_p]
     lib.sk_step.argtypes = [c_int, POINTER(SkModel), POINTER(SkKv), c_void_p, c_void_p, c_int, c_int, c_void_p, c_int, c_int]
+    lib.sk_step_rows.argtypes = [c_int, POINTER(SkModel), c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int, c_int]
     return lib, None
 
 

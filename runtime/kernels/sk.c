@@ -55,6 +55,8 @@ typedef struct {
     float *x, *xn, *q, *k, *v, *att, *g, *u, *scores;
     sk_a256 *a256;
     sk_a32 *a32;
+    const sk_kv **kvs; /* sk_step's rows: one sequence, positions start.. */
+    int32_t *pos;
     int lda256, lda32, max_q, head_split;
     size_t ld_scores;
 } sk_scratch;
@@ -382,7 +384,7 @@ SK_EXPORT void sk_scratch_free(void *p) {
     sk_scratch *s = (sk_scratch *)p;
     if (!s) return;
     free(s->x); free(s->xn); free(s->q); free(s->k); free(s->v); free(s->att); free(s->g); free(s->u); free(s->scores);
-    free(s->a256); free(s->a32);
+    free(s->a256); free(s->a32); free(s->kvs); free(s->pos);
     free(s);
 }
 
@@ -411,7 +413,9 @@ SK_EXPORT void *sk_scratch_new(int max_q, int e, int qd, int kd, int f, int ctx)
     s->scores = sk_alloc((size_t)SK_MAX_THREADS * s->ld_scores * 4);
     s->a256 = sk_alloc(Q * s->lda256 * sizeof(sk_a256));
     s->a32 = sk_alloc(Q * s->lda32 * sizeof(sk_a32));
-    if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->g || !s->u || !s->scores || !s->a256 || !s->a32) {
+    s->kvs = sk_alloc(Q * sizeof(sk_kv *));
+    s->pos = sk_alloc(Q * sizeof(int32_t));
+    if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->g || !s->u || !s->scores || !s->a256 || !s->a32 || !s->kvs || !s->pos) {
         sk_scratch_free(s);
         return NULL;
     }
@@ -454,24 +458,57 @@ SK_EXPORT int sk_dequant(const sk_mat *m, int n0, int n1, float *out) {
     return SK_OK;
 }
 
-/* one decoder step: q new tokens at positions start..start+q-1 over KV rows [0, start);
- * writes KV rows [start, start+q) and logits rows [lo, q) (row r at logits + r * ldl) */
-SK_EXPORT int sk_step(int isa, const sk_model *m, const sk_kv *kv, void *scratch, const int32_t *tokens, int q, int start, float *logits, int ldl, int lo) {
-    sk_scratch *s = (sk_scratch *)scratch;
+/* checks shared by the step entry points; sets the attention split for q rows */
+static int sk_step_check(int isa, const sk_model *m, sk_scratch *s, const int32_t *tokens, int q, int ldl, int lo) {
     if (!sk_isa_ok(isa)) return SK_E_ISA;
-    if (!s || q < 1 || q > s->max_q || start < 0 || start + q > m->max_ctx || lo < 0 || lo > q || ldl < m->output.n) return SK_E_ARGS;
+    if (!s || q < 1 || q > s->max_q || lo < 0 || lo > q || ldl < m->output.n) return SK_E_ARGS;
     if (m->head_dim % 16 || m->head_dim > SK_HEAD_DIM_MAX || m->n_head % m->n_head_kv) return SK_E_ARGS;
     for (int r = 0; r < q; ++r)
         if (tokens[r] < 0 || tokens[r] >= m->tok_embd.n) return SK_E_TOKEN; /* the embedding's rows (a draft's head may be trimmed) */
-    /* heads of one KV head per attention item: at most SK_GROUP_MAX, and enough items for the team */
+    /* heads of one KV head per attention item: at most SK_GROUP_MAX, and enough items for the team
+     * (the split changes which thread computes a head, never how) */
     const int per = m->n_head / m->n_head_kv;
     int split = (per + SK_GROUP_MAX - 1) / SK_GROUP_MAX;
     while (split < per && q * m->n_head_kv * split < 2 * T.nt) ++split;
     s->head_split = split;
+    return SK_OK;
+}
+
+static void sk_step_go(int isa, const sk_model *m, const sk_kv *const *kvs, const int32_t *pos, sk_scratch *s, const int32_t *tokens, int q, float *logits, int ldl, int lo) {
 #if SK_X86
-    if (isa == SK_ISA_AVX512VNNI) return step_avx512(m, kv, s, tokens, q, start, logits, ldl, lo), SK_OK;
-    if (isa == SK_ISA_AVX2) return step_avx2(m, kv, s, tokens, q, start, logits, ldl, lo), SK_OK;
+    if (isa == SK_ISA_AVX512VNNI) { step_avx512(m, kvs, pos, s, tokens, q, logits, ldl, lo); return; }
+    if (isa == SK_ISA_AVX2) { step_avx2(m, kvs, pos, s, tokens, q, logits, ldl, lo); return; }
 #endif
-    step_portable(m, kv, s, tokens, q, start, logits, ldl, lo);
+    step_portable(m, kvs, pos, s, tokens, q, logits, ldl, lo);
+}
+
+/* one decoder step: q new tokens at positions start..start+q-1 over KV rows [0, start);
+ * writes KV rows [start, start+q) and logits rows [lo, q) (row r at logits + r * ldl) */
+SK_EXPORT int sk_step(int isa, const sk_model *m, const sk_kv *kv, void *scratch, const int32_t *tokens, int q, int start, float *logits, int ldl, int lo) {
+    sk_scratch *s = (sk_scratch *)scratch;
+    const int rc = sk_step_check(isa, m, s, tokens, q, ldl, lo);
+    if (rc != SK_OK) return rc;
+    if (start < 0 || start + q > m->max_ctx) return SK_E_ARGS;
+    for (int r = 0; r < q; ++r) {
+        s->kvs[r] = kv;
+        s->pos[r] = start + r;
+    }
+    sk_step_go(isa, m, (const sk_kv *const *)s->kvs, s->pos, s, tokens, q, logits, ldl, lo);
+    return SK_OK;
+}
+
+/* one decoder step over rows of several sequences (continuous batching, batched verification):
+ * row r feeds tokens[r] at position pos[r] of the cache kvs[r]: it reads that cache's rows
+ * [0, pos[r]] (the rows of this call at lower positions of the same cache included) and writes
+ * its row pos[r]. Two rows may not name the same (cache, position). Every row's bits are the
+ * ones sk_step gives it: rows never read another sequence's data and every output is computed
+ * by the same operations whatever the call holds. Logits rows [lo, q) as sk_step. */
+SK_EXPORT int sk_step_rows(int isa, const sk_model *m, const sk_kv *const *kvs, void *scratch, const int32_t *tokens, const int32_t *pos, int q, float *logits, int ldl, int lo) {
+    sk_scratch *s = (sk_scratch *)scratch;
+    const int rc = sk_step_check(isa, m, s, tokens, q, ldl, lo);
+    if (rc != SK_OK) return rc;
+    for (int r = 0; r < q; ++r)
+        if (!kvs[r] || pos[r] < 0 || pos[r] >= m->max_ctx) return SK_E_ARGS;
+    sk_step_go(isa, m, kvs, pos, s, tokens, q, logits, ldl, lo);
     return SK_OK;
 }

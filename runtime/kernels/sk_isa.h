@@ -376,10 +376,11 @@ static void SKF(quant_a32)(const float *x, int k, sk_a32 *out) {
 
 typedef struct {
     const sk_model *m;
-    const sk_kv *kv;
+    const sk_kv *const *kvs; /* row r's sequence: its KV cache ... */
+    const int32_t *pos;      /* ... and its position there (reads rows [0, pos[r]], writes pos[r]) */
     sk_scratch *s;
     const int32_t *tokens;
-    int q, start, lo; /* rows [lo, q) get logits */
+    int q, lo; /* rows [lo, q) get logits */
     float *logits;
     int ldl;
 } SKF(step_args);
@@ -414,9 +415,11 @@ static void SKF(mm_share)(sk_scratch *s, const sk_mat *const *mats, float *const
     }
 }
 
-/* attention of rows (r, kv head g, heads [h0, h1) of the group): scores, softmax, V */
-static void SKF(attend)(const sk_model *m, const sk_kv *kv, sk_scratch *s, int l, int r, int g, int h0, int h1, int start, int tid) {
-    const int hd = m->head_dim, nkv = m->n_head_kv, T = start + r + 1, ntile = (T + 15) / 16, nh = h1 - h0;
+/* attention of row r at position pos of its sequence's cache kv (kv head g, heads [h0, h1) of
+ * the group): scores, softmax, V. Reads only kv's rows [0, pos]: the same operations whatever
+ * other rows or sequences share the call */
+static void SKF(attend)(const sk_model *m, const sk_kv *kv, sk_scratch *s, int l, int r, int g, int h0, int h1, int pos, int tid) {
+    const int hd = m->head_dim, nkv = m->n_head_kv, T = pos + 1, ntile = (T + 15) / 16, nh = h1 - h0;
     const int ctx = m->max_ctx;
     const uint16_t *K = kv->k + (size_t)l * ctx * nkv * hd;
     const uint16_t *V = kv->v + (size_t)l * ctx * nkv * hd;
@@ -479,15 +482,16 @@ static void SKF(rope)(float *v, const float *cs, const float *sn, int hd, int ne
     }
 }
 
-/* biases, RoPE, and the new K/V rows into the cache: items (row, head) over q and kv heads */
-static void SKF(qkv_post)(const sk_model *m, const sk_kv *kv, sk_scratch *s, int l, int q, int start, int tid, int nt) {
+/* biases, RoPE, and the new K/V rows into each row's cache: items (row, head) over q and kv heads */
+static void SKF(qkv_post)(const sk_model *m, const sk_kv *const *kvs, const int32_t *posv, sk_scratch *s, int l, int q, int tid, int nt) {
     const sk_layer *L = &m->layers[l];
     const int hd = m->head_dim, nh = m->n_head, nkv = m->n_head_kv, ctx = m->max_ctx, half = hd / 2;
     const int items = q * (nh + nkv);
     int a, b;
     SKF(range)(items, tid, nt, &a, &b);
     for (int it = a; it < b; ++it) {
-        const int r = it / (nh + nkv), h = it % (nh + nkv), pos = start + r;
+        const int r = it / (nh + nkv), h = it % (nh + nkv), pos = posv[r];
+        const sk_kv *kv = kvs[r];
         const float *cs = m->rope_cos + (size_t)pos * half, *sn = m->rope_sin + (size_t)pos * half;
         if (h < nh) {
             float *v = s->q + ((size_t)r * nh + h) * hd;
@@ -533,7 +537,7 @@ static void SKF(step_job)(void *arg, int tid, int nt) {
             SKF(mm_share)(s, mats, ys, ld, 3, q, 0, tid, nt);
         }
         sk_bar(tid, nt);
-        SKF(qkv_post)(m, A->kv, s, l, q, A->start, tid, nt);
+        SKF(qkv_post)(m, A->kvs, A->pos, s, l, q, tid, nt);
         sk_bar(tid, nt);
         {
             const int per = nh / nkv, split = s->head_split, chunk = (per + split - 1) / split, items = q * nkv * split;
@@ -542,7 +546,7 @@ static void SKF(step_job)(void *arg, int tid, int nt) {
             for (int it = a; it < b; ++it) {
                 const int r = it / (nkv * split), g = (it / split) % nkv, c = it % split;
                 const int h0 = g * per + c * chunk, h1 = h0 + chunk < (g + 1) * per ? h0 + chunk : (g + 1) * per;
-                if (h0 < h1) SKF(attend)(m, A->kv, s, l, r, g, h0, h1, A->start, tid);
+                if (h0 < h1) SKF(attend)(m, A->kvs[r], s, l, r, g, h0, h1, A->pos[r], tid);
             }
         }
         sk_bar(tid, nt);
@@ -604,8 +608,8 @@ static void SKF(step_job)(void *arg, int tid, int nt) {
     }
 }
 
-static void SKF(step)(const sk_model *m, const sk_kv *kv, sk_scratch *s, const int32_t *tokens, int q, int start, float *logits, int ldl, int lo) {
-    SKF(step_args) a = {m, kv, s, tokens, q, start, lo, logits, ldl};
+static void SKF(step)(const sk_model *m, const sk_kv *const *kvs, const int32_t *pos, sk_scratch *s, const int32_t *tokens, int q, float *logits, int ldl, int lo) {
+    SKF(step_args) a = {m, kvs, pos, s, tokens, q, lo, logits, ldl};
     sk_team_run(SKF(step_job), &a);
 }
 

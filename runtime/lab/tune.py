@@ -231,25 +231,25 @@ def _temperature(engine, ids, greedy: GenerationConfig, calibrate: bool, result:
 
 def batch_step_costs(engine, max_batch: int, past: int, reps: int = 15) -> dict | None:
     """Median seconds of one batched q = 1 target step per batch size 1..max_batch at past
-    length ``past`` (:func:`specrt.runtime.costs.measure_step_costs`, on a
-    temporary :class:`~specrt.runtime.backends.ort_gqa_batch.BatchedGqaModel` over the
-    target's session), as ``{"n": seconds}``; None when the target is not a builder graph
-    on onnxruntime CPU (no batched model for it).
+    length ``past`` (:func:`specrt.runtime.costs.measure_step_costs`, on a temporary batched
+    model over the target's weights, :func:`specrt.runtime.backends.batched_model`), as
+    ``{"n": seconds, "backend": the engine's backend}``; None when the target has no batched
+    model (neither on specrt's kernels nor a builder graph on onnxruntime CPU).
 
     Raises:
         InputError: max_batch < 1 (param ``max_batch``).
     """
-    from ..backends.ort_gqa import OrtGqaModel
-    from ..backends.ort_gqa_batch import BatchedGqaModel
+    from ..backends import batched_model
     from ..costs import measure_step_costs
 
-    if not isinstance(engine.target, OrtGqaModel):
+    b = batched_model(engine.target, max_batch)
+    if b is None:
         return None
-    b = BatchedGqaModel(engine.target, max_batch, 1)
     try:
-        return measure_step_costs(b, length=min(past, engine.manifest.max_ctx - 1), reps=reps, vocab=engine.manifest.vocab_size).as_dict()
+        costs = measure_step_costs(b, length=min(past, engine.manifest.max_ctx - 1), reps=reps, vocab=engine.manifest.vocab_size).as_dict()
     finally:
         b.close()
+    return {**costs, "backend": engine.backend}
 
 
 def _calibrate(engine, ids: list[list[int]], greedy, progress):

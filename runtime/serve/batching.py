@@ -1,6 +1,9 @@
 """Continuous batching for ``specrt serve --max-batch N``: one scheduler thread runs up to N
-requests at once over one :class:`~specrt.runtime.backends.ort_gqa_batch.BatchedGqaModel`
-(one KV slot per request, allocated once), with speculation per row.
+requests at once over one batched model (one KV slot per request, allocated once;
+:func:`~specrt.runtime.backends.batched_model`: a
+:class:`~specrt.runtime.backends.kern_batch.KernelBatch` for a target on specrt's kernels, a
+:class:`~specrt.runtime.backends.ort_gqa_batch.BatchedGqaModel` for a builder graph on
+onnxruntime CPU), with speculation per row.
 
 Scheduler iteration (:meth:`BatchPool._iterate`)::
 
@@ -33,7 +36,8 @@ position and the prefill skips the reused rows: the output is a cold run's bit f
 rows are the ones a cold prefill computes). ``prefix_cache_tokens`` bounds what each slot keeps.
 
 Why speculative rounds are batch-1: onnxruntime's CPU GroupQueryAttention refuses batch > 1
-with q > 1 after a past, so one target pass cannot verify several rows' candidates.
+with q > 1 after a past, so one target pass cannot verify several rows' candidates there; the
+scheduler treats both batched models alike.
 
 Load-aware rule (:func:`choose_mode`): a batched step makes n tokens in ``t_step(n)``
 seconds (recorded by ``specrt tune --batch-costs N`` in the manifest, else measured per
@@ -45,12 +49,15 @@ and back on when the batch shrinks. One row in ``explore_every`` batched steps r
 its round statistics with a speculative round.
 
 Numerics: a row's speculative rounds are the single-sequence decode loop bit for bit (its
-slot is a batch-1 model of the same graph), so a greedy request that is only ever run
-speculatively equals the same request alone. A batched step's rows differ from batch-1
-rows by the kernels' rounding (GroupQueryAttention's q = 1 path; about 6e-6, amplified by
-int8 activation quantization in int4 accuracy-level-4 graphs; docs/guide/serving.md), so greedy
-outputs after a batched step may differ from the request alone at near-ties.
-``policy="speculate"`` never makes batched steps (exact, no batching speedup).
+slot is a batch-1 model of the same weights), so a request that is only ever run
+speculatively equals the same request alone. On specrt's kernels a batched step's rows are
+batch-1 rows bit for bit too (``KernelBatch.exact``): every output, greedy or seeded, equals
+the request alone whatever the policy, and the rows a batched step writes stay reusable. On
+onnxruntime's graph a batched step's rows differ from batch-1 rows by its kernels' rounding
+(GroupQueryAttention's q = 1 path; about 6e-6, amplified by int8 activation quantization in
+int4 accuracy-level-4 graphs; docs/guide/serving.md), so outputs after a batched step may
+differ from the request alone at near-ties; ``policy="speculate"`` never makes batched
+steps (exact, no batching speedup).
 """
 
 from __future__ import annotations
@@ -61,8 +68,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..backends.ort_gqa import OrtGqaModel
-from ..backends.ort_gqa_batch import BatchedGqaModel
+from ..backends import batched_model
 from ..costs import EMA, BatchCosts, measure_step_costs, recorded_costs
 from ..generation import Generation
 from ..slots import SlotPolicy, Slots, Waiter
@@ -130,8 +136,12 @@ def check_pool_args(engine, max_batch: int, max_queue: int, max_tokens: int | No
 
     Raises:
         ServeError: max_batch < 1, max_queue < 1, max_tokens < 1, an unknown policy, or a
-            target that is not a builder graph on onnxruntime CPU.
+            target with no batched model (neither on specrt's kernels nor a builder graph
+            on onnxruntime CPU).
     """
+    from ..backends.kern import KernelModel
+    from ..backends.ort_gqa import OrtGqaModel
+
     if max_batch < 1:
         raise ServeError(f"max_batch={max_batch}; it must be >= 1")
     if max_queue < 1:
@@ -140,10 +150,24 @@ def check_pool_args(engine, max_batch: int, max_queue: int, max_tokens: int | No
         raise ServeError(f"max_tokens={max_tokens}; it must be >= 1 (or None)")
     if policy not in BATCH_POLICIES:
         raise ServeError(f"policy={policy!r}; one of {', '.join(BATCH_POLICIES)}")
-    if not isinstance(engine.target, OrtGqaModel):
+    if not isinstance(engine.target, (KernelModel, OrtGqaModel)):
         raise ServeError(
-            f"--max-batch needs a builder-graph target on ort-cpu (int4/int8 export); {engine.folder} has a {engine.manifest.target.graph} graph on {engine.backend}"
+            f"--max-batch needs a target on specrt's kernels or a builder-graph target on ort-cpu (int4/int8 export); {engine.folder} has a {engine.manifest.target.graph} graph on {engine.backend}"
         )
+
+
+def _packed(work: list, max_rows: int):
+    """``work`` items (each with its call tokens second) in consecutive groups of at most
+    ``max_rows`` tokens (an item wider alone gets a group of its own)."""
+    part, n = [], 0
+    for w in work:
+        if part and n + len(w[1]) > max_rows:
+            yield part
+            part, n = [], 0
+        part.append(w)
+        n += len(w[1])
+    if part:
+        yield part
 
 
 class BatchPool:
@@ -153,12 +177,13 @@ class BatchPool:
     ``send_text``; ``finish``); each row is a :class:`~specrt.runtime.generation.Generation`
     stepped on its slot, so its text, stop strings, logprobs and result are the Engine's.
     Under a batched step a row's token and logprob come from its row of the batched target
-    call (the kernels' rounding, module docstring).
+    call (on onnxruntime's graph, its rounding: module docstring).
 
     Args:
-        engine: a loaded :class:`~specrt.runtime.engine.Engine` whose target is a builder
-            graph (:class:`~specrt.runtime.backends.ort_gqa.OrtGqaModel`); its session
-            is shared, its own KV is not used for serving.
+        engine: a loaded :class:`~specrt.runtime.engine.Engine` whose target runs on specrt's
+            kernels (:class:`~specrt.runtime.backends.kern.KernelModel`) or is a builder
+            graph (:class:`~specrt.runtime.backends.ort_gqa.OrtGqaModel`); its weights
+            are shared, its own KV is not used for serving.
         max_batch: slots (requests at once), >= 1.
         max_queue: requests that may wait (:class:`ServerBusy` beyond).
         max_tokens: most tokens in flight (sum of prompt + max_tokens over the active
@@ -178,8 +203,7 @@ class BatchPool:
 
     Raises:
         ServeError: max_batch < 1, max_queue < 1, max_tokens < 1, an unknown policy, a
-            negative prefix_cache_tokens, or a target that is not a builder graph on
-            onnxruntime CPU.
+            negative prefix_cache_tokens, or a target with no batched model.
     """
 
     def __init__(
@@ -200,13 +224,14 @@ class BatchPool:
         self.engines = [engine]  # the service validates and tokenizes with engines[0]
         self.max_batch, self.max_queue, self.max_tokens = max_batch, max_queue, max_tokens
         self.policy, self.explore_every, self.round_delay = policy, explore_every, round_delay
-        self.batched = BatchedGqaModel(engine.target, max_batch, engine.target.max_q)
-        self.costs = costs or recorded_costs(engine.manifest, max_batch) or measure_step_costs(self.batched, vocab=engine.manifest.vocab_size)
+        self.batched = batched_model(engine.target, max_batch)
+        self.costs = costs or recorded_costs(engine.manifest, max_batch, engine.backend) or measure_step_costs(self.batched, vocab=engine.manifest.vocab_size)
         self.slots = pool_slots(Slots.of_batch, self.batched, engine, prefix_cache_tokens, slot_policy)
         self._queue: list[Waiter] = []  # arrival order
         self._rows: list[_Row] = []
         self._cond = threading.Condition()
         self._closed, self._since_explore, self._explore_row = False, 0, 0
+        self._tps: dict[int, dict[str, tuple[float, int]]] = {}  # exact batches: rows -> mode -> (tokens/s of its iterations, count)
         # prometheus_client metrics: their own registry until attach_metrics (CompletionService)
         self.metrics = BatchMetrics(engine.folder.name, max_batch, lambda: self.costs.step_s)
         self._thread = threading.Thread(target=self._loop, name="specrt-batch", daemon=True)
@@ -325,6 +350,21 @@ class BatchPool:
         self.metrics.batch_size.observe(len(rows))
         self.metrics.queue_depth.observe(len(self._queue))
         ready = [r for r in rows if not r.done and r.gen.kv.target == len(r.gen.seq) - 1]
+        if self.batched.exact:
+            # specrt's kernels: ONE call for every row, each row's bits a batch-1 call's. In a
+            # batched iteration the ready greedy rows take one token each (q = 1); every other
+            # row makes its own speculative round (its own k and accepted length), verified in
+            # the same call: each output is the request's alone, greedy and seeded
+            active = [r for r in rows if not r.done]
+            mode = self._exact_mode(len(active))
+            plain = [r for r in ready if r.gen.acc.greedy] if mode == "batched" else []
+            t0, before = time.perf_counter(), sum(len(r.gen.seq) for r in active)
+            self._joint_round(active, plain)
+            self._observe_mode(mode, len(active), sum(len(r.gen.seq) for r in active) - before, time.perf_counter() - t0)
+            self.metrics.iteration(mode)
+            for r in [r for r in rows if r.done]:
+                self._release(r)
+            return
         mode, explore = self._mode(ready)
         if mode == "batched":
             self._batched_step(ready)
@@ -369,6 +409,55 @@ class BatchPool:
                 finish(job, "cancelled", None)
                 continue
             self._admit(job, slot)
+
+    def _exact_mode(self, n: int) -> str:
+        """The policy's choice for an iteration of ``n`` rows on an exact batched model (both
+        modes give the same outputs, so only speed decides): under ``auto`` the mode whose
+        iterations at ``n`` rows made the most tokens per second (running means of whole
+        iterations: drafting, the call, acceptance and text), each tried twice first (a
+        mode's first iteration after the other one also catches the drafts up), then the
+        other one every ``explore_every`` iterations times the ratio of the two means (at
+        most 8x), so a mode far behind is retried rarely; one row always speculates."""
+        if self.policy == "speculate" or n < 2:
+            return "speculate"
+        if self.policy == "batched":
+            return "batched"
+        seen = self._tps.setdefault(n, {})
+        if any(seen.get(m, (0.0, 0))[1] < 2 for m in ("speculate", "batched")):
+            if any(b < n and self._best(b) == "batched" for b in list(self._tps)):
+                # batched steps gain with every row: where they won at fewer rows they win
+                # here; speculation is tried at the exploration period only
+                self._since_explore += 1
+                if self._since_explore < 2 * self.explore_every or seen.get("batched", (0.0, 0))[1] < 2:
+                    return "batched"
+                self._since_explore = 0
+                return "speculate"
+            for m in ("speculate", "batched"):
+                if seen.get(m, (0.0, 0))[1] < 2:
+                    return m
+        best, other = sorted(seen, key=lambda m: seen[m][0], reverse=True)
+        self._since_explore += 1
+        if self._since_explore >= self.explore_every * min(8.0, seen[best][0] / max(seen[other][0], 1e-9)):
+            self._since_explore = 0
+            return other
+        return best
+
+    def _best(self, n: int) -> str | None:
+        """The faster mode at ``n`` rows once both have their two iterations, else None."""
+        seen = self._tps.get(n, {})
+        if len(seen) < 2 or min(c for _, c in seen.values()) < 2:
+            return None
+        return max(seen, key=lambda m: seen[m][0])
+
+    def _observe_mode(self, mode: str, n: int, tokens: int, seconds: float) -> None:
+        """Fold one iteration's tokens per second into ``mode``'s running mean at ``n`` rows
+        (its second iteration replaces its first: see :meth:`_exact_mode`)."""
+        if seconds <= 0.0 or n < 1:
+            return
+        seen = self._tps.setdefault(n, {})
+        x = tokens / seconds
+        mean, count = seen.get(mode, (x, 0))
+        seen[mode] = (x if count < 2 else mean + EMA * (x - mean), count + 1)
 
     def _mode(self, ready: list) -> tuple[str, object]:
         """The policy's choice for this iteration, and the row (or None) that makes a
@@ -436,13 +525,8 @@ class BatchPool:
         t0 = time.perf_counter()
         if not self._run(row, lambda: gen.step(self.batched.slots[row.slot])):
             return 0, 0
-        dt, tok = time.perf_counter() - t0, len(gen.seq) - committed
-        if row.rounds:
-            row.round_tok += EMA * (tok - row.round_tok)
-            row.round_s += EMA * (dt - row.round_s)
-        else:
-            row.round_tok, row.round_s = float(tok), dt
-        row.rounds += 1
+        tok = len(gen.seq) - committed
+        self._observe_round(row, tok, time.perf_counter() - t0)
         return gen.stats.target_calls - calls, tok
 
     def _batched_step(self, ready: list) -> None:
@@ -457,10 +541,69 @@ class BatchPool:
         logits = self.batched.step([r.gen.seq[-1] for r in ready], [r.gen.kv.target for r in ready])
         dt = time.perf_counter() - t0
         for i, r in enumerate(ready):
-            self._run(r, lambda: r.gen.push_row(logits[i], dt / n))
+            self._run(r, lambda: r.gen.push_row(logits[i], dt / n, self.batched.exact))
         self.costs.observe(n, time.perf_counter() - t0)
         self.metrics.iteration("batched")
         self.metrics.tokens_per_pass.observe(float(n))
+
+    def _joint_round(self, rows: list, plain: list) -> None:
+        """One call over ``rows`` on an exact batched model (:class:`~specrt.runtime.backends.kern_batch.KernelBatch`):
+        each row of ``plain`` feeds its pending token (one row; :meth:`Generation.push_row`),
+        every other row drafts its candidates on its own draft fork and feeds its verification
+        call (:meth:`Generation.draft_step` / :meth:`Generation.verify_step`). Calls are split
+        when the rows exceed the batch's ``max_rows``. A row whose draft or acceptance fails
+        ends alone."""
+        plain_ids = {id(r) for r in plain}
+        work = []  # (row, tokens, start, off, draft seconds); off None: a plain row
+        for r in rows:
+            if id(r) in plain_ids:
+                work.append((r, [r.gen.seq[-1]], r.gen.kv.target, None, 0.0))
+                continue
+            t0 = time.perf_counter()
+            try:
+                toks, start, off = r.gen.draft_step(self.batched.slots[r.slot])
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                r.failed = True
+                fail(r.job, e)
+                continue
+            work.append((r, toks, start, off, time.perf_counter() - t0))
+        calls = tokens = 0
+        for part in _packed(work, self.batched.max_rows):
+            slots = [r.slot for r, toks, *_ in part for _ in toks]
+            toks = [t for _, ts, *_ in part for t in ts]
+            pos = [start + i for _, ts, start, *_ in part for i in range(len(ts))]
+            t0 = time.perf_counter()
+            logits = self.batched.rows(slots, toks, pos)
+            dt = time.perf_counter() - t0
+            calls += 1
+            if all(off is None for *_, off, _ in part):
+                self.costs.observe(len(part), dt)  # a q = 1 step of len(part) rows
+            lo = 0
+            for r, ts, _, off, t_draft in part:
+                share = dt * len(ts) / len(toks)
+                before = len(r.gen.seq)
+                if off is None:
+                    self._run(r, lambda: r.gen.push_row(logits[lo], share, True))
+                else:
+                    block = logits[lo + off : lo + len(ts)]
+                    self._run(r, lambda: r.gen.verify_step(block, share))
+                    self._observe_round(r, len(r.gen.seq) - before, t_draft + share)
+                tokens += len(r.gen.seq) - before
+                lo += len(ts)
+        if calls:
+            self.metrics.tokens_per_pass.observe(tokens / calls)
+        for r in rows:
+            if r.job.cancelled.is_set() and not r.done:
+                self._end(r, "cancelled", None)
+
+    def _observe_round(self, row: _Row, tok: int, dt: float) -> None:
+        """Update ``row``'s running means of its speculative rounds (:func:`choose_mode`)."""
+        if row.rounds:
+            row.round_tok += EMA * (tok - row.round_tok)
+            row.round_s += EMA * (dt - row.round_s)
+        else:
+            row.round_tok, row.round_s = float(tok), dt
+        row.rounds += 1
 
     def _compact_ready(self, ready: list) -> None:
         """Give the ready rows slots ``[0, len(ready))`` (swapping KV rows with the others)."""

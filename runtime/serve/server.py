@@ -55,18 +55,6 @@ __all__ = [
 log = logging.getLogger("specrt.serve")
 
 
-def _batch_backend(cfg: ServeConfig) -> str | None:
-    """The backend of a ``--max-batch`` pool: the one named, else ``ort-cpu`` for a folder
-    whose target has kernel panels (the batched step is onnxruntime's graph, so the whole pool
-    runs it: every row of a request from one numerics; one line says so), else the default."""
-    from ..manifest import load_manifest
-
-    if cfg.backend is None and (load_manifest(cfg.engines, verify_hashes=False).extra.get("kernels") or {}).get("target"):
-        log.warning("specrt serve: --max-batch runs the target on onnxruntime's batched graph, not specrt's kernels (serve without --max-batch for them)")
-        return "ort-cpu"
-    return cfg.backend
-
-
 def _load_pool(cfg: ServeConfig) -> Pool:
     """The worker pool, or the batch scheduler with ``max_batch`` (each with the prefix
     cache's budget and the slot rule's bound).
@@ -85,7 +73,7 @@ def _load_pool(cfg: ServeConfig) -> Pool:
             cfg.engines,
             cfg.max_batch,
             threads=cfg.threads,
-            backend=_batch_backend(cfg),
+            backend=cfg.backend,
             max_queue=cfg.max_queue,
             max_tokens=cfg.max_tokens_in_flight,
             policy=cfg.batch_policy,
