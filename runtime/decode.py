@@ -363,7 +363,9 @@ def verification_call(seq: list[int], cands: Sequence[int], valid: int, min_q: i
     return seq[s:] + list(cands), s, pend - s
 
 
-def end_round(d: Drafted, m: int, token: int, target_s: float, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter, policy=None) -> Round:
+def end_round(
+    d: Drafted, m: int, token: int, target_s: float, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter, policy=None
+) -> Round:
     """The second half of :func:`one_round`, once :func:`verify` gave ``(m, token)``:
     commit, roll back, and the round's record (``target_s``: seconds of its verification)."""
     if policy is not None:

@@ -250,7 +250,7 @@ def test_batched_serving_on_the_kernels_equals_each_request_alone(folder, policy
         # a follow-up whose prompt is the first request's whole sequence reuses the rows its
         # batched steps computed (before: a batched row ended the reusable prefix)
         follow = prompts[0] + results[0].text
-        (job, ev), = submit_together(pool, e, [follow], [dict(max_new_tokens=8)])
+        ((job, ev),) = submit_together(pool, e, [follow], [dict(max_new_tokens=8)])
         r = ev.result(timeout=120)
         assert r.stats.cached_tokens > len(e.prompt_ids(prompts[0])) + 10
         assert r.tokens == cold.generate(follow, GenerationConfig(max_new_tokens=8)).tokens

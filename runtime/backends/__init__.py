@@ -330,4 +330,3 @@ def batched_model(target, max_batch: int):
 
         return BatchedGqaModel(target, max_batch, target.max_q)
     return None
-

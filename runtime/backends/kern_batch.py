@@ -103,7 +103,9 @@ class KernelBatch:
         self.ids[:q] = tokens
         w = self.w
         with w.lock:
-            rc = w.lib.sk_step_rows(self._isa, ctypes.byref(w.model), self._kvp, w.scratch, self.ids.ctypes.data, pos.ctypes.data, q, self.logits.ctypes.data, self.vocab, 0)
+            rc = w.lib.sk_step_rows(
+                self._isa, ctypes.byref(w.model), self._kvp, w.scratch, self.ids.ctypes.data, pos.ctypes.data, q, self.logits.ctypes.data, self.vocab, 0
+            )
         if rc == -3:
             raise InputError(f"a token id in {list(map(int, self.ids[:q]))} is outside the vocabulary 0..{self.vocab - 1}", "tokens")
         check_rc(rc, "kernels batched step")
