@@ -188,6 +188,12 @@ class Generation:
         rec = one_round(target, self.seq, self.n_prompt, self.kv, self.plan, self.acc, self.drafter, self.policy)
         return self._pushed_round(rec)
 
+    @property
+    def greedy(self) -> bool:
+        """Its acceptor is greedy (its token at a row is the row's argmax, so a call over
+        several generations may give it one token without a round: :meth:`push_row`)."""
+        return bool(self.acc.greedy)
+
     def draft_step(self, target: Model) -> tuple[list[int], int, int]:
         """The first half of :meth:`step` for a verification made by a call over several
         generations (continuous batching on specrt's kernels): catch up and propose the

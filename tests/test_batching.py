@@ -496,3 +496,37 @@ def test_constrained_rows_under_batching(int4):
                 else:
                     assert isinstance(json.loads(r.text)["n"], int)
             assert r.stats.forced > 0
+
+
+def test_auto_on_an_exact_batch_follows_measured_iterations():
+    """On an exact batched model (specrt's kernels) auto compares whole iterations: each mode
+    twice first (the first of each replaced by the second), then the faster, the other one
+    at the exploration period scaled by the ratio; a row count above one where batched
+    steps won starts batched; one row always speculates; the fixed policies never switch."""
+    from specrt.runtime.serve.joint import ModeChooser, packed
+
+    ch = ModeChooser("auto", explore_every=4)
+
+    def run(n, iters, tok_s):
+        seen = []
+        for _ in range(iters):
+            m = ch.choose(n)
+            seen.append(m)
+            ch.observe(m, n, tok_s[m], 1.0)
+        return seen
+
+    assert run(1, 3, {"speculate": 5, "batched": 50}) == ["speculate"] * 3
+    got = run(2, 24, {"speculate": 10, "batched": 20})
+    assert got[:4] == ["speculate", "speculate", "batched", "batched"] and ch.best(2) == "batched"
+    assert 1 <= got[4:].count("speculate") <= 3  # explored every 4 x 2 = 8 iterations
+    assert ch.tps[2]["speculate"][0] == 10 and ch.tps[2]["batched"][0] == 20
+    ch.since_explore = 0
+    got = run(3, 6, {"speculate": 10, "batched": 30})
+    assert got == ["batched"] * 6  # batched won at 2 rows: no speculative trial at once
+    ch.observe("speculate", 5, 99, 0.0)  # a zero-length iteration is ignored
+    assert "speculate" not in ch.tps.get(5, {})
+    for fixed in ("speculate", "batched"):
+        assert {ModeChooser(fixed).choose(4) for _ in range(10)} == {fixed}
+    # calls are split past max_rows, an item never
+    work = [(None, [1] * 3), (None, [1] * 2), (None, [1] * 6), (None, [1])]
+    assert [[len(w[1]) for w in p] for p in packed(work, 5)] == [[3, 2], [6], [1]]

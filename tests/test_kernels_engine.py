@@ -225,16 +225,20 @@ def test_batched_serving_on_the_kernels_equals_each_request_alone(folder, policy
     alone bit for bit (tokens, text, logprobs); the rows batched steps wrote stay reusable."""
     from test_batching import flat_costs, submit_together
 
+    from specrt.runtime.constraints import Constraint
     from specrt.runtime.serve.batching import BatchPool
 
     e = Engine(folder)
     cold = Engine(folder, prefix_cache=False)
-    prompts = PROMPTS + ["def add(a, b):\n"]
+    prompts = PROMPTS + ["def add(a, b):\n", "A JSON object with a count:"]
+    schema = {"type": "object", "properties": {"count": {"type": "integer"}}, "required": ["count"], "additionalProperties": False}
     cfgs = [
         dict(max_new_tokens=28, logprobs=2),
         dict(max_new_tokens=20, temperature=0.8, top_p=0.95, seed=7, logprobs=1),
         dict(max_new_tokens=24, temperature=1.0, seed=11),
         dict(max_new_tokens=16, k_max=2, logprobs=0),
+        # forced tokens reach the KV in the row's next verification call (its catch-up rows)
+        dict(max_new_tokens=24, constraint=Constraint.json_schema(schema)),
     ]
     # costs that make a batched step the cheaper choice under auto too
     pool = BatchPool(e, 4, policy=policy, costs=flat_costs(4, 1e-6))
@@ -247,6 +251,7 @@ def test_batched_serving_on_the_kernels_equals_each_request_alone(folder, policy
             assert r.tokens == alone.tokens and r.text == alone.text, (p, c)
             if c.get("logprobs") is not None:
                 assert [(x.token, x.logprob, x.top) for x in r.logprobs] == [(x.token, x.logprob, x.top) for x in alone.logprobs]
+        assert results[4].stats.forced > 0  # the fifth waited for a slot, then had tokens forced
         # a follow-up whose prompt is the first request's whole sequence reuses the rows its
         # batched steps computed (before: a batched row ended the reusable prefix)
         follow = prompts[0] + results[0].text

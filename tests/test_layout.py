@@ -266,17 +266,18 @@ def test_cli_serve_retypes_no_server_default():
 
 
 BATCHING = ROOT / "runtime" / "serve" / "batching.py"
+JOINT = ROOT / "runtime" / "serve" / "joint.py"  # its one-call iterations on an exact batch: held to the same rules
 # What the batch scheduler may import from the product, by module: the Generation it steps,
 # the batched model and its slots, the step costs, the job contract and its metrics. Nothing
 # of the decode loop (decode, speculative, chunks, prefix, stats, textstream, logprobs,
 # sampling, constraints): a generation's rules are its own.
 SCHEDULER_IMPORTS = {
-    "specrt.runtime.backends.ort_gqa": {"OrtGqaModel"},
-    "specrt.runtime.backends.ort_gqa_batch": {"BatchedGqaModel"},
+    "specrt.runtime.backends": {"batched_model"},  # the batched model for the target (kernels or onnxruntime's graph)
     "specrt.runtime.costs": {"EMA", "BatchCosts", "measure_step_costs", "recorded_costs"},
     "specrt.runtime.engine": {"Engine"},
     "specrt.runtime.generation": {"Generation"},
     "specrt.runtime.serve.jobs": {"Job", "ServeError", "ServerBusy", "fail", "finish", "pool_slots", "run_prompt", "send_text"},
+    "specrt.runtime.serve.joint": {"ModeChooser", "joint_round"},  # one call an iteration on an exact batch
     "specrt.runtime.serve.metrics": {"BatchMetrics"},
     "specrt.runtime.serve.settings": {"BATCH_POLICIES", "DEFAULT_BATCH_POLICY", "DEFAULT_MAX_QUEUE"},
     "specrt.runtime.slots": {"SlotPolicy", "Slots", "Waiter"},  # KV residency: the slots' own module
@@ -286,14 +287,15 @@ SCHEDULER_IMPORTS = {
 SCHEDULER_DEFINES = {
     *("choose_mode", "check_pool_args", "_claim", "_Row", "done", "BatchPool", "__init__", "load", "workers", "busy", "queued", "steps", "attach_metrics"),
     *("submit", "submit_all", "close", "_loop", "_in_flight", "_iterate", "_admit_waiting", "_mode", "_admit", "_run", "_round"),
-    *("_batched_step", "_compact_ready", "_end", "_release", "prefix_tokens"),
+    *("_batched_step", "_compact_ready", "_end", "_release", "prefix_tokens", "_fail_row", "_GraphModes"),
+    *("ModeChooser", "choose", "best", "observe", "packed", "joint_round"),
 }
 # A generation (``gen``, ``row.gen``) is touched through its steps (called) and these reads,
 # each with the attributes it may be read further by; it is never written, so a copied
 # commit, rollback or length rule (which must set seq, kv, done or finish_reason, or read
 # n_prompt and the plan) shows.
-GENERATION_STEPS = {"reuse", "prefill", "step", "push_row", "result"}  # its record (prefix) is the slot's to keep
-GENERATION_READS = {"done": set(), "seq": set(), "kv": {"target"}, "stats": {"target_calls"}, "logprobs": set()}
+GENERATION_STEPS = {"reuse", "prefill", "step", "push_row", "draft_step", "verify_step", "result"}  # its record (prefix) is the slot's to keep
+GENERATION_READS = {"done": set(), "seq": set(), "kv": {"target"}, "stats": {"target_calls"}, "logprobs": set(), "greedy": set()}
 FINISH_REASONS = {"stop", "length", "constraint"}  # a generation's to decide (Generation.push)
 
 
@@ -378,8 +380,12 @@ def _scheduler_findings(source: str) -> list[str]:
     return out
 
 
+def _scheduler_source() -> str:
+    return BATCHING.read_text(encoding="utf-8") + "\n\n" + JOINT.read_text(encoding="utf-8")
+
+
 def test_batch_scheduler_copies_no_decode_logic():
-    findings = _scheduler_findings(BATCHING.read_text(encoding="utf-8"))
+    findings = _scheduler_findings(_scheduler_source())
     assert findings == [], "the batch scheduler copies decode logic:\n" + "\n".join(findings)
 
 
@@ -387,7 +393,7 @@ def test_scheduler_checker_sees_copied_decode_rules():
     # the checker itself, on the scheduler with decode rules copied in: the length rule as it
     # once was (a helper reading the prompt length and the plan, deciding "length"), a KV
     # rollback written by hand, a commit, and the loop's length rule imported
-    source = BATCHING.read_text(encoding="utf-8") + (
+    source = _scheduler_source() + (
         "\n\ndef _length(row):\n"
         '    gen = row.gen\n    return "length" if len(gen.seq) - gen.n_prompt >= gen.plan.budget or len(gen.seq) >= gen.plan.max_ctx else None\n'
         "\n\ndef _rollback(r, m):\n    r.gen.kv.target = len(r.gen.seq) - 1\n    r.gen.seq.extend([m])\n    g = r.gen\n"

@@ -39,7 +39,13 @@ Why speculative rounds are batch-1: onnxruntime's CPU GroupQueryAttention refuse
 with q > 1 after a past, so one target pass cannot verify several rows' candidates there; the
 scheduler treats both batched models alike.
 
-Load-aware rule (:func:`choose_mode`): a batched step makes n tokens in ``t_step(n)``
+On an exact batched model (specrt's kernels: a row's bits do not depend on the call) an
+iteration is ONE call (:func:`~specrt.runtime.serve.joint.joint_round`): in a batched iteration the ready greedy
+rows feed their pending token, and every other row (every row when speculating; sampled rows
+and rows with forced tokens not yet in their KV always) makes its own round whose verification rows ride in the same call.
+``auto`` there compares whole iterations (:class:`~specrt.runtime.serve.joint.ModeChooser`).
+
+Load-aware rule on onnxruntime's graph (:func:`choose_mode`): a batched step makes n tokens in ``t_step(n)``
 seconds (recorded by ``specrt tune --batch-costs N`` in the manifest, else measured per
 batch size at start; then a running mean of the real steps); a
 speculative iteration makes ``sum(tokens_i)`` tokens in ``sum(seconds_i)`` (each row's
@@ -73,6 +79,7 @@ from ..costs import EMA, BatchCosts, measure_step_costs, recorded_costs
 from ..generation import Generation
 from ..slots import SlotPolicy, Slots, Waiter
 from .jobs import Job, ServeError, ServerBusy, fail, finish, pool_slots, run_prompt, send_text
+from .joint import ModeChooser, joint_round
 from .metrics import BatchMetrics
 from .settings import BATCH_POLICIES, DEFAULT_BATCH_POLICY, DEFAULT_MAX_QUEUE
 
@@ -130,18 +137,62 @@ class _Row:
         """Ended (EOS, stop string, length, or an error)."""
         return self.failed or self.gen.done
 
+    def observe(self, tok: int, dt: float) -> None:
+        """Fold one speculative round (``tok`` tokens in ``dt`` seconds) into the running means."""
+        if self.rounds:
+            self.round_tok += EMA * (tok - self.round_tok)
+            self.round_s += EMA * (dt - self.round_s)
+        else:
+            self.round_tok, self.round_s = float(tok), dt
+        self.rounds += 1
 
-def check_pool_args(engine, max_batch: int, max_queue: int, max_tokens: int | None, policy: str) -> None:
+
+def _fail_row(row: _Row, e: Exception) -> None:
+    """End ``row`` alone with the error ``e`` (the others go on)."""
+    row.failed = True
+    fail(row.job, e)
+
+
+class _GraphModes:
+    """``auto``'s choice on onnxruntime's batched graph (:func:`choose_mode` over the rows'
+    running means and the step costs), and the row that makes a speculative round after a
+    batched step to refresh its statistics (one every ``explore_every`` batched steps)."""
+
+    def __init__(self, policy: str, explore_every: int):
+        self.policy, self.explore_every = policy, explore_every
+        self.since_explore, self.explore_row = 0, 0
+
+    def choose(self, ready: list, step_s: Sequence[float]) -> tuple[str, object]:
+        """``(mode, explore row or None)`` for an iteration over ``ready`` (``step_s[n]``:
+        seconds of a batched step of n rows)."""
+        n = len(ready)
+        if self.policy == "speculate" or n < 2:
+            return "speculate", None
+        if self.policy == "batched":
+            return "batched", None
+        measured = [(r.round_tok, r.round_s) for r in ready if r.rounds]
+        if measured:
+            mt, ms = sum(t for t, _ in measured) / len(measured), sum(s for _, s in measured) / len(measured)
+            rounds = [(r.round_tok, r.round_s) if r.rounds else (mt, ms) for r in ready]
+        else:
+            rounds = []
+        mode = choose_mode(n, step_s[n], rounds)
+        explore = None
+        if mode == "batched":
+            self.since_explore += 1
+            if self.since_explore >= self.explore_every:
+                self.since_explore = 0
+                self.explore_row = (self.explore_row + 1) % n
+                explore = ready[self.explore_row]
+        return mode, explore
+
+
+def check_pool_args(max_batch: int, max_queue: int, max_tokens: int | None, policy: str) -> None:
     """Validate :class:`BatchPool`'s arguments (see there).
 
     Raises:
-        ServeError: max_batch < 1, max_queue < 1, max_tokens < 1, an unknown policy, or a
-            target with no batched model (neither on specrt's kernels nor a builder graph
-            on onnxruntime CPU).
+        ServeError: max_batch < 1, max_queue < 1, max_tokens < 1, or an unknown policy.
     """
-    from ..backends.kern import KernelModel
-    from ..backends.ort_gqa import OrtGqaModel
-
     if max_batch < 1:
         raise ServeError(f"max_batch={max_batch}; it must be >= 1")
     if max_queue < 1:
@@ -150,24 +201,6 @@ def check_pool_args(engine, max_batch: int, max_queue: int, max_tokens: int | No
         raise ServeError(f"max_tokens={max_tokens}; it must be >= 1 (or None)")
     if policy not in BATCH_POLICIES:
         raise ServeError(f"policy={policy!r}; one of {', '.join(BATCH_POLICIES)}")
-    if not isinstance(engine.target, (KernelModel, OrtGqaModel)):
-        raise ServeError(
-            f"--max-batch needs a target on specrt's kernels or a builder-graph target on ort-cpu (int4/int8 export); {engine.folder} has a {engine.manifest.target.graph} graph on {engine.backend}"
-        )
-
-
-def _packed(work: list, max_rows: int):
-    """``work`` items (each with its call tokens second) in consecutive groups of at most
-    ``max_rows`` tokens (an item wider alone gets a group of its own)."""
-    part, n = [], 0
-    for w in work:
-        if part and n + len(w[1]) > max_rows:
-            yield part
-            part, n = [], 0
-        part.append(w)
-        n += len(w[1])
-    if part:
-        yield part
 
 
 class BatchPool:
@@ -219,19 +252,24 @@ class BatchPool:
         prefix_cache_tokens: int | None = None,
         slot_policy: SlotPolicy = SlotPolicy(),
     ):
-        check_pool_args(engine, max_batch, max_queue, max_tokens, policy)
+        check_pool_args(max_batch, max_queue, max_tokens, policy)
         self.engine = engine
         self.engines = [engine]  # the service validates and tokenizes with engines[0]
         self.max_batch, self.max_queue, self.max_tokens = max_batch, max_queue, max_tokens
         self.policy, self.explore_every, self.round_delay = policy, explore_every, round_delay
         self.batched = batched_model(engine.target, max_batch)
+        if self.batched is None:
+            raise ServeError(
+                f"--max-batch needs a target on specrt's kernels or a builder-graph target on ort-cpu (int4/int8 export); {engine.folder} has a {engine.manifest.target.graph} graph on {engine.backend}"
+            )
         self.costs = costs or recorded_costs(engine.manifest, max_batch, engine.backend) or measure_step_costs(self.batched, vocab=engine.manifest.vocab_size)
         self.slots = pool_slots(Slots.of_batch, self.batched, engine, prefix_cache_tokens, slot_policy)
         self._queue: list[Waiter] = []  # arrival order
         self._rows: list[_Row] = []
         self._cond = threading.Condition()
-        self._closed, self._since_explore, self._explore_row = False, 0, 0
-        self._tps: dict[int, dict[str, tuple[float, int]]] = {}  # exact batches: rows -> mode -> (tokens/s of its iterations, count)
+        self._closed = False
+        self._graph_modes = _GraphModes(policy, explore_every)  # onnxruntime's graph
+        self._modes = ModeChooser(policy, explore_every)  # exact batches: auto by measured iterations
         # prometheus_client metrics: their own registry until attach_metrics (CompletionService)
         self.metrics = BatchMetrics(engine.folder.name, max_batch, lambda: self.costs.step_s)
         self._thread = threading.Thread(target=self._loop, name="specrt-batch", daemon=True)
@@ -356,16 +394,21 @@ class BatchPool:
             # row makes its own speculative round (its own k and accepted length), verified in
             # the same call: each output is the request's alone, greedy and seeded
             active = [r for r in rows if not r.done]
-            mode = self._exact_mode(len(active))
-            plain = [r for r in ready if r.gen.acc.greedy] if mode == "batched" else []
+            mode = self._modes.choose(len(active))
+            plain = [r for r in ready if r.gen.greedy] if mode == "batched" else []
             t0, before = time.perf_counter(), sum(len(r.gen.seq) for r in active)
-            self._joint_round(active, plain)
-            self._observe_mode(mode, len(active), sum(len(r.gen.seq) for r in active) - before, time.perf_counter() - t0)
+            calls, tokens = joint_round(self.batched, active, plain, self._run, _fail_row, _Row.observe, self.costs.observe)
+            self._modes.observe(mode, len(active), sum(len(r.gen.seq) for r in active) - before, time.perf_counter() - t0)
             self.metrics.iteration(mode)
+            if calls:
+                self.metrics.tokens_per_pass.observe(tokens / calls)
+            for r in active:
+                if r.job.cancelled.is_set() and not r.done:
+                    self._end(r, "cancelled", None)
             for r in [r for r in rows if r.done]:
                 self._release(r)
             return
-        mode, explore = self._mode(ready)
+        mode, explore = self._graph_modes.choose(ready, self.costs.step_s)
         if mode == "batched":
             self._batched_step(ready)
             for r in list(rows):
@@ -410,79 +453,6 @@ class BatchPool:
                 continue
             self._admit(job, slot)
 
-    def _exact_mode(self, n: int) -> str:
-        """The policy's choice for an iteration of ``n`` rows on an exact batched model (both
-        modes give the same outputs, so only speed decides): under ``auto`` the mode whose
-        iterations at ``n`` rows made the most tokens per second (running means of whole
-        iterations: drafting, the call, acceptance and text), each tried twice first (a
-        mode's first iteration after the other one also catches the drafts up), then the
-        other one every ``explore_every`` iterations times the ratio of the two means (at
-        most 8x), so a mode far behind is retried rarely; one row always speculates."""
-        if self.policy == "speculate" or n < 2:
-            return "speculate"
-        if self.policy == "batched":
-            return "batched"
-        seen = self._tps.setdefault(n, {})
-        if any(seen.get(m, (0.0, 0))[1] < 2 for m in ("speculate", "batched")):
-            if any(b < n and self._best(b) == "batched" for b in list(self._tps)):
-                # batched steps gain with every row: where they won at fewer rows they win
-                # here; speculation is tried at the exploration period only
-                self._since_explore += 1
-                if self._since_explore < 2 * self.explore_every or seen.get("batched", (0.0, 0))[1] < 2:
-                    return "batched"
-                self._since_explore = 0
-                return "speculate"
-            for m in ("speculate", "batched"):
-                if seen.get(m, (0.0, 0))[1] < 2:
-                    return m
-        best, other = sorted(seen, key=lambda m: seen[m][0], reverse=True)
-        self._since_explore += 1
-        if self._since_explore >= self.explore_every * min(8.0, seen[best][0] / max(seen[other][0], 1e-9)):
-            self._since_explore = 0
-            return other
-        return best
-
-    def _best(self, n: int) -> str | None:
-        """The faster mode at ``n`` rows once both have their two iterations, else None."""
-        seen = self._tps.get(n, {})
-        if len(seen) < 2 or min(c for _, c in seen.values()) < 2:
-            return None
-        return max(seen, key=lambda m: seen[m][0])
-
-    def _observe_mode(self, mode: str, n: int, tokens: int, seconds: float) -> None:
-        """Fold one iteration's tokens per second into ``mode``'s running mean at ``n`` rows
-        (its second iteration replaces its first: see :meth:`_exact_mode`)."""
-        if seconds <= 0.0 or n < 1:
-            return
-        seen = self._tps.setdefault(n, {})
-        x = tokens / seconds
-        mean, count = seen.get(mode, (x, 0))
-        seen[mode] = (x if count < 2 else mean + EMA * (x - mean), count + 1)
-
-    def _mode(self, ready: list) -> tuple[str, object]:
-        """The policy's choice for this iteration, and the row (or None) that makes a
-        speculative round after a batched step to refresh its round statistics."""
-        n = len(ready)
-        if self.policy == "speculate" or n < 2:
-            return "speculate", None
-        if self.policy == "batched":
-            return "batched", None
-        measured = [(r.round_tok, r.round_s) for r in ready if r.rounds]
-        if measured:
-            mt, ms = sum(t for t, _ in measured) / len(measured), sum(s for _, s in measured) / len(measured)
-            rounds = [(r.round_tok, r.round_s) if r.rounds else (mt, ms) for r in ready]
-        else:
-            rounds = []
-        mode = choose_mode(n, self.costs.step_s[n], rounds)
-        explore = None
-        if mode == "batched":
-            self._since_explore += 1
-            if self._since_explore >= self.explore_every:
-                self._since_explore = 0
-                self._explore_row = (self._explore_row + 1) % n
-                explore = ready[self._explore_row]
-        return mode, explore
-
     def _admit(self, job: Job, free: int) -> None:
         """Start ``job``: its prompt part (:func:`~specrt.runtime.serve.jobs.run_prompt`);
         then, unless it only echoes, on free slot ``free`` moved to the next active position:
@@ -526,7 +496,7 @@ class BatchPool:
         if not self._run(row, lambda: gen.step(self.batched.slots[row.slot])):
             return 0, 0
         tok = len(gen.seq) - committed
-        self._observe_round(row, tok, time.perf_counter() - t0)
+        row.observe(tok, time.perf_counter() - t0)
         return gen.stats.target_calls - calls, tok
 
     def _batched_step(self, ready: list) -> None:
@@ -545,65 +515,6 @@ class BatchPool:
         self.costs.observe(n, time.perf_counter() - t0)
         self.metrics.iteration("batched")
         self.metrics.tokens_per_pass.observe(float(n))
-
-    def _joint_round(self, rows: list, plain: list) -> None:
-        """One call over ``rows`` on an exact batched model (:class:`~specrt.runtime.backends.kern_batch.KernelBatch`):
-        each row of ``plain`` feeds its pending token (one row; :meth:`Generation.push_row`),
-        every other row drafts its candidates on its own draft fork and feeds its verification
-        call (:meth:`Generation.draft_step` / :meth:`Generation.verify_step`). Calls are split
-        when the rows exceed the batch's ``max_rows``. A row whose draft or acceptance fails
-        ends alone."""
-        plain_ids = {id(r) for r in plain}
-        work = []  # (row, tokens, start, off, draft seconds); off None: a plain row
-        for r in rows:
-            if id(r) in plain_ids:
-                work.append((r, [r.gen.seq[-1]], r.gen.kv.target, None, 0.0))
-                continue
-            t0 = time.perf_counter()
-            try:
-                toks, start, off = r.gen.draft_step(self.batched.slots[r.slot])
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                r.failed = True
-                fail(r.job, e)
-                continue
-            work.append((r, toks, start, off, time.perf_counter() - t0))
-        calls = tokens = 0
-        for part in _packed(work, self.batched.max_rows):
-            slots = [r.slot for r, toks, *_ in part for _ in toks]
-            toks = [t for _, ts, *_ in part for t in ts]
-            pos = [start + i for _, ts, start, *_ in part for i in range(len(ts))]
-            t0 = time.perf_counter()
-            logits = self.batched.rows(slots, toks, pos)
-            dt = time.perf_counter() - t0
-            calls += 1
-            if all(off is None for *_, off, _ in part):
-                self.costs.observe(len(part), dt)  # a q = 1 step of len(part) rows
-            lo = 0
-            for r, ts, _, off, t_draft in part:
-                share = dt * len(ts) / len(toks)
-                before = len(r.gen.seq)
-                if off is None:
-                    self._run(r, lambda: r.gen.push_row(logits[lo], share, True))
-                else:
-                    block = logits[lo + off : lo + len(ts)]
-                    self._run(r, lambda: r.gen.verify_step(block, share))
-                    self._observe_round(r, len(r.gen.seq) - before, t_draft + share)
-                tokens += len(r.gen.seq) - before
-                lo += len(ts)
-        if calls:
-            self.metrics.tokens_per_pass.observe(tokens / calls)
-        for r in rows:
-            if r.job.cancelled.is_set() and not r.done:
-                self._end(r, "cancelled", None)
-
-    def _observe_round(self, row: _Row, tok: int, dt: float) -> None:
-        """Update ``row``'s running means of its speculative rounds (:func:`choose_mode`)."""
-        if row.rounds:
-            row.round_tok += EMA * (tok - row.round_tok)
-            row.round_s += EMA * (dt - row.round_s)
-        else:
-            row.round_tok, row.round_s = float(tok), dt
-        row.rounds += 1
 
     def _compact_ready(self, ready: list) -> None:
         """Give the ready rows slots ``[0, len(ready))`` (swapping KV rows with the others)."""
