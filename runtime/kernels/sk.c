@@ -35,6 +35,8 @@
 #define SK_EXPORT __attribute__((visibility("default")))
 #define SK_GROUP_MAX 8      /* query heads of one KV head processed together */
 #define SK_HEAD_DIM_MAX 256 /* head_dim <= 256, a multiple of 16 */
+#define SK_ATT_ROWS 4       /* rows of one sequence an attention item takes together (K/V read once for them) */
+#define SK_MAX_LAYERS 512
 
 /* activations: llama.cpp's Q8_K (per 256) and Q8_0 (per 32) with the sums the kernels use */
 typedef struct {
@@ -57,6 +59,9 @@ typedef struct {
     sk_a32 *a32;
     const sk_kv **kvs; /* sk_step's rows: one sequence, positions start.. */
     int32_t *pos;
+    int32_t *blk_r0, *blk_n;         /* attention row blocks of a step: first row, rows */
+    atomic_int att_next[SK_MAX_LAYERS]; /* per layer: the next attention item to take */
+    int n_blocks;
     int lda256, lda32, max_q, head_split;
     size_t ld_scores;
 } sk_scratch;
@@ -384,7 +389,7 @@ SK_EXPORT void sk_scratch_free(void *p) {
     sk_scratch *s = (sk_scratch *)p;
     if (!s) return;
     free(s->x); free(s->xn); free(s->q); free(s->k); free(s->v); free(s->att); free(s->g); free(s->u); free(s->scores);
-    free(s->a256); free(s->a32); free(s->kvs); free(s->pos);
+    free(s->a256); free(s->a32); free(s->kvs); free(s->pos); free(s->blk_r0); free(s->blk_n);
     free(s);
 }
 
@@ -409,13 +414,18 @@ SK_EXPORT void *sk_scratch_new(int max_q, int e, int qd, int kd, int f, int ctx)
     s->att = sk_alloc(Q * (qd ? qd : 1) * 4);
     s->g = sk_alloc(Q * (f ? f : 1) * 4);
     s->u = sk_alloc(Q * (f ? f : 1) * 4);
-    s->ld_scores = (size_t)SK_GROUP_MAX * (size_t)((ctx + 15) / 16 * 16 + 16);
-    s->scores = sk_alloc((size_t)SK_MAX_THREADS * s->ld_scores * 4);
+    s->ld_scores = (size_t)SK_ATT_ROWS * SK_GROUP_MAX * (size_t)((ctx + 15) / 16 * 16 + 16);
+    /* not cleared: a thread writes its part before reading it, and untouched pages stay
+     * out of the resident set (64 threads' parts are reserved) */
+    if (posix_memalign((void **)&s->scores, 64, (size_t)SK_MAX_THREADS * s->ld_scores * 4)) s->scores = NULL;
     s->a256 = sk_alloc(Q * s->lda256 * sizeof(sk_a256));
     s->a32 = sk_alloc(Q * s->lda32 * sizeof(sk_a32));
     s->kvs = sk_alloc(Q * sizeof(sk_kv *));
     s->pos = sk_alloc(Q * sizeof(int32_t));
-    if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->g || !s->u || !s->scores || !s->a256 || !s->a32 || !s->kvs || !s->pos) {
+    s->blk_r0 = sk_alloc(Q * sizeof(int32_t));
+    s->blk_n = sk_alloc(Q * sizeof(int32_t));
+    if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->g || !s->u || !s->scores || !s->a256 || !s->a32 || !s->kvs || !s->pos ||
+        !s->blk_r0 || !s->blk_n) {
         sk_scratch_free(s);
         return NULL;
     }
@@ -465,16 +475,36 @@ static int sk_step_check(int isa, const sk_model *m, sk_scratch *s, const int32_
     if (m->head_dim % 16 || m->head_dim > SK_HEAD_DIM_MAX || m->n_head % m->n_head_kv) return SK_E_ARGS;
     for (int r = 0; r < q; ++r)
         if (tokens[r] < 0 || tokens[r] >= m->tok_embd.n) return SK_E_TOKEN; /* the embedding's rows (a draft's head may be trimmed) */
-    /* heads of one KV head per attention item: at most SK_GROUP_MAX, and enough items for the team
-     * (the split changes which thread computes a head, never how) */
-    const int per = m->n_head / m->n_head_kv;
-    int split = (per + SK_GROUP_MAX - 1) / SK_GROUP_MAX;
-    while (split < per && q * m->n_head_kv * split < 2 * T.nt) ++split;
-    s->head_split = split;
+    if (m->n_layer > SK_MAX_LAYERS) return SK_E_ARGS;
     return SK_OK;
 }
 
+/* the attention's work for rows [0, q): blocks of at most SK_ATT_ROWS consecutive rows of one
+ * sequence (a sequence's rows split evenly), and heads of one KV head per item: at most
+ * SK_GROUP_MAX, and enough items for the team (neither changes how a row is computed) */
+static void sk_plan_attention(const sk_model *m, const sk_kv *const *kvs, sk_scratch *s, int q) {
+    int nb = 0;
+    for (int r = 0; r < q;) {
+        int e = r + 1;
+        while (e < q && kvs[e] == kvs[r]) ++e;
+        const int len = e - r, parts = (len + SK_ATT_ROWS - 1) / SK_ATT_ROWS;
+        for (int i = 0; i < parts; ++i) {
+            const int a = r + len * i / parts, b = r + len * (i + 1) / parts;
+            s->blk_r0[nb] = a;
+            s->blk_n[nb++] = b - a;
+        }
+        r = e;
+    }
+    s->n_blocks = nb;
+    const int per = m->n_head / m->n_head_kv;
+    int split = (per + SK_GROUP_MAX - 1) / SK_GROUP_MAX;
+    while (split < per && nb * m->n_head_kv * split < 2 * T.nt) ++split;
+    s->head_split = split;
+    for (int l = 0; l < m->n_layer; ++l) atomic_store_explicit(&s->att_next[l], 0, memory_order_relaxed);
+}
+
 static void sk_step_go(int isa, const sk_model *m, const sk_kv *const *kvs, const int32_t *pos, sk_scratch *s, const int32_t *tokens, int q, float *logits, int ldl, int lo) {
+    sk_plan_attention(m, kvs, s, q);
 #if SK_X86
     if (isa == SK_ISA_AVX512VNNI) { step_avx512(m, kvs, pos, s, tokens, q, logits, ldl, lo); return; }
     if (isa == SK_ISA_AVX2) { step_avx2(m, kvs, pos, s, tokens, q, logits, ldl, lo); return; }

@@ -415,62 +415,166 @@ static void SKF(mm_share)(sk_scratch *s, const sk_mat *const *mats, float *const
     }
 }
 
-/* attention of row r at position pos of its sequence's cache kv (kv head g, heads [h0, h1) of
- * the group): scores, softmax, V. Reads only kv's rows [0, pos]: the same operations whatever
- * other rows or sequences share the call */
-static void SKF(attend)(const sk_model *m, const sk_kv *kv, sk_scratch *s, int l, int r, int g, int h0, int h1, int pos, int tid) {
-    const int hd = m->head_dim, nkv = m->n_head_kv, T = pos + 1, ntile = (T + 15) / 16, nh = h1 - h0;
-    const int ctx = m->max_ctx;
-    const uint16_t *K = kv->k + (size_t)l * ctx * nkv * hd;
-    const uint16_t *V = kv->v + (size_t)l * ctx * nkv * hd;
-    float *sc = s->scores + (size_t)tid * s->ld_scores; /* [nh][ntile * 16] */
-    const int lds = ntile * 16;
-    const float *Qr = s->q + (size_t)r * m->n_head * hd;
-    for (int j = 0; j < ntile; ++j) {
-        const uint16_t *kt = K + ((size_t)j * nkv + g) * hd * 16;
-        float acc[SK_GROUP_MAX][16];
-        for (int i = 0; i < nh; ++i)
-            for (int l2 = 0; l2 < 16; ++l2) acc[i][l2] = 0.f;
-        for (int d = 0; d < hd; ++d) {
-            float kf[16];
-            SKF(cvt16)(kt + d * 16, kf);
-            for (int i = 0; i < nh; ++i) {
-                const float qd = Qr[(h0 + i) * hd + d];
-                for (int l2 = 0; l2 < 16; ++l2) acc[i][l2] = acc[i][l2] + qd * kf[l2];
-            }
+/* 16 float / int32 lanes as GCC vector values: lowered to what each ISA has, the same operations
+ * per lane as scalar code */
+typedef float SKF(v16) __attribute__((vector_size(64), aligned(4)));
+typedef int32_t SKF(v16i) __attribute__((vector_size(64), aligned(4)));
+
+/* o[d] += e[t] * V[t][d] for t in [t0, t1), d < nd (a multiple of 16, at most 128): the same
+ * multiply and add per lane in order of t as a scalar loop; o kept in registers over the t */
+static inline void SKF(v_rows)(const uint16_t *V, size_t ldv, const float *e, int t0, int t1, float *o, int nd) {
+    SKF(v16) acc[8];
+    const int nv = nd / 16;
+    for (int k = 0; k < nv; ++k) memcpy(&acc[k], o + 16 * k, 64);
+    for (int t = t0; t < t1; ++t) {
+        const uint16_t *vr = V + (size_t)t * ldv;
+        const float et = e[t];
+        for (int k = 0; k < nv; ++k) {
+            float f[16];
+            SKF(cvt16)(vr + 16 * k, f);
+            SKF(v16) vf;
+            memcpy(&vf, f, 64);
+            acc[k] = acc[k] + et * vf;
         }
-        for (int i = 0; i < nh; ++i)
-            for (int l2 = 0; l2 < 16; ++l2) sc[i * lds + j * 16 + l2] = acc[i][l2] * m->attn_scale;
     }
-    float inv[SK_GROUP_MAX];
-    for (int i = 0; i < nh; ++i) {
-        float *si = sc + i * lds, mx = si[0];
-        for (int t = 1; t < T; ++t) mx = fmaxf(mx, si[t]);
-        float part[16] = {0};
-        for (int t = 0; t < T; ++t) {
-            si[t] = SKF(expf)(si[t] - mx);
-            part[t & 15] = part[t & 15] + si[t];
-        }
-        inv[i] = SKF(tree16)(part);
-    }
-    float *out = s->att + (size_t)r * m->n_head * hd;
-    for (int i = 0; i < nh; ++i)
-        for (int d = 0; d < hd; ++d) out[(h0 + i) * hd + d] = 0.f;
-    float vf_[SK_HEAD_DIM_MAX];
-    for (int t = 0; t < T; ++t) {
-        const uint16_t *vr = V + ((size_t)t * nkv + g) * hd;
-        for (int d = 0; d < hd; d += 16) SKF(cvt16)(vr + d, vf_ + d);
-        for (int i = 0; i < nh; ++i) {
-            const float e = sc[i * lds + t];
-            float *o = out + (h0 + i) * hd;
-            for (int d = 0; d < hd; ++d) o[d] = o[d] + e * vf_[d];
-        }
+    for (int k = 0; k < nv; ++k) memcpy(o + 16 * k, &acc[k], 64);
+}
+
+/* attention of rows [r0, r0 + nr) of one sequence (cache kv; row r at position pos[r]) for kv
+ * head g and heads [h0, h1) of its group: scores, softmax, V. The rows take each K tile and
+ * each chunk of V rows in turn while it is in L1 (read from memory once for all of them);
+ * each (row, head) output is computed by the same operations as when its row is alone in the
+ * call (its accumulators see the same tiles and positions in the same order), and reads only
+ * kv's rows [0, pos[r]] */
+#define SK_V_CHUNK 32 /* V rows (positions) the block's rows take in turn */
+
+/* scores of one row for K tile j, heads [h0, h0 + nh): sb[i][j*16 + lane]; nh a constant where
+ * it is inlined. The accumulators are GCC vector values (16 lanes; lowered to what each ISA
+ * has), so they live in registers: lane by lane the same multiplies and adds as scalar code */
+static inline __attribute__((always_inline)) void SKF(score_tile)(const uint16_t *kt, const float *Qh, int hd, float scale, float *sb, int lds, int j, const int nh) {
+    SKF(v16) acc[SK_GROUP_MAX];
+    for (int i = 0; i < nh; ++i) acc[i] = (SKF(v16)){0};
+    for (int d = 0; d < hd; ++d) {
+        float kf_[16];
+        SKF(cvt16)(kt + d * 16, kf_);
+        SKF(v16) kf;
+        memcpy(&kf, kf_, 64);
+        for (int i = 0; i < nh; ++i) acc[i] = acc[i] + Qh[i * hd + d] * kf;
     }
     for (int i = 0; i < nh; ++i) {
-        float *o = out + (h0 + i) * hd;
-        for (int d = 0; d < hd; ++d) o[d] = o[d] / inv[i];
+        const SKF(v16) y = acc[i] * scale;
+        memcpy(sb + i * lds + j * 16, &y, 64);
     }
 }
+
+/* SKF(expf) on 16 lanes at once: lane by lane the same operations (the clamps as selects, the
+ * same multiplies and adds, the exponent from the same integral n) */
+static inline __attribute__((always_inline)) void SKF(expf16)(SKF(v16) *px) {
+    SKF(v16) x = *px;
+    const SKF(v16) lo = (SKF(v16)){0} - 87.33654f, hi = (SKF(v16)){0} + 88.0f;
+    SKF(v16i) m = x < lo;
+    x = (SKF(v16))(((SKF(v16i))x & ~m) | ((SKF(v16i))lo & m));
+    m = x > hi;
+    x = (SKF(v16))(((SKF(v16i))x & ~m) | ((SKF(v16i))hi & m));
+    const SKF(v16) n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+    SKF(v16) r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    SKF(v16) p = (SKF(v16)){0} + 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = (p * (r * r) + r) + 1.f;
+    const SKF(v16i) e = (__builtin_convertvector(n, SKF(v16i)) + 127) << 23;
+    *px = p * (SKF(v16))e;
+}
+
+/* e = exp(s - mx) in place over s[0, T), and the sum of e by the fixed lane structure
+ * (lane t % 16 adds its terms in order of t, then tree16): 16 lanes at a time, the rest alone */
+static inline float SKF(softmax_sum)(float *si, int T) {
+    float m16[16];
+    for (int l2 = 0; l2 < 16; ++l2) m16[l2] = si[0];
+    int t = 0;
+    /* the maximum: the same value whatever the order (no NaN here; a ternary, not libm's fmaxf) */
+    for (; t + 16 <= T; t += 16)
+        for (int l2 = 0; l2 < 16; ++l2) m16[l2] = si[t + l2] > m16[l2] ? si[t + l2] : m16[l2];
+    float mx = m16[0];
+    for (int l2 = 1; l2 < 16; ++l2) mx = m16[l2] > mx ? m16[l2] : mx;
+    for (; t < T; ++t) mx = si[t] > mx ? si[t] : mx;
+    float part[16] = {0};
+    SKF(v16) acc = (SKF(v16)){0};
+    for (t = 0; t + 16 <= T; t += 16) {
+        SKF(v16) x;
+        memcpy(&x, si + t, 64);
+        x = x - mx;
+        SKF(expf16)(&x);
+        memcpy(si + t, &x, 64);
+        acc = acc + x;
+    }
+    memcpy(part, &acc, 64);
+    for (; t < T; ++t) {
+        si[t] = SKF(expf)(si[t] - mx);
+        part[t & 15] = part[t & 15] + si[t];
+    }
+    return SKF(tree16)(part);
+}
+static void SKF(attend)(const sk_model *m, const sk_kv *kv, sk_scratch *s, int l, int r0, int nr, const int32_t *pos, int g, int h0, int h1, int tid) {
+    const int hd = m->head_dim, nkv = m->n_head_kv, nh = h1 - h0, ctx = m->max_ctx;
+    const uint16_t *K = kv->k + (size_t)l * ctx * nkv * hd;
+    const uint16_t *V = kv->v + (size_t)l * ctx * nkv * hd;
+    int T[SK_ATT_ROWS], Tmax = 0;
+    for (int b = 0; b < nr; ++b) {
+        T[b] = pos[r0 + b] + 1;
+        if (T[b] > Tmax) Tmax = T[b];
+    }
+    const int ntile = (Tmax + 15) / 16, lds = ntile * 16;
+    float *sc = s->scores + (size_t)tid * s->ld_scores; /* [nr][nh][lds] */
+    for (int j = 0; j < ntile; ++j) {
+        const uint16_t *kt = K + ((size_t)j * nkv + g) * hd * 16;
+        for (int b = 0; b < nr; ++b) {
+            if (j * 16 >= T[b]) continue; /* a tile past this row's position */
+            const float *Qh = s->q + (size_t)(r0 + b) * m->n_head * hd + (size_t)h0 * hd;
+            float *sb = sc + (size_t)b * nh * lds;
+            const float sc_ = m->attn_scale;
+            switch (nh) { /* a constant head count per case: see score_tile */
+            case 1: SKF(score_tile)(kt, Qh, hd, sc_, sb, lds, j, 1); break;
+            case 2: SKF(score_tile)(kt, Qh, hd, sc_, sb, lds, j, 2); break;
+            case 3: SKF(score_tile)(kt, Qh, hd, sc_, sb, lds, j, 3); break;
+            case 4: SKF(score_tile)(kt, Qh, hd, sc_, sb, lds, j, 4); break;
+            case 5: SKF(score_tile)(kt, Qh, hd, sc_, sb, lds, j, 5); break;
+            case 6: SKF(score_tile)(kt, Qh, hd, sc_, sb, lds, j, 6); break;
+            case 7: SKF(score_tile)(kt, Qh, hd, sc_, sb, lds, j, 7); break;
+            default: SKF(score_tile)(kt, Qh, hd, sc_, sb, lds, j, 8); break;
+            }
+        }
+    }
+    float inv[SK_ATT_ROWS][SK_GROUP_MAX];
+    for (int b = 0; b < nr; ++b) {
+        float *out = s->att + (size_t)(r0 + b) * m->n_head * hd;
+        for (int i = 0; i < nh; ++i) {
+            inv[b][i] = SKF(softmax_sum)(sc + ((size_t)b * nh + i) * lds, T[b]);
+            for (int d = 0; d < hd; ++d) out[(h0 + i) * hd + d] = 0.f;
+        }
+    }
+    for (int t0 = 0; t0 < Tmax; t0 += SK_V_CHUNK)
+        for (int b = 0; b < nr; ++b) {
+            const int t1 = t0 + SK_V_CHUNK < T[b] ? t0 + SK_V_CHUNK : T[b];
+            float *out = s->att + (size_t)(r0 + b) * m->n_head * hd;
+            const float *sb = sc + (size_t)b * nh * lds;
+            for (int i = 0; i < nh; ++i)
+                for (int d0 = 0; d0 < hd; d0 += 128) /* 8 lane groups of one head in registers */
+                    SKF(v_rows)(V + g * hd + d0, nkv * hd, sb + i * lds, t0, t1, out + (h0 + i) * hd + d0, hd - d0 < 128 ? hd - d0 : 128);
+        }
+    for (int b = 0; b < nr; ++b) {
+        float *out = s->att + (size_t)(r0 + b) * m->n_head * hd;
+        for (int i = 0; i < nh; ++i) {
+            float *o = out + (h0 + i) * hd;
+            for (int d = 0; d < hd; ++d) o[d] = o[d] / inv[b][i];
+        }
+    }
+}
+#undef SK_V_CHUNK
 
 static void SKF(rope)(float *v, const float *cs, const float *sn, int hd, int neox) {
     const int half = hd / 2;
@@ -540,13 +644,14 @@ static void SKF(step_job)(void *arg, int tid, int nt) {
         SKF(qkv_post)(m, A->kvs, A->pos, s, l, q, tid, nt);
         sk_bar(tid, nt);
         {
-            const int per = nh / nkv, split = s->head_split, chunk = (per + split - 1) / split, items = q * nkv * split;
-            int a, b;
-            SKF(range)(items, tid, nt, &a, &b);
-            for (int it = a; it < b; ++it) {
-                const int r = it / (nkv * split), g = (it / split) % nkv, c = it % split;
+            /* items (row block, kv head, head chunk), taken in turn from a counter: blocks differ
+             * in rows, and which thread computes an item never changes its bits */
+            const int per = nh / nkv, split = s->head_split, chunk = (per + split - 1) / split, items = s->n_blocks * nkv * split;
+            for (int it; (it = atomic_fetch_add_explicit(&s->att_next[l], 1, memory_order_relaxed)) < items;) {
+                const int bk = it / (nkv * split), g = (it / split) % nkv, c = it % split;
                 const int h0 = g * per + c * chunk, h1 = h0 + chunk < (g + 1) * per ? h0 + chunk : (g + 1) * per;
-                if (h0 < h1) SKF(attend)(m, A->kvs[r], s, l, r, g, h0, h1, A->pos[r], tid);
+                const int r0 = s->blk_r0[bk];
+                if (h0 < h1) SKF(attend)(m, A->kvs[r0], s, l, r0, s->blk_n[bk], A->pos, g, h0, h1, tid);
             }
         }
         sk_bar(tid, nt);
