@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .backends.base import Model
+from .backends.base import Model, run_tail
 
 __all__ = ["PREFILL_CHUNK", "chunk_bounds", "feed", "call_start"]
 
@@ -66,13 +66,18 @@ def _avoiding(w: int, left: int, min_q: int, avoid: frozenset) -> int:
     return w
 
 
-def feed(model: Model, tokens: Sequence[int], start: int, min_q: int = 1, tail_q: int = 0) -> np.ndarray:
+def feed(model: Model, tokens: Sequence[int], start: int, min_q: int = 1, tail_q: int = 0, need: int | None = None) -> np.ndarray:
     """Run ``tokens`` from KV length ``start`` in chunks of at most ``model.max_q``
     (:func:`chunk_bounds`: every chunk at least ``min_q`` wide when possible, the last at most
     ``tail_q``); returns the logits rows of the last chunk (float32 ``[q_last, vocab]``, a
-    view valid until the next call)."""
-    for lo, hi in chunk_bounds(len(tokens), model.max_q, min_q, tail_q):
-        rows = model.run(tokens[lo:hi], start + lo)
+    view valid until the next call). ``need``: the caller reads only the last ``need`` rows
+    (None: all of them), so a model that can skip the others' LM head does, and no earlier
+    chunk is projected at all (:func:`~specrt.runtime.backends.base.run_tail`; the KV rows are
+    written either way, and the rows read are the same bits)."""
+    bounds = list(chunk_bounds(len(tokens), model.max_q, min_q, tail_q))
+    for i, (lo, hi) in enumerate(bounds):
+        last = i == len(bounds) - 1
+        rows = run_tail(model, tokens[lo:hi], start + lo, (hi - lo if need is None else need) if last else 0)
     return rows
 
 

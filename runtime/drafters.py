@@ -131,7 +131,7 @@ class ModelDrafter:
         while True:
             f = acc.forced_at(i)
             if f is None:
-                rows = feed(draft, unseen, self.kv)
+                rows = feed(draft, unseen, self.kv, need=2)  # the step's row and `pre`'s
                 if not self._fed:
                     # the first feed runs from an aligned length in max_q chunks, as a cold
                     # run's does: its full chunks over committed tokens are reusable
