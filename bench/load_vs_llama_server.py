@@ -112,8 +112,11 @@ def main(argv=None) -> int:
         }
         for name in systems
     }
+    from specrt.runtime.machine import this_machine
+
     result = dict(
         command=" ".join(["python -m specrt.bench.load_vs_llama_server", *sys.argv[1:]]),
+        machine=this_machine().to_json(),
         load_average_after=os.getloadavg(),
         completion_tokens_per_s=table,
         runs=runs,

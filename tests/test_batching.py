@@ -530,3 +530,56 @@ def test_auto_on_an_exact_batch_follows_measured_iterations():
     # calls are split past max_rows, an item never
     work = [(None, [1] * 3), (None, [1] * 2), (None, [1] * 6), (None, [1])]
     assert [[len(w[1]) for w in p] for p in packed(work, 5)] == [[3, 2], [6], [1]]
+
+
+def test_joint_round_hands_each_row_its_own_rows():
+    """joint_round (one call an iteration on an exact batch): rows of several generations in
+    one call, in order; a plain row gets its one row; a speculating row gets its
+    verification rows (from its pending token's row, after the catch-up rows its call
+    starts with); calls split past max_rows; a row whose draft raises ends alone."""
+    from types import SimpleNamespace
+
+    from specrt.runtime.serve.joint import joint_round
+
+    class Batch:
+        max_rows, calls = 6, []
+        slots = [object()] * 4
+
+        def rows(self, slots, toks, pos):
+            self.calls.append((list(slots), list(toks), list(pos)))
+            return np.array([[float(t)] for t in toks])  # a row's "logits": its token
+
+    class Gen:
+        def __init__(self, seq, kv, call=None, boom=False):
+            self.seq, self.kv, self.call, self.boom, self.got = list(seq), SimpleNamespace(target=kv), call, boom, None
+
+        def draft_step(self, target):
+            if self.boom:
+                raise ValueError("draft failed")
+            return self.call
+
+        def verify_step(self, rows, seconds):
+            self.got = [int(r[0]) for r in rows]
+            self.seq.append(0)
+            return ""
+
+        def push_row(self, row, seconds, exact):
+            self.got, self.exact = [int(row[0])], exact
+            self.seq.append(0)
+            return ""
+
+    plain = SimpleNamespace(gen=Gen([1, 2, 7], 2), slot=0)
+    spec = SimpleNamespace(gen=Gen([5, 6, 40, 41, 42], 2, call=([40, 41, 42, 90, 91], 2, 2)), slot=1)  # 2 catch-up rows
+    wide = SimpleNamespace(gen=Gen([8, 50], 1, call=([50, 60, 61], 1, 0)), slot=2)
+    bad = SimpleNamespace(gen=Gen([9], 0, boom=True), slot=3)
+    failed, rounds, steps = [], [], []
+    b = Batch()
+    calls, tokens = joint_round(
+        b, [plain, spec, wide, bad], [plain], lambda r, call: call(), lambda r, e: failed.append(r), lambda r, t, s: rounds.append(r), lambda n, s: steps.append(n)
+    )
+    assert plain.gen.got == [7] and plain.gen.exact is True
+    assert spec.gen.got == [42, 90, 91]  # its verification rows: pending token and candidates, not the catch-up rows
+    assert wide.gen.got == [50, 60, 61]
+    assert failed == [bad] and rounds == [spec, wide] and steps == []
+    assert calls == 2 and tokens == 3  # 1 + 5 rows fill max_rows 6; the next row in a call of its own
+    assert b.calls[0] == ([0, 1, 1, 1, 1, 1], [7, 40, 41, 42, 90, 91], [2, 2, 3, 4, 5, 6]) and b.calls[1][0] == [2, 2, 2]
