@@ -575,7 +575,13 @@ def test_joint_round_hands_each_row_its_own_rows():
     failed, rounds, steps = [], [], []
     b = Batch()
     calls, tokens = joint_round(
-        b, [plain, spec, wide, bad], [plain], lambda r, call: call(), lambda r, e: failed.append(r), lambda r, t, s: rounds.append(r), lambda n, s: steps.append(n)
+        b,
+        [plain, spec, wide, bad],
+        [plain],
+        lambda r, call: call(),
+        lambda r, e: failed.append(r),
+        lambda r, t, s: rounds.append(r),
+        lambda n, s: steps.append(n),
     )
     assert plain.gen.got == [7] and plain.gen.exact is True
     assert spec.gen.got == [42, 90, 91]  # its verification rows: pending token and candidates, not the catch-up rows
