@@ -282,10 +282,9 @@ def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, c
         return seq[s:] + cands[max(0, s - pend - 1) : hi - 1]
 
     if plan.strategy == "full" or n == 0:
-        s = call_start(pend, pend + n + 1, valid, min_q)
-        toks = tokens(s, n + 1)
+        toks, s, off = verification_call(seq, cands, valid, min_q)
         calls.append((len(toks), s, len(toks)))
-        yield 0, target.run(toks, s)[pend - s :]
+        yield 0, target.run(toks, s)[off:]
         return
     sizes = chunk_sizes(confs, plan.chunk_bound)
     if plan.strategy == "chunked":

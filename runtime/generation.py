@@ -136,6 +136,7 @@ class Generation:
         self.acc = self.recorder if self.recorder is not None else acceptor
         self.reuse(None)  # the drafter, starting cold
         self._draft_scratch = True  # the draft's prompt-feed logits rows not yet released
+        self._drafted: Drafted | None = None  # a draft_step waiting for its verify_step
         self.policy = adaptive_policy(plan)
         self.stats = Stats(prompt_tokens=self.n_prompt, accepted_hist=[0] * (cfg.k_max + 1), proposed_hist=[0] * (cfg.k_max + 1))
         self.text = CompletionText(codec, list(ids), cfg.stop)
@@ -214,7 +215,7 @@ class Generation:
         Raises:
             RuntimeError: no :meth:`draft_step` is waiting for its rows.
         """
-        d: Drafted | None = getattr(self, "_drafted", None)
+        d = self._drafted
         if d is None:
             raise RuntimeError("verify_step without a draft_step before it")
         self._drafted = None

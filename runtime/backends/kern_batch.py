@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import InputError
 from ..kernels import check_rc
 from .kern import KernelModel
-from .kv_layout import host_zeros
+from .kv_layout import check_batch_step, host_zeros
 
 __all__ = ["KernelBatch"]
 
@@ -124,10 +124,7 @@ class KernelBatch:
                 or outside the context (param ``lengths``).
         """
         n = len(tokens)
-        if not 1 <= n <= self.max_batch:
-            raise InputError(f"a batched step takes 1..{self.max_batch} rows, got {n}", "tokens")
-        if len(lengths) != n:
-            raise InputError(f"{len(lengths)} lengths for {n} tokens", "lengths")
+        check_batch_step(n, lengths, self.max_batch)
         return self.rows(range(n), tokens, lengths)
 
     def exchange(self, a: int, b: int, rows_a: int = 0, rows_b: int = 0) -> None:

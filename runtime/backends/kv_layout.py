@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import InputError
 
-__all__ = ["ALIGN", "check_call", "align_up", "KVLayout", "host_zeros", "release_bytes", "release_tail_rows", "head_tails"]
+__all__ = ["ALIGN", "check_call", "check_batch_step", "align_up", "KVLayout", "host_zeros", "release_bytes", "release_tail_rows", "head_tails"]
 
 ALIGN = 256  # TensorRT/CUDA alignment for tensor and scratch addresses (bytes)
 
@@ -41,6 +41,20 @@ def check_call(q: int, start: int, max_q: int, max_ctx: int) -> None:
     """
     if q < 1 or q > max_q or start < 0 or start + q > max_ctx:
         raise InputError(f"model call with q={q} new tokens at past length {start}: allowed 1 <= q <= {max_q} and past + q <= max_ctx={max_ctx}")
+
+
+def check_batch_step(n: int, lengths, max_batch: int) -> None:
+    """Refuse a batched step of ``n`` rows (one token each) over ``lengths`` that the batch
+    cannot take (1 <= n <= max_batch, one length a row); shared by the batched models.
+
+    Raises:
+        InputError: n outside 1..max_batch (param ``tokens``), lengths of another count
+            (param ``lengths``).
+    """
+    if not 1 <= n <= max_batch:
+        raise InputError(f"a batched step takes 1..{max_batch} rows, got {n}", "tokens")
+    if len(lengths) != n:
+        raise InputError(f"{len(lengths)} lengths for {n} tokens", "lengths")
 
 
 class _KVMap(mmap.mmap):

@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InputError
-from .kv_layout import check_call, head_tails, host_zeros, release_bytes, release_tail_rows
+from .kv_layout import check_batch_step, check_call, head_tails, host_zeros, release_bytes, release_tail_rows
 from .ort import _raw_binding
 from .ort_gqa import OrtGqaModel
 
@@ -113,10 +113,7 @@ class BatchedGqaModel:
                 or outside the context (param ``lengths``).
         """
         n = len(tokens)
-        if not 1 <= n <= self.max_batch:
-            raise InputError(f"a batched step takes 1..{self.max_batch} rows, got {n}", "tokens")
-        if len(lengths) != n:
-            raise InputError(f"{len(lengths)} lengths for {n} tokens", "lengths")
+        check_batch_step(n, lengths, self.max_batch)
         lens = self._lens[:n]
         lens[:] = lengths
         if lens.min() < 0 or lens.max() + 1 > self.max_ctx:
