@@ -22,7 +22,7 @@ import numpy as np
 from .errors import InputError
 from .machine import differs, this_machine
 
-__all__ = ["Costs", "measure_call_times", "measure_costs", "BatchCosts", "measure_step_costs", "recorded_costs", "recorded_call_costs", "EMA"]
+__all__ = ["Costs", "loop_call", "measure_call_times", "measure_costs", "BatchCosts", "measure_step_costs", "recorded_costs", "recorded_call_costs", "EMA"]
 
 EMA = 0.2  # weight of the newest observation in the batch scheduler's running means
 
@@ -96,13 +96,27 @@ class Costs:
         return Costs(d_s, by_q, d.get("past"), d.get("source", "measured"), d.get("machine") if isinstance(d.get("machine"), dict) else None)
 
 
+def loop_call(model, role: str, vocab: int) -> Callable:
+    """``call(tokens, start)``: the model call a greedy round makes, to be timed: a draft
+    step's ``run_top1`` (its token and confidence) and a verification's ``run_argmax`` where
+    the model offers them (specrt's kernels: :class:`~specrt.runtime.backends.kern.KernelModel`),
+    else ``run`` (logits rows). ``role``: ``"draft"`` or ``"target"``; ``vocab``: the
+    tokenizer's ids."""
+    if role == "draft" and hasattr(model, "run_top1"):
+        return lambda toks, start: model.run_top1(toks, start, vocab, 1.0)
+    if role == "target" and getattr(model, "argmax_head", False):
+        return lambda toks, start: model.run_argmax(toks, start, vocab)
+    return model.run
+
+
 def measure_call_times(
     engines: Mapping[str, object], widths: Sequence[int], past: int, reps: int = 50, seed: int = 0, warmup: int = 3, progress: Callable | None = None
 ) -> dict[tuple[str, str, int], np.ndarray]:
     """Seconds of every timed call, per case ``(label, "draft" | "target", q)``.
 
     Cases: per engine, the draft's q = 1 call and the target's call at each width q
-    (module docstring: at least the manifest's ``min_q`` rows). Calls read ``past`` KV rows
+    (module docstring: at least the manifest's ``min_q`` rows), each as the greedy loop makes
+    it (:func:`loop_call`: on specrt's kernels, reduced heads). Calls read ``past`` KV rows
     (whatever they hold) and write the rows after them; a later generation starts from KV
     length 0, so nothing is disturbed.
 
@@ -131,20 +145,20 @@ def measure_call_times(
         for q in widths:
             if not 1 <= q <= manifest.k_max + 1 or past + q > manifest.max_ctx or past < min_q - 1:
                 raise InputError(f"cost case q={q} at past={past}; need 1 <= q <= {manifest.k_max + 1}, past >= {min_q - 1} and past + q <= {manifest.max_ctx}")
-        tok = min(5, manifest.vocab_size - 1)
-        cases.append(((label, "draft", 1), eng.draft, [tok], past))
-        cases += [((label, "target", q), eng.target, [tok] * max(q, min_q), past - max(0, min_q - q)) for q in widths]
-    for _, model, toks, start in cases:
+        tok, vocab = min(5, manifest.vocab_size - 1), manifest.vocab_size
+        cases.append(((label, "draft", 1), loop_call(eng.draft, "draft", vocab), [tok], past))
+        cases += [((label, "target", q), loop_call(eng.target, "target", vocab), [tok] * max(q, min_q), past - max(0, min_q - q)) for q in widths]
+    for _, call, toks, start in cases:
         for _ in range(warmup):
-            model.run(toks, start)
+            call(toks, start)
     times: list[list[float]] = [[] for _ in cases]
     rng = np.random.default_rng(seed)
     clock = time.perf_counter
     for r in range(reps):
         for i in rng.permutation(len(cases)):
-            _, model, toks, start = cases[i]
+            _, call, toks, start = cases[i]
             t0 = clock()
-            model.run(toks, start)
+            call(toks, start)
             times[i].append(clock() - t0)
         if progress:
             progress("costs", r + 1, reps)

@@ -43,7 +43,7 @@ round; statistics, traces and server metrics read those records (the loop has no
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
@@ -53,7 +53,7 @@ from .backends.base import Model, run_tail
 from .chunks import call_start, chunk_bounds, feed
 from .drafters import Drafter, drafter_is_free, make_drafter
 from .prefix import KVPrefix, prefill_calls
-from .speculative import chunk_passes, chunk_sizes, commit, draft_limit, head_blocks, propose, rollback_lengths
+from .speculative import GreedyAcceptor, chunk_passes, chunk_sizes, commit, draft_limit, head_blocks, propose, rollback_lengths
 
 __all__ = [
     "Acceptor",
@@ -155,6 +155,11 @@ class Plan:
             :class:`~specrt.runtime.adaptive.AdaptiveK` from these per-call costs (seconds of
             a target call of width q = 1..k_max+1, of a draft step) and the request's running
             acceptance (``prior`` before any round).
+        argmax: greedy verification with nothing but the token to read (no logprobs, logit
+            bias, constraint or observe): the ``full`` strategy's call returns each row's
+            argmax over ids ``[0, argmax)`` (the target's ``run_argmax``: the LM head reduced
+            in the kernels, no logits row written), which the greedy acceptor reads as the
+            row's token; 0: logits rows. Used where the target offers it (``argmax_head``).
     """
 
     k_max: int
@@ -172,6 +177,7 @@ class Plan:
     avoid: frozenset = frozenset()
     drafter: str = "model"
     adaptive: tuple | None = None
+    argmax: int = 0
 
 
 @dataclass
@@ -284,7 +290,10 @@ def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, c
     if plan.strategy == "full" or n == 0:
         toks, s, off = verification_call(seq, cands, valid, min_q)
         calls.append((len(toks), s, len(toks)))
-        yield 0, target.run(toks, s)[off:]
+        if plan.argmax and getattr(target, "argmax_head", False):
+            yield 0, target.run_argmax(toks, s, plan.argmax)[off:]  # each row's token (Plan.argmax)
+        else:
+            yield 0, target.run(toks, s)[off:]
         return
     sizes = chunk_sizes(confs, plan.chunk_bound)
     if plan.strategy == "chunked":
@@ -540,6 +549,8 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     """
     seq, kv = list(prompt), KVLengths()
     n_prompt = len(seq)
+    if plan.argmax and type(acc) is not GreedyAcceptor:  # a caller's acceptor may read whole rows (a LogprobRecorder does)
+        plan = replace(plan, argmax=0)
     rec = prefill(target, seq, plan, acc, kv)
     drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max)
     policy = adaptive_policy(plan)

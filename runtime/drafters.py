@@ -37,6 +37,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from .backends.base import Model
+from .speculative import GreedyAcceptor
 
 __all__ = [
     "DRAFTERS",
@@ -105,6 +106,9 @@ class Drafter(Protocol):
 class ModelDrafter:
     """The draft model proposes (one call per step, as pulled). A step a constraint forces
     (``acc.forced_at``) is proposed without a call; the draft sees it with the next call.
+    Under a plain greedy acceptor (nothing else reads the draft's rows) a draft that offers
+    ``run_top1`` (specrt's kernels) gives each step's token and confidence straight from its
+    reduced head, no logits row; the token is the same, so the candidates are.
 
     Args:
         draft: the draft model. kv: rows its KV already holds for the sequence (prefix
@@ -127,10 +131,16 @@ class ModelDrafter:
 
         draft = self.draft
         unseen = seq[self.kv :]  # tokens the draft's KV lacks (the first call feeds them)
+        top1 = getattr(draft, "run_top1", None) if pre is None and type(acc) is GreedyAcceptor else None
         i = 0
         while True:
             f = acc.forced_at(i)
-            if f is None:
+            if f is None and top1 is not None and self._fed and len(unseen) <= draft.max_q:
+                step = top1(unseen, self.kv, acc.vocab, acc.inv_temp)
+                self.kv += len(unseen)
+                unseen = []
+                self.model_calls += 1
+            elif f is None:
                 rows = feed(draft, unseen, self.kv, need=2)  # the step's row and `pre`'s
                 if not self._fed:
                     # the first feed runs from an aligned length in max_q chunks, as a cold

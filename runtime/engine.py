@@ -381,8 +381,7 @@ class Engine:
 
     def plan(self, cfg: GenerationConfig, observe: bool = False) -> Plan:
         """The decode loop's :class:`~specrt.runtime.decode.Plan` for resolved settings ``cfg``."""
-        manifest = self.manifest
-        avoid = layout_avoid(self, cfg.exact_widths)
+        manifest, avoid = self.manifest, layout_avoid(self, cfg.exact_widths)
         return Plan(
             k_max=cfg.k_max,
             threshold=cfg.threshold,
@@ -399,6 +398,7 @@ class Engine:
             avoid=avoid or frozenset(),
             drafter=cfg.drafter,
             adaptive=self.adaptive_costs() if cfg.adaptive and cfg.speculative else None,
+            argmax=manifest.vocab_size if argmax_only(cfg, self.target, observe) else 0,
         )
 
     def adaptive_costs(self) -> tuple:
@@ -487,6 +487,14 @@ class Engine:
             finally:  # closed early too: rows proved reusable are never rewritten after
                 self.slot.keep(gen if self.prefix_cache else None)
         return gen.result()
+
+
+def argmax_only(cfg: GenerationConfig, target, observe: bool) -> bool:
+    """Whether greedy verification may read only each row's argmax (``Plan.argmax``): plain
+    greedy (no logprobs, logit bias, constraint or observe), on a target whose kernels reduce
+    the head (``argmax_head``)."""
+    plain = cfg.temperature == 0.0 and cfg.logprobs is None and cfg.constraint is None and not cfg.logit_bias and not observe
+    return plain and bool(getattr(target, "argmax_head", False))
 
 
 # what an Engine's KV buffers hold for reuse: its slot's record (None while a generation holds them)

@@ -23,7 +23,7 @@ from typing import Container, Iterable, Sequence
 
 import numpy as np
 
-from .errors import raise_nonfinite
+from .errors import NumericsError, raise_nonfinite
 
 __all__ = [
     "top1",
@@ -84,11 +84,18 @@ def top1(logits_row: np.ndarray, vocab: int, scratch: np.ndarray | None = None, 
 
 
 def argmax_token(logits_row: np.ndarray, vocab: int) -> int:
-    """Greedy token of one logits row (ids >= ``vocab`` excluded).
+    """Greedy token of one logits row (ids >= ``vocab`` excluded), or of a row the target's
+    argmax head already reduced to its token (0-d int: ``Plan.argmax``; -1 where the row's
+    maximum was not finite).
 
     Raises:
         NumericsError: NaN or inf where the maximum is.
     """
+    if logits_row.ndim == 0:  # the argmax head's token (runtime.decode.Plan.argmax)
+        t = int(logits_row)
+        if t < 0:
+            raise NumericsError("model produced non-finite logits (NaN or inf at a row's maximum, found by the argmax head); refusing to emit a token")
+        return t
     row = logits_row[:vocab]
     idx = int(row.argmax())
     if not np.isfinite(row[idx]):

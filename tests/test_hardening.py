@@ -459,6 +459,12 @@ def test_huge_and_fp16_logits_in_the_pure_functions():
         top1(np.full(4, -np.inf, np.float32), 4)
     with pytest.raises(NumericsError):
         warp(np.full(4, -np.inf, np.float32), 4, 1.0)
+    # a row the argmax head reduced (KernelModel.run_argmax): its token, or -1 for a
+    # non-finite maximum, refused the same way
+    heads = np.array([3, -1], np.int32)
+    assert argmax_token(heads[0], 4) == 3
+    with pytest.raises(NumericsError, match="non-finite logits"):
+        argmax_token(heads[1], 4)
 
 
 @pytest.mark.parametrize("which", ["target", "draft"])

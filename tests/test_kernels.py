@@ -197,6 +197,137 @@ def test_bad_calls_are_refused_in_one_line(tiny):
         m.run([1, 600], 0)
 
 
+def test_the_argmax_head_is_numpys_argmax():
+    """The argmax head's reduction (each thread's columns in chunks, a 16-lane scan, the
+    threads' results merged in id order) == np.argmax on rows built for each rule: ties inside
+    a vector, across chunks and across the threads' ranges (the first id wins), NaN (the first
+    NaN beats every number), inf, all -inf, -0.0 == 0.0, the last id, a width that is not a
+    multiple of 16; every ISA path, 1 and 2 threads. Its value is the row's, bit for bit."""
+    rng = np.random.default_rng(5)
+    n = 5003  # 313 panels: 2 threads split at id 2496; chunks of 1024 columns
+    x = rng.standard_normal((13, n)).astype(np.float32)
+    x[0, [7, 4000]] = 9.0  # tie: thread 0's chunk 0 and thread 1's range
+    x[1, [2047, 2048]] = 9.0  # tie across a chunk boundary
+    x[2, [3001, 3002, 3010]] = 9.0  # ties inside one vector
+    x[3, [4990, 5000]] = np.nan  # thread 1's NaNs after thread 0's larger number
+    x[3, 10] = 50.0
+    x[4] = -np.inf  # nothing beats -inf: id 0
+    x[5, [100, 4002]] = np.inf
+    x[6] = 0.0
+    x[6, :50] = -0.0  # equal to 0.0: the first id
+    x[7, 5001] = 20.0  # in the tail past the last full vector
+    x[8, [2495, 2496]] = 9.0  # tie across the 2-thread split
+    x[9, [5, 3000]] = np.nan  # a NaN in each thread's range: the first
+    x[9, 6] = np.inf
+    x[10, 5002] = 9.0  # the last id
+    x[11, [1, 17, 1040]] = np.nan  # NaNs in the first vectors of two chunks
+    x[12, [16, 15]] = 9.0  # the first of a tie sits in the vector before the other
+    want = np.argmax(x, 1)
+    for isa in ISAS:
+        for th in (1, 2):
+            ids, vals = K.argmax(x, isa, th)
+            np.testing.assert_array_equal(ids, want, err_msg=f"{isa} {th} threads")
+            np.testing.assert_array_equal(bits(vals), bits(x[np.arange(len(x)), want]), err_msg=f"{isa} {th} threads")
+    K.start_team(2)
+
+
+def test_the_reduced_heads_confidence_is_the_softmax_probability():
+    """With 1/T > 0 the reduced head gives the first maximum's softmax probability (what a
+    greedy draft step reads): numpy's top1 within float32 rounding, the same bits on every ISA
+    path and thread count (chunks fixed, sums in a fixed order), NaN where the maximum is not
+    finite."""
+    from specrt.runtime.speculative import top1
+
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((6, 70_001)) * 3).astype(np.float32)
+    x[1, 12345] = 40.0  # one sure token
+    x[2, [5, 69_000]] = 8.0  # a tie across chunks
+    x[3, 100:50_000] = -np.inf  # most ids out (a trimmed head's row)
+    x[4, 777] = np.nan
+    x[5, 3] = np.inf
+    for it in (1.0, 0.7):
+        got = {}
+        for isa in ISAS:
+            for th in (1, 2):
+                got[isa, th] = K.argmax(x, isa, th, inv_temp=it)
+        ids, conf = got[ISAS[0], 1]
+        for key, (i2, c2) in got.items():
+            np.testing.assert_array_equal(i2, ids, err_msg=str(key))
+            np.testing.assert_array_equal(bits(c2), bits(conf), err_msg=str(key))
+        np.testing.assert_array_equal(ids, np.argmax(x, 1))
+        for r in range(4):
+            t, p = top1(x[r], x.shape[1], inv_temp=it)
+            assert ids[r] == t and conf[r] == pytest.approx(p, rel=2e-5), (r, it)
+        assert np.isnan(conf[4:]).all()
+    K.start_team(2)
+
+
+def test_run_top1_is_the_draft_rows_top1(tiny, tmp_path):
+    """A greedy draft step reduced in the kernels (``run_top1``) == top1 of the row ``run``
+    writes: the token, and the confidence within float32 rounding; with a trimmed head too
+    (the token mapped back to the vocabulary's id; ids past the tokenizer's never chosen)."""
+    from specrt.export.kernel_pack import write_panels
+    from specrt.runtime.errors import InputError
+    from specrt.runtime.kernels.weights import KernelWeights
+    from specrt.runtime.speculative import top1
+
+    g, _, weights = tiny
+    ids = np.sort(np.random.default_rng(5).choice(512, 64, replace=False)).astype(np.int32)
+    cut = write_panels(g, tmp_path, "cut", log=lambda *_: None, requant=R.Q4_0, head_ids=ids)
+    for m in (model(weights()), model(KernelWeights(tmp_path / "cut.panels", cut, 256, 64))):
+        ref = model(m.w)
+        rows = ref.run(PROMPT, 0).copy()
+        m.run_rows(PROMPT, 0, len(PROMPT))  # the KV rows each call below reads (no row projected)
+        for vocab, it in ((512, 1.0), (500, 0.8), (int(ids[40]), 1.0)):
+            for hi in (1, 3, 20, 40):
+                lo = max(0, hi - 5)
+                t, c = m.run_top1(PROMPT[lo:hi], lo, vocab, it)
+                want = top1(rows[hi - 1], vocab, inv_temp=it)
+                assert t == want[0] and c == pytest.approx(want[1], rel=2e-5), (vocab, hi)
+        assert np.array_equal(m.k, ref.k)
+    with pytest.raises(InputError, match="inv_temp"):
+        m.run_top1([1], 0, 512, 0.0)
+
+
+def test_run_argmax_is_the_argmax_of_run(tiny):
+    """What greedy verification reads: each row's token from the argmax head == np.argmax of
+    the row ``run`` writes, over the ids asked, at every verification width after a past,
+    every ISA path, 1 and 2 threads; the KV rows as ``run`` writes them. A NaN hidden state
+    gives NaN logits (never a token as if it were 0), reported by both reduced heads."""
+    from specrt.runtime.errors import InputError, NumericsError
+
+    _, _, weights = tiny
+    w = weights()
+    base = model(w, "portable").run(PROMPT, 0).copy()
+    for isa in ISAS:
+        for th in (1, 2):
+            K.start_team(th)
+            m, ref = model(w, isa), model(w, isa)
+            ids = m.run_argmax(PROMPT[:30], 0, 512)
+            np.testing.assert_array_equal(ids, base[:30].argmax(1), err_msg=f"{isa} {th} prefill")
+            for n_valid in (512, 301):
+                for q in range(1, K_MAX + 2):
+                    got = m.run_argmax(PROMPT[30 : 30 + q], 30, n_valid)
+                    np.testing.assert_array_equal(got, base[30 : 30 + q, :n_valid].argmax(1), err_msg=f"{isa} {th} q={q} n_valid={n_valid}")
+            ref.run(PROMPT[: 30 + K_MAX + 1], 0)
+            assert np.array_equal(m.k, ref.k) and np.array_equal(m.v, ref.v)
+    K.start_team(2)
+    with pytest.raises(InputError, match="n_valid=513; it must be in 1..512"):
+        m.run_argmax([1], 0, 513)
+    # a NaN maximum is reported (-1: the greedy acceptor refuses it), never a token
+    keep = w.model.out_norm
+    nan = np.full(int(w.dims["n_embd"]), np.nan, np.float32)
+    try:
+        w.model.out_norm = nan.ctypes.data
+        assert np.isnan(m.run(PROMPT[:3], 0)).all()  # a NaN activation is not quantized as a 0
+        np.testing.assert_array_equal(m.run_argmax(PROMPT[:3], 0, 512), [-1, -1, -1])
+        with pytest.raises(NumericsError, match="non-finite"):
+            m.run_top1(PROMPT[:3], 0, 512, 1.0)
+    finally:
+        w.model.out_norm = keep
+    np.testing.assert_array_equal(m.run_argmax(PROMPT[:3], 0, 512), base[:3].argmax(1))
+
+
 def test_unsupported_files_write_no_panels(tmp_path):
     from specrt.export.kernel_pack import kernels_unsupported, write_panels
 
@@ -271,5 +402,8 @@ def test_a_trimmed_draft_head_gives_the_full_heads_logits_at_its_ids(tiny, tmp_p
     m.release_logits(0)  # released rows read zeros until the next call fills them again
     np.testing.assert_array_equal(bits(m.run(PROMPT[:5], 0)[:, ids]), bits(a[:5, ids]))
     assert np.isneginf(m.logits[:5, rest]).all()
+    assert not m.argmax_head  # a cut head's ids are not the vocabulary's: verification reads its rows
+    with pytest.raises(RuntimeError, match="head is trimmed"):
+        m.run_argmax(PROMPT[:2], 0, 64)
     with pytest.raises(ValueError, match="multiple of 16"):
         write_panels(g, tmp_path, "bad", log=lambda *_: None, head_ids=ids[:10])

@@ -89,6 +89,40 @@ def test_speculative_equals_target_only_on_the_kernels(engine, k):
         assert spec.stats.target_calls < alone.stats.target_calls
 
 
+def test_greedy_rounds_read_reduced_heads_and_equal_full_rows(engine, monkeypatch):
+    """Plain greedy verification reads each row's token from the kernels' argmax head, and
+    each draft step its token and confidence from the draft's reduced head (no logits row
+    written); anything that reads rows (logprobs, sampling, a logit bias) gets full rows.
+    Speculative output on reduced heads == target-only output on full logits rows, and
+    target-only on argmax rows too."""
+    from dataclasses import replace
+
+    cfg = GenerationConfig(max_new_tokens=40, k_max=4, threshold=0.0)
+    vocab = engine.manifest.vocab_size
+    assert engine.plan(engine.resolve(cfg)).argmax == vocab
+    for other in (replace(cfg, logprobs=0), replace(cfg, temperature=0.7, seed=1), replace(cfg, logit_bias={5: -1.0})):
+        assert engine.plan(engine.resolve(other)).argmax == 0
+    calls = []
+    run_argmax = engine.target.run_argmax
+    monkeypatch.setattr(engine.target, "run_argmax", lambda *a: calls.append(len(a[0])) or run_argmax(*a))
+    steps = []
+    run_top1 = engine.draft.run_top1
+    monkeypatch.setattr(engine.draft, "run_top1", lambda *a: steps.append(a) or run_top1(*a))
+    for p in PROMPTS:
+        n, d = len(calls), len(steps)
+        spec = engine.generate(p, cfg)
+        assert len(calls) > n and max(calls[n:]) > 1, "verification passes read argmax rows"
+        assert len(steps) > d, "draft steps read the reduced head"
+        n, d = len(calls), len(steps)
+        full = engine.generate(p, replace(cfg, logprobs=0))
+        assert len(calls) == n and len(steps) == d, "logprobs read full rows"
+        assert full.tokens == spec.tokens
+        full = engine.generate(p, replace(cfg, speculative=False, logprobs=0))
+        alone = engine.generate(p, replace(cfg, speculative=False))
+        assert spec.tokens == full.tokens == alone.tokens, p
+        assert spec.text == full.text
+
+
 def test_a_repeated_prompt_reuses_rows_and_equals_its_cold_run(folder):
     """Any layout is exact on the kernels: the second request reuses every row a call can."""
     e = Engine(folder)

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, NumericsError
 from ..kernels import SkKv, check_rc, isa_id
 from ..kernels.weights import KernelWeights
 from .kv_layout import check_call, host_zeros, release_bytes, release_tail_rows
@@ -38,6 +38,7 @@ class KernelModel:
     Attributes:
         max_q, max_ctx, vocab: the Model contract. exact_min_q: 1; width_exact: True (rows do
         not depend on the call's width, layout or thread split). isa: the path in use.
+        argmax_head: :meth:`run_argmax` is available (the head is not trimmed).
 
     Buffers (once): K ``[n_layer, ctx16 / 16, n_kv, head_dim, 16]`` and V ``[n_layer, ctx16,
     n_kv, head_dim]`` f16 (as uint16); logits float32 ``[max_q, vocab]``; token ids int32.
@@ -53,6 +54,11 @@ class KernelModel:
         self.v = host_zeros((weights.kv_elems,), np.uint16)
         self.logits = host_zeros((self.max_q, self.vocab))  # rows past a verification pass: prefill scratch
         self.ids = np.zeros(self.max_q, np.int32)
+        self.argmax_ids = np.zeros(self.max_q, np.int32)  # run_argmax's rows: each row's greedy token ...
+        self.argmax_vals = np.zeros(self.max_q, np.float32)  # ... and its logit
+        self.argmax_head = weights.head_ids is None  # run_argmax needs the whole head (a trimmed one's ids are not the vocabulary's)
+        self._conf = np.zeros(self.max_q, np.float32)  # run_top1's confidences
+        self._top1_valid: dict[int, int] = {}  # run_top1's vocab -> head ids below it (a trimmed head's are sorted)
         # a trimmed head: the step writes [q, len(head_ids)] here, scattered into logits rows whose
         # other ids hold -inf (filled once a row: rows_ready)
         self.head = None if weights.head_ids is None else np.zeros((self.max_q, len(weights.head_ids)), np.float32)
@@ -98,6 +104,80 @@ class KernelModel:
                 self.rows_ready = q
             self.logits[lo:q, w.head_ids] = self.head[lo:q]
         return self.logits[:q]
+
+    def run_argmax(self, tokens: Sequence[int] | np.ndarray, start: int, n_valid: int) -> np.ndarray:
+        """As :meth:`run`, with the LM head reduced to each row's greedy token: what greedy
+        verification reads (one ``sk_step_argmax`` call; no logits row is written).
+
+        Row r's entry is ``np.argmax(run(tokens, start)[r, :n_valid])`` (the same logits bit
+        for bit, the first maximum), or -1 where that maximum is not finite (NaN or inf: the
+        caller raises, as :func:`~specrt.runtime.speculative.argmax_token` does on the row).
+
+        Args:
+            n_valid: ids ``[0, n_valid)`` compete (the tokenizer's vocabulary; padding ids
+                past it never win), ``1 <= n_valid <= vocab``.
+
+        Returns:
+            int32 ``[q]``, a view of a buffer valid until the next call.
+
+        Raises:
+            InputError: as :meth:`run`; ``n_valid`` outside ``1..vocab``.
+            RuntimeError: the model's head is trimmed (``argmax_head`` False).
+        """
+        if not self.argmax_head:
+            raise RuntimeError("run_argmax needs the whole LM head; this model's head is trimmed (argmax_head is False)")
+        if not 1 <= n_valid <= self.vocab:
+            raise InputError(f"n_valid={n_valid}; it must be in 1..{self.vocab} (the head's ids)")
+        out, v = self._reduced(tokens, start, n_valid, 0.0, self.argmax_vals, 0)
+        if not np.isfinite(v).all():
+            out[~np.isfinite(v)] = -1
+        return out
+
+    def run_top1(self, tokens: Sequence[int] | np.ndarray, start: int, vocab: int, inv_temp: float) -> tuple[int, float]:
+        """As :meth:`run`, for a greedy draft step: the last row's greedy token and its
+        confidence, ``top1(run(tokens, start)[-1], vocab, inv_temp=inv_temp)``
+        (:func:`~specrt.runtime.speculative.top1`), reduced in the kernels (one
+        ``sk_step_argmax`` call: no logits row is written, no row is scattered out of a trimmed
+        head, no softmax runs in numpy). The token is the same; the confidence is the same
+        softmax summed in another order (chunks of 1,024 ids, 16 lanes each), the same bits on
+        every ISA path and thread count, within float32 rounding of numpy's.
+
+        Args:
+            vocab: ids ``[0, vocab)`` compete (the tokenizer's); inv_temp: ``1 / T`` (> 0).
+
+        Returns:
+            ``(token, confidence)``.
+
+        Raises:
+            InputError: as :meth:`run`; ``vocab`` < 1 or ``inv_temp`` <= 0.
+            NumericsError: NaN or inf at the row's maximum.
+        """
+        if vocab < 1 or not inv_temp > 0.0:
+            raise InputError(f"vocab={vocab}, inv_temp={inv_temp}; need vocab >= 1 and inv_temp > 0")
+        n = self._top1_valid.get(vocab)
+        if n is None:
+            h = self.w.head_ids
+            n = self._top1_valid[vocab] = min(vocab, self.vocab) if h is None else int(np.searchsorted(h, vocab))
+        out, v = self._reduced(tokens, start, n, inv_temp, self._conf, len(tokens) - 1)
+        conf = float(v[-1])
+        if not np.isfinite(conf):
+            raise NumericsError("model produced non-finite logits (NaN or inf at the draft row's maximum); refusing to emit a token")
+        t = int(out[-1])
+        return (t if self.w.head_ids is None else int(self.w.head_ids[t])), conf
+
+    def _reduced(self, tokens, start: int, n_valid: int, inv_temp: float, vals: np.ndarray, lo: int) -> tuple[np.ndarray, np.ndarray]:
+        """One ``sk_step_argmax`` call (rows ``[lo, q)`` reduced): views of its ids and vals."""
+        q = len(tokens)
+        check_call(q, start, self.max_q, self.max_ctx)
+        ids, out = self.ids, self.argmax_ids
+        ids[:q] = tokens
+        w = self.w
+        with w.lock:
+            rc = w.lib.sk_step_argmax(self._isa, *self._args, w.scratch, ids.ctypes.data, q, start, out.ctypes.data, vals.ctypes.data, n_valid, inv_temp, lo)
+        if rc == -3:
+            raise InputError(f"a token id in {list(map(int, ids[:q]))} is outside the vocabulary 0..{self.vocab - 1}")
+        check_rc(rc, "kernels step")
+        return out[lo:q], vals[lo:q]
 
     def fork(self) -> "KernelModel":
         """Another model over the same weights with its own KV, logits and ids buffers."""

@@ -35,10 +35,11 @@ __all__ = [
     "isa_id",
     "start_team",
     "source_hash",
+    "argmax",
     "check_rc",
 ]
 
-ABI = 2  # sk.h's SK_ABI: the structs below
+ABI = 3  # sk.h's SK_ABI: the structs below and the entry points bound in _load
 ISAS = ("portable", "avx2", "avx512vnni")  # ids 0, 1, 2 (sk.h)
 HERE = Path(__file__).resolve().parent
 SOURCES = ("sk.c", "sk.h", "sk_isa.h", "sk_vec.h")
@@ -131,6 +132,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sk_scratch_attention.argtypes = [c_void_p, c_int, c_int, c_void_p]
     lib.sk_step.argtypes = [c_int, POINTER(SkModel), POINTER(SkKv), c_void_p, c_void_p, c_int, c_int, c_void_p, c_int, c_int]
     lib.sk_step_rows.argtypes = [c_int, POINTER(SkModel), c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int, c_int]
+    lib.sk_argmax.argtypes = [c_int, c_void_p, c_int, c_int, c_int, c_float, c_void_p, c_void_p, c_void_p]
+    lib.sk_step_argmax.argtypes = [c_int, POINTER(SkModel), POINTER(SkKv), c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_float, c_int]
     return lib, None
 
 
@@ -225,6 +228,35 @@ def matmul(ggml_type: int, n: int, k: int, panels: np.ndarray, x: np.ndarray, is
     finally:
         lib.sk_scratch_free(s)
     return y
+
+
+def argmax(x: np.ndarray, isa: str | None = None, threads: int | None = None, inv_temp: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's first maximum of float rows ``x [q, n]`` by the reduced head's own code (its
+    chunks, scan, sums and merge: ``sk_step_argmax`` on rows the caller chooses; tests).
+
+    Returns:
+        ``(ids int32 [q], vals float32 [q])``: ``np.argmax`` of each row (NaN ranks highest,
+        the first NaN wins; among equal maxima the lowest id) and the value there, or with
+        ``inv_temp > 0`` its softmax probability ``softmax(x * inv_temp)[id]`` (NaN where the
+        maximum is not finite).
+
+    Raises:
+        RuntimeError: no library; ValueError: a bad ISA name.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(status())
+    if threads is not None:
+        start_team(threads)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    q, n = x.shape
+    ids, vals = np.empty(q, np.int32), np.empty(q, np.float32)
+    s = lib.sk_scratch_new(q, 32, 0, 0, 0, 0)
+    try:
+        check_rc(lib.sk_argmax(isa_id(isa or cpu_isa()), x.ctypes.data, q, n, n, inv_temp, ids.ctypes.data, vals.ctypes.data, s), "sk_argmax")
+    finally:
+        lib.sk_scratch_free(s)
+    return ids, vals
 
 
 def dequant(ggml_type: int, n: int, k: int, panels: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:

@@ -37,6 +37,8 @@
 #define SK_HEAD_DIM_MAX 256 /* head_dim <= 256, a multiple of 16 */
 #define SK_ATT_ROWS 4       /* rows of one sequence an attention item takes together (K/V read once for them) */
 #define SK_MAX_LAYERS 512
+#define SK_HEAD_COLS 1024     /* columns of the LM head a reduced head's chunk holds (a multiple of SK_P) */
+#define SK_HEAD_CHUNKS_MAX 512 /* chunks of a reduced head: ids < 524,288 */
 
 /* activations: llama.cpp's Q8_K (per 256) and Q8_0 (per 32) with the sums the kernels use */
 typedef struct {
@@ -60,6 +62,9 @@ typedef struct {
     const sk_kv **kvs; /* sk_step's rows: one sequence, positions start.. */
     int32_t *pos;
     int32_t *blk_r0, *blk_n;         /* attention row blocks of a step: first row, rows */
+    float *hbuf;                     /* reduced head: per thread, max_q x SK_HEAD_COLS logits; per chunk and row ... */
+    float *amax_v, *amax_s;          /* ... the first maximum, the sum of exp((x - max) / T) ... */
+    int32_t *amax_i;                 /* ... and the maximum's id */
     atomic_int att_next[SK_MAX_LAYERS]; /* per layer: the next attention item to take */
     int n_blocks;
     int lda256, lda32, max_q, head_split;
@@ -389,7 +394,7 @@ SK_EXPORT void sk_scratch_free(void *p) {
     sk_scratch *s = (sk_scratch *)p;
     if (!s) return;
     free(s->x); free(s->xn); free(s->q); free(s->k); free(s->v); free(s->att); free(s->g); free(s->u); free(s->scores);
-    free(s->a256); free(s->a32); free(s->kvs); free(s->pos); free(s->blk_r0); free(s->blk_n);
+    free(s->a256); free(s->a32); free(s->kvs); free(s->pos); free(s->blk_r0); free(s->blk_n); free(s->hbuf); free(s->amax_v); free(s->amax_s); free(s->amax_i);
     free(s);
 }
 
@@ -418,6 +423,10 @@ SK_EXPORT void *sk_scratch_new(int max_q, int e, int qd, int kd, int f, int ctx)
     /* not cleared: a thread writes its part before reading it, and untouched pages stay
      * out of the resident set (64 threads' parts are reserved) */
     if (posix_memalign((void **)&s->scores, 64, (size_t)SK_MAX_THREADS * s->ld_scores * 4)) s->scores = NULL;
+    if (posix_memalign((void **)&s->hbuf, 64, (size_t)SK_MAX_THREADS * Q * SK_HEAD_COLS * 4)) s->hbuf = NULL;
+    s->amax_v = sk_alloc((size_t)SK_HEAD_CHUNKS_MAX * Q * 4);
+    s->amax_s = sk_alloc((size_t)SK_HEAD_CHUNKS_MAX * Q * 4);
+    s->amax_i = sk_alloc((size_t)SK_HEAD_CHUNKS_MAX * Q * 4);
     s->a256 = sk_alloc(Q * s->lda256 * sizeof(sk_a256));
     s->a32 = sk_alloc(Q * s->lda32 * sizeof(sk_a32));
     s->kvs = sk_alloc(Q * sizeof(sk_kv *));
@@ -425,7 +434,7 @@ SK_EXPORT void *sk_scratch_new(int max_q, int e, int qd, int kd, int f, int ctx)
     s->blk_r0 = sk_alloc(Q * sizeof(int32_t));
     s->blk_n = sk_alloc(Q * sizeof(int32_t));
     if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->g || !s->u || !s->scores || !s->a256 || !s->a32 || !s->kvs || !s->pos ||
-        !s->blk_r0 || !s->blk_n) {
+        !s->blk_r0 || !s->blk_n || !s->hbuf || !s->amax_v || !s->amax_s || !s->amax_i) {
         sk_scratch_free(s);
         return NULL;
     }
@@ -449,6 +458,20 @@ SK_EXPORT int sk_matmul(int isa, const sk_mat *m, const float *x, int q, float *
     if (isa == SK_ISA_AVX2) return matmul_avx2(m, x, q, y, s), SK_OK;
 #endif
     matmul_portable(m, x, q, y, s);
+    return SK_OK;
+}
+
+/* ids[r], vals[r] = sk_step_argmax's reduced head over float rows x [q][ld], ids [0, n) (tests:
+ * its chunks, scan, sums and merge, on rows the caller chooses) */
+SK_EXPORT int sk_argmax(int isa, const float *x, int q, int n, int ld, float inv_temp, int32_t *ids, float *vals, void *scratch) {
+    sk_scratch *s = (sk_scratch *)scratch;
+    if (!sk_isa_ok(isa)) return SK_E_ISA;
+    if (!s || !x || !ids || !vals || q < 1 || q > s->max_q || n < 1 || ld < n || n > SK_HEAD_CHUNKS_MAX * SK_HEAD_COLS) return SK_E_ARGS;
+#if SK_X86
+    if (isa == SK_ISA_AVX512VNNI) return argmax_rows_avx512(x, q, n, ld, inv_temp, ids, vals, s), SK_OK;
+    if (isa == SK_ISA_AVX2) return argmax_rows_avx2(x, q, n, ld, inv_temp, ids, vals, s), SK_OK;
+#endif
+    argmax_rows_portable(x, q, n, ld, inv_temp, ids, vals, s);
     return SK_OK;
 }
 
@@ -503,13 +526,14 @@ static void sk_plan_attention(const sk_model *m, const sk_kv *const *kvs, sk_scr
     for (int l = 0; l < m->n_layer; ++l) atomic_store_explicit(&s->att_next[l], 0, memory_order_relaxed);
 }
 
-static void sk_step_go(int isa, const sk_model *m, const sk_kv *const *kvs, const int32_t *pos, sk_scratch *s, const int32_t *tokens, int q, float *logits, int ldl, int lo) {
+static void sk_step_go(int isa, const sk_model *m, const sk_kv *const *kvs, const int32_t *pos, sk_scratch *s, const int32_t *tokens, int q, float *logits, int ldl, int lo,
+                       int32_t *ids, float *vals, int n_valid, float inv_temp) {
     sk_plan_attention(m, kvs, s, q);
 #if SK_X86
-    if (isa == SK_ISA_AVX512VNNI) { step_avx512(m, kvs, pos, s, tokens, q, logits, ldl, lo); return; }
-    if (isa == SK_ISA_AVX2) { step_avx2(m, kvs, pos, s, tokens, q, logits, ldl, lo); return; }
+    if (isa == SK_ISA_AVX512VNNI) { step_avx512(m, kvs, pos, s, tokens, q, logits, ldl, lo, ids, vals, n_valid, inv_temp); return; }
+    if (isa == SK_ISA_AVX2) { step_avx2(m, kvs, pos, s, tokens, q, logits, ldl, lo, ids, vals, n_valid, inv_temp); return; }
 #endif
-    step_portable(m, kvs, pos, s, tokens, q, logits, ldl, lo);
+    step_portable(m, kvs, pos, s, tokens, q, logits, ldl, lo, ids, vals, n_valid, inv_temp);
 }
 
 /* one decoder step: q new tokens at positions start..start+q-1 over KV rows [0, start);
@@ -523,7 +547,28 @@ SK_EXPORT int sk_step(int isa, const sk_model *m, const sk_kv *kv, void *scratch
         s->kvs[r] = kv;
         s->pos[r] = start + r;
     }
-    sk_step_go(isa, m, (const sk_kv *const *)s->kvs, s->pos, s, tokens, q, logits, ldl, lo);
+    sk_step_go(isa, m, (const sk_kv *const *)s->kvs, s->pos, s, tokens, q, logits, ldl, lo, NULL, NULL, 0, 0.f);
+    return SK_OK;
+}
+
+/* sk_step with the LM head reduced to each row's greedy token (what greedy verification and a
+ * greedy draft step read): rows [lo, q) get ids[r], their first maximum over ids [0, n_valid),
+ * as numpy's argmax of the row sk_step writes (the same logits bit for bit: NaN ranks highest
+ * and the first NaN wins; among equal maxima the lowest id), and vals[r]: its logit when
+ * inv_temp <= 0, else its softmax probability at 1/T = inv_temp (NaN where the maximum is not
+ * finite). No logits row is written: each thread keeps a few thousand logits in its cache at a
+ * time. Every result is the same bits for any thread count and ISA path. */
+SK_EXPORT int sk_step_argmax(int isa, const sk_model *m, const sk_kv *kv, void *scratch, const int32_t *tokens, int q, int start, int32_t *ids, float *vals, int n_valid,
+                             float inv_temp, int lo) {
+    sk_scratch *s = (sk_scratch *)scratch;
+    const int rc = sk_step_check(isa, m, s, tokens, q, m->output.n, lo);
+    if (rc != SK_OK) return rc;
+    if (start < 0 || start + q > m->max_ctx || n_valid < 1 || n_valid > m->output.n || n_valid > SK_HEAD_CHUNKS_MAX * SK_HEAD_COLS || !ids || !vals) return SK_E_ARGS;
+    for (int r = 0; r < q; ++r) {
+        s->kvs[r] = kv;
+        s->pos[r] = start + r;
+    }
+    sk_step_go(isa, m, (const sk_kv *const *)s->kvs, s->pos, s, tokens, q, NULL, 0, lo, ids, vals, n_valid, inv_temp);
     return SK_OK;
 }
 
@@ -539,6 +584,6 @@ SK_EXPORT int sk_step_rows(int isa, const sk_model *m, const sk_kv *const *kvs, 
     if (rc != SK_OK) return rc;
     for (int r = 0; r < q; ++r)
         if (!kvs[r] || pos[r] < 0 || pos[r] >= m->max_ctx) return SK_E_ARGS;
-    sk_step_go(isa, m, kvs, pos, s, tokens, q, logits, ldl, lo);
+    sk_step_go(isa, m, kvs, pos, s, tokens, q, logits, ldl, lo, NULL, NULL, 0, 0.f);
     return SK_OK;
 }

@@ -320,21 +320,26 @@ static void SKF(silu_mul)(float *g, const float *u, int n) {
 }
 
 /* llama.cpp's Q8_K activations: per 256, iscale = -127 / (the value of largest magnitude),
- * q = nearest(iscale * x) (<= 127), d = 1 / iscale; 16- and 32-sums of q */
+ * q = nearest(iscale * x) (<= 127), d = 1 / iscale; 16- and 32-sums of q. A block holding a
+ * NaN gets d = NaN (its products NaN: the caller refuses the logits, never reads a token
+ * computed as if the NaN were 0) */
 static void SKF(quant_a256)(const float *x, int k, sk_a256 *out) {
     for (int b = 0; b < k / 256; ++b) {
         const float *xb = x + (size_t)b * 256;
         sk_a256 *o = out + b;
         float amax = 0.f, max = 0.f;
+        int nan = 0;
         for (int j = 0; j < 256; ++j) {
             const float a = fabsf(xb[j]);
+            nan |= a != a;
             if (a > amax) {
                 amax = a;
                 max = xb[j];
             }
         }
-        if (amax == 0.f) {
+        if (amax == 0.f || nan) {
             memset(o, 0, sizeof *o);
+            if (nan) o->d = NAN;
             continue;
         }
         const float iscale = -127.f / max;
@@ -353,13 +358,22 @@ static void SKF(quant_a256)(const float *x, int k, sk_a256 *out) {
 }
 
 /* llama.cpp's Q8_0 activations: per 32, d = amax / 127 (kept as f16, as its block stores it),
- * q = nearest(x / d); and the sum of q */
+ * q = nearest(x / d); and the sum of q. A block holding a NaN gets d = NaN, as quant_a256 */
 static void SKF(quant_a32)(const float *x, int k, sk_a32 *out) {
     for (int b = 0; b < k / 32; ++b) {
         const float *xb = x + (size_t)b * 32;
         sk_a32 *o = out + b;
         float amax = 0.f;
-        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+        int nan = 0;
+        for (int j = 0; j < 32; ++j) {
+            amax = fmaxf(amax, fabsf(xb[j]));
+            nan |= xb[j] != xb[j];
+        }
+        if (nan) {
+            memset(o, 0, sizeof *o);
+            o->d = NAN;
+            continue;
+        }
         const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
         int s = 0;
         for (int j = 0; j < 32; ++j) {
@@ -372,7 +386,7 @@ static void SKF(quant_a32)(const float *x, int k, sk_a32 *out) {
     }
 }
 
-/* ---------------------------------------------------------------- the decoder step */
+/* ---------------------------------------------------------------- the decoder step (args) */
 
 typedef struct {
     const sk_model *m;
@@ -383,6 +397,10 @@ typedef struct {
     int q, lo; /* rows [lo, q) get logits */
     float *logits;
     int ldl;
+    int32_t *ids; /* reduced head (sk_step_argmax): rows [lo, q) get their first maximum over ids [0, n_valid) ... */
+    float *vals;  /* ... and its logit (inv_temp <= 0) or softmax probability at 1/T = inv_temp, not a logits row */
+    int n_valid;
+    float inv_temp;
 } SKF(step_args);
 
 static inline void SKF(range)(int n, int tid, int nt, int *a, int *b) {
@@ -620,6 +638,131 @@ static void SKF(qkv_post)(const sk_model *m, const sk_kv *const *kvs, const int3
     }
 }
 
+/* ---------------------------------------------------------------- the argmax head */
+
+/* x[0, n) (ids base..base+n-1) into the running first maximum (*bv, *bi; *bi < 0: none yet) as
+ * numpy's argmax orders them: NaN ranks above every number and the first NaN stays; among equal
+ * maxima the first id. Comparisons only (no arithmetic): the result does not depend on the lanes
+ * or the ISA. */
+static inline void SKF(argmax_scan)(const float *x, int n, int base, float *bv, int32_t *bi) {
+    if (*bi >= 0 && *bv != *bv) return; /* a NaN came first */
+    int j = 0;
+    if (n >= 16) {
+        SKF(v16) mx = *(const SKF(v16) *)x;
+        SKF(v16i) nan = mx != mx;
+        for (j = 16; j + 16 <= n; j += 16) {
+            const SKF(v16) v = *(const SKF(v16) *)(x + j);
+            const SKF(v16i) gt = v > mx;
+            mx = (SKF(v16))(((SKF(v16i))v & gt) | ((SKF(v16i))mx & ~gt));
+            nan |= v != v;
+        }
+        int any = 0;
+        for (int l = 0; l < 16; ++l) any |= nan[l];
+        if (any) {
+            for (int t = 0; t < j; ++t)
+                if (x[t] != x[t]) {
+                    *bv = x[t], *bi = base + t;
+                    return;
+                }
+        }
+        float m = mx[0];
+        for (int l = 1; l < 16; ++l)
+            if (mx[l] > m) m = mx[l];
+        if (*bi < 0 || m > *bv)
+            for (int t = 0; t < j; ++t)
+                if (x[t] == m) {
+                    *bv = m, *bi = base + t;
+                    break;
+                }
+    }
+    for (; j < n; ++j) {
+        const float v = x[j];
+        if (v != v) {
+            *bv = v, *bi = base + j;
+            return;
+        }
+        if (*bi < 0 || v > *bv) *bv = v, *bi = base + j;
+    }
+}
+
+/* sum of exp((x[t] - mx) * it) over t < n by the fixed lane structure (lane t % 16 adds its
+ * terms in order of t, then tree16), 16 lanes at a time with expf16, the rest with expf: the
+ * same bits on every ISA path */
+static float SKF(exp_sum)(const float *x, int n, float mx, float it) {
+    SKF(v16) acc = (SKF(v16)){0};
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {
+        SKF(v16) z = (*(const SKF(v16) *)(x + t) - mx) * it;
+        SKF(expf16)(&z);
+        acc = acc + z;
+    }
+    float part[16];
+    memcpy(part, &acc, 64);
+    for (; t < n; ++t) part[t & 15] = part[t & 15] + SKF(expf)((x[t] - mx) * it);
+    return SKF(tree16)(part);
+}
+
+/* The LM head of nq rows (activations X, ldx blocks a row) reduced over ids [0, n_valid): each
+ * row's first maximum, ids[r], and vals[r]: its logit (it <= 0), or (it > 0, a draft's greedy
+ * step) its softmax probability at 1/T = it, softmax(logits * it)[ids[r]]. The ids are cut in
+ * chunks of SK_HEAD_COLS columns, fixed whatever the thread count; threads take whole chunks,
+ * project each into their own small buffer (no logits row is written) and keep per chunk and
+ * row its first maximum and its sum of exp((x - max) * it). The chunks are then merged in id
+ * order (the first maximum wins; the sum as sum_c s_c * exp((max_c - max) * it) in chunk
+ * order), so every result is the same bits for any thread split and ISA path. The logits are
+ * the ones the full head writes, bit for bit (the same panel kernels). With F (tests:
+ * sk_argmax) the rows are read from F (ldf floats a row) instead of projected. */
+static void SKF(head_reduce)(const sk_model *m, sk_scratch *s, const void *X, int ldx, int nq, int n_valid, float it, int32_t *ids, float *vals, int tid,
+                             int nt, const float *F, int ldf) {
+    const int np = (n_valid + SK_P - 1) / SK_P, ch = SK_HEAD_COLS / SK_P, nc = (np + ch - 1) / ch, mq = s->max_q;
+    int a, b;
+    SKF(range)(nc, tid, nt, &a, &b);
+    float *buf = s->hbuf + (size_t)tid * mq * SK_HEAD_COLS;
+    for (int c = a; c < b; ++c) {
+        const int c0 = c * ch, c1 = c0 + ch < np ? c0 + ch : np, n0 = c0 * SK_P, n1 = c1 * SK_P < n_valid ? c1 * SK_P : n_valid;
+        /* mm writes panel p at column p * SK_P of y: shift y so that panel c0 lands at buf[0] */
+        if (!F) SKF(mm)(&m->output, X, ldx, nq, c0, c1, buf - (ptrdiff_t)n0, SK_HEAD_COLS, 0);
+        for (int r = 0; r < nq; ++r) {
+            const float *x = F ? F + (size_t)r * ldf + n0 : buf + (size_t)r * SK_HEAD_COLS;
+            const size_t o = (size_t)c * mq + r;
+            float v = 0.f;
+            int32_t i = -1;
+            SKF(argmax_scan)(x, n1 - n0, n0, &v, &i);
+            s->amax_v[o] = v;
+            s->amax_i[o] = i;
+            if (it > 0.f) s->amax_s[o] = v - v == 0.f ? SKF(exp_sum)(x, n1 - n0, v, it) : 0.f; /* a finite maximum only */
+        }
+    }
+    sk_bar(tid, nt);
+    int r0, r1;
+    SKF(range)(nq, tid, nt, &r0, &r1);
+    for (int r = r0; r < r1; ++r) {
+        float v = 0.f;
+        int32_t i = -1;
+        for (int c = 0; c < nc; ++c) {
+            const float cv = s->amax_v[(size_t)c * mq + r];
+            if (i < 0 || (v == v && (cv > v || cv != cv))) v = cv, i = s->amax_i[(size_t)c * mq + r];
+        }
+        ids[r] = i;
+        if (it <= 0.f) {
+            vals[r] = v;
+            continue;
+        }
+        if (v - v != 0.f) { /* NaN or inf at the maximum: no probability (the caller refuses the row) */
+            vals[r] = v - v;
+            continue;
+        }
+        float sum = 0.f;
+        for (int c = 0; c < nc; ++c) {
+            const size_t o = (size_t)c * mq + r;
+            sum = sum + s->amax_s[o] * SKF(expf)((s->amax_v[o] - v) * it);
+        }
+        vals[r] = 1.f / sum;
+    }
+}
+
+/* ---------------------------------------------------------------- the decoder step */
+
 static void SKF(step_job)(void *arg, int tid, int nt) {
     const SKF(step_args) *A = (const SKF(step_args) *)arg;
     const sk_model *m = A->m;
@@ -707,14 +850,19 @@ static void SKF(step_job)(void *arg, int tid, int nt) {
     {
         const int k256 = sk_is_kquant(m->output.type);
         const void *X = k256 ? (const void *)(s->a256 + (size_t)lo * s->lda256) : (const void *)(s->a32 + (size_t)lo * s->lda32);
+        if (A->ids) {
+            SKF(head_reduce)(m, s, X, k256 ? s->lda256 : s->lda32, nq, A->n_valid, A->inv_temp, A->ids + lo, A->vals + lo, tid, nt, NULL, 0);
+            return;
+        }
         int a, b;
         SKF(range)(m->output.n / SK_P, tid, nt, &a, &b);
         SKF(mm)(&m->output, X, k256 ? s->lda256 : s->lda32, nq, a, b, A->logits + (size_t)lo * A->ldl, A->ldl, 0);
     }
 }
 
-static void SKF(step)(const sk_model *m, const sk_kv *const *kvs, const int32_t *pos, sk_scratch *s, const int32_t *tokens, int q, float *logits, int ldl, int lo) {
-    SKF(step_args) a = {m, kvs, pos, s, tokens, q, lo, logits, ldl};
+static void SKF(step)(const sk_model *m, const sk_kv *const *kvs, const int32_t *pos, sk_scratch *s, const int32_t *tokens, int q, float *logits, int ldl, int lo,
+                      int32_t *ids, float *vals, int n_valid, float inv_temp) {
+    SKF(step_args) a = {m, kvs, pos, s, tokens, q, lo, logits, ldl, ids, vals, n_valid, inv_temp};
     sk_team_run(SKF(step_job), &a);
 }
 
@@ -742,6 +890,26 @@ static void SKF(mm_job)(void *arg, int tid, int nt) {
 static void SKF(matmul)(const sk_mat *m, const float *x, int q, float *y, sk_scratch *s) {
     SKF(mm_args) a = {m, x, q, y, s};
     sk_team_run(SKF(mm_job), &a);
+}
+
+/* the reduced head over float rows x [q][ld], ids [0, n) (tests) */
+typedef struct {
+    const float *x;
+    int q, n, ld;
+    float it;
+    int32_t *ids;
+    float *vals;
+    sk_scratch *s;
+} SKF(amax_args);
+
+static void SKF(amax_job)(void *arg, int tid, int nt) {
+    const SKF(amax_args) *A = (const SKF(amax_args) *)arg;
+    SKF(head_reduce)(NULL, A->s, NULL, 0, A->q, A->n, A->it, A->ids, A->vals, tid, nt, A->x, A->ld);
+}
+
+static void SKF(argmax_rows)(const float *x, int q, int n, int ld, float it, int32_t *ids, float *vals, sk_scratch *s) {
+    SKF(amax_args) a = {x, q, n, ld, it, ids, vals, s};
+    sk_team_run(SKF(amax_job), &a);
 }
 
 #undef LANES
