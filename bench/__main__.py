@@ -15,6 +15,7 @@ BENCHES = {
     "compare_load_texts": "greedy response texts of load runs (--save-texts) compared with a reference run",
     "soak_prefix": "prefix-cache soak: random multi-turn chats on several workers; nothing lost, RSS bounded",
     "ceiling": "the most speculation and batching can give on this CPU, from measured per-call costs",
+    "reduced_heads": "the kernels' reduced LM heads (argmax verification, a draft step's top-1) against full heads",
 }
 
 

@@ -205,7 +205,7 @@ def test_the_argmax_head_is_numpys_argmax():
     multiple of 16; every ISA path, 1 and 2 threads. Its value is the row's, bit for bit."""
     rng = np.random.default_rng(5)
     n = 5003  # 313 panels: 2 threads split at id 2496; chunks of 1024 columns
-    x = rng.standard_normal((13, n)).astype(np.float32)
+    x = rng.standard_normal((15, n)).astype(np.float32)
     x[0, [7, 4000]] = 9.0  # tie: thread 0's chunk 0 and thread 1's range
     x[1, [2047, 2048]] = 9.0  # tie across a chunk boundary
     x[2, [3001, 3002, 3010]] = 9.0  # ties inside one vector
@@ -222,6 +222,8 @@ def test_the_argmax_head_is_numpys_argmax():
     x[10, 5002] = 9.0  # the last id
     x[11, [1, 17, 1040]] = np.nan  # NaNs in the first vectors of two chunks
     x[12, [16, 15]] = 9.0  # the first of a tie sits in the vector before the other
+    x[13, [4000, 5000]] = 9.0  # a tie between the last chunk's vectors and its tail (ids past 4991)
+    x[14, [4995, 5001]] = 9.0  # a tie inside the tail
     want = np.argmax(x, 1)
     for isa in ISAS:
         for th in (1, 2):
@@ -267,7 +269,7 @@ def test_run_top1_is_the_draft_rows_top1(tiny, tmp_path):
     writes: the token, and the confidence within float32 rounding; with a trimmed head too
     (the token mapped back to the vocabulary's id; ids past the tokenizer's never chosen)."""
     from specrt.export.kernel_pack import write_panels
-    from specrt.runtime.errors import InputError
+    from specrt.runtime.errors import InputError, NumericsError
     from specrt.runtime.kernels.weights import KernelWeights
     from specrt.runtime.speculative import top1
 
@@ -287,6 +289,15 @@ def test_run_top1_is_the_draft_rows_top1(tiny, tmp_path):
         assert np.array_equal(m.k, ref.k)
     with pytest.raises(InputError, match="inv_temp"):
         m.run_top1([1], 0, 512, 0.0)
+    # the cut head is Q4_0 (8-bit activations per 32): a NaN there is not quantized as a 0 either
+    keep, nan = m.w.model.out_norm, np.full(int(m.w.dims["n_embd"]), np.nan, np.float32)
+    try:
+        m.w.model.out_norm = nan.ctypes.data
+        assert np.isnan(m.run(PROMPT[:3], 0)[:, ids]).all()
+        with pytest.raises(NumericsError, match="non-finite"):
+            m.run_top1(PROMPT[:3], 0, 512, 1.0)
+    finally:
+        m.w.model.out_norm = keep
 
 
 def test_run_argmax_is_the_argmax_of_run(tiny):
