@@ -35,8 +35,9 @@ def stats(ms: list[float]) -> dict:
     return {"median": round(float(med), 3), "q25": round(float(q25), 3), "q75": round(float(q75), 3), "n": len(ms)}
 
 
-def measure(engines: str, past: int, reps: int) -> dict:
-    """``{case: [ms, ...]}`` of the run described in the module docstring.
+def measure(engines: str, past: int, reps: int) -> tuple[dict, str]:
+    """``({case: [ms, ...]}, the kernels' ISA path)`` of the run described in the module
+    docstring (``SPECRT_KERNELS_ISA`` picks a slower path).
 
     Raises:
         SystemExit: a model of the folder does not run on the kernels.
@@ -74,7 +75,7 @@ def measure(engines: str, past: int, reps: int) -> dict:
             ids = t.run_argmax(toks[past : past + q], past, vocab)
             rec(f"target q={q}, argmax head (run_argmax)", t0)
             assert list(ids) == full
-    return {k: v[2:] for k, v in out.items()}
+    return {k: v[2:] for k, v in out.items()}, t.isa
 
 
 def main(argv=None) -> int:
@@ -87,13 +88,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     say_machine()
     load0 = os.getloadavg()
-    times = measure(a.engines, a.past, a.reps)
+    times, isa = measure(a.engines, a.past, a.reps)
     summary = {k: stats(v) for k, v in times.items()}
     for k, v in summary.items():
         print(f"{k:42s} {v['median']:8.3f} ms  [{v['q25']:.3f}, {v['q75']:.3f}]")
     draft = summary["draft step, reduced head (run_top1)"]["median"]
     target = summary["target q=1, argmax head (run_argmax)"]["median"]
-    print(f"draft step / target 1-row step: {draft / target:.3f}")
+    print(f"draft step / target 1-row step: {draft / target:.3f} (kernels' {isa} path)")
     rec = dict(
         what="reduced LM heads (sk_step_argmax) vs full heads: draft step and target steps, ms per call",
         command=command(),
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
         past=a.past,
         reps=a.reps,
         machine=machine_record(),
+        isa=isa,
         loadavg_before=load0,
         loadavg_after=os.getloadavg(),
         summary=summary,

@@ -346,11 +346,20 @@ def draft_panels(gguf_path: str | Path, out: Path, tokenizer_json: Path, end_ids
     """The draft's panels (``draft.panels``): every weight matrix quantized again to
     :data:`DRAFT_REQUANT`, the LM head cut to the ``head`` most frequent ids
     (:func:`ranked_ids`; 0 = all). The draft needs speed and acceptance, not exactness: the
-    target verifies every candidate. None when the kernels cannot run the file."""
+    target verifies every candidate. Its greedy step is timed on every ISA path this CPU runs
+    (``measured``: :func:`specrt.runtime.lab.kernel_paths.measure_draft_paths`). None when the
+    kernels cannot run the file."""
     import gguf
+
+    from specrt.runtime.lab.kernel_paths import measure_draft_paths
 
     vocab = int(next(t for t in gguf.GGUFReader(str(gguf_path)).tensors if t.name == "token_embd.weight").shape[1])
     ids = None
     if head and head < vocab:
         ids = np.sort(ranked_ids(tokenizer_json, vocab, tuple(end_ids))[: head // 16 * 16])
-    return write_panels(gguf_path, out, "draft", log, requant=DRAFT_REQUANT, head_ids=ids)
+    rec = write_panels(gguf_path, out, "draft", log, requant=DRAFT_REQUANT, head_ids=ids)
+    if rec is None:
+        return None
+    rec["measured"] = measure_draft_paths(Path(out), rec)
+    log("  kernels: draft step " + ", ".join(f"{m['step_ms']:.1f} ms ({m['isa']})" for m in rec["measured"]) + " on this machine")
+    return rec

@@ -75,6 +75,8 @@ def test_the_engine_runs_the_target_on_the_kernels(engine):
     d = engine.manifest.extra["kernels"]["draft"]
     assert d["file"] in engine.manifest.files and d["requantized"]["type"] == "Q4_0"
     assert "head" not in d  # SmolLM2's 49,152 ids are fewer than the 65,536 a draft head keeps
+    assert [m["isa"] for m in d["measured"]] == list(K.ISAS[: K.ISAS.index(K.cpu_isa()) + 1])  # its step timed on every path
+    assert all(m["step_ms"] > 0 and m["machine"]["cores"] >= 1 for m in d["measured"])
     assert engine.plan(engine.resolve(GenerationConfig())).min_q == 1
 
 
