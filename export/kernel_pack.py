@@ -221,8 +221,10 @@ def write_panels(gguf_path: str | Path, out: Path, role: str, log=print, requant
     vocab = int(tensors["token_embd"].shape[1])
     if head_ids is not None:
         head_ids = np.asarray(head_ids, dtype=np.int32)
-        if len(head_ids) % 16 or len(head_ids) == 0 or head_ids.min() < 0 or head_ids.max() >= vocab:
-            raise ValueError(f"head_ids: {len(head_ids)} ids in [{head_ids.min()}, {head_ids.max()}]; need a positive multiple of 16 ids in 0..{vocab - 1}")
+        if len(head_ids) % 16 or len(head_ids) == 0 or head_ids.min() < 0 or head_ids.max() >= vocab or (np.diff(head_ids) <= 0).any():
+            raise ValueError(
+                f"head_ids: {len(head_ids)} ids in [{head_ids.min()}, {head_ids.max()}]; need a positive multiple of 16 ids in 0..{vocab - 1}, ascending, each once"
+            )
     path = Path(out) / f"{role}.panels"
     index, offset = {}, 0
     extra = {"head_ids": head_ids} if head_ids is not None else {}

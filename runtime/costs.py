@@ -101,7 +101,9 @@ def loop_call(model, role: str, vocab: int) -> Callable:
     step's ``run_top1`` (its token and confidence) and a verification's ``run_argmax`` where
     the model offers them (specrt's kernels: :class:`~specrt.runtime.backends.kern.KernelModel`),
     else ``run`` (logits rows). ``role``: ``"draft"`` or ``"target"``; ``vocab``: the
-    tokenizer's ids."""
+    tokenizer's ids. Sampled, constrained and logprob runs read full rows, which cost a little
+    more (on the real pair's draft 0.4-0.5 ms a step, docs/bench/real_pair/reduced_heads_*):
+    adaptive k uses these greedy costs for them too."""
     if role == "draft" and hasattr(model, "run_top1"):
         return lambda toks, start: model.run_top1(toks, start, vocab, 1.0)
     if role == "target" and getattr(model, "argmax_head", False):

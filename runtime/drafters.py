@@ -108,7 +108,9 @@ class ModelDrafter:
     (``acc.forced_at``) is proposed without a call; the draft sees it with the next call.
     Under a plain greedy acceptor (nothing else reads the draft's rows) a draft that offers
     ``run_top1`` (specrt's kernels) gives each step's token and confidence straight from its
-    reduced head, no logits row; the token is the same, so the candidates are.
+    reduced head, no logits row. The token is the same; the confidence equals numpy's to
+    float32 rounding, so a step right at the threshold may be proposed where a traced run
+    (full rows) would not, or the reverse: rounds may differ, the output cannot.
 
     Args:
         draft: the draft model. kv: rows its KV already holds for the sequence (prefix

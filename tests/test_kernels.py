@@ -79,6 +79,19 @@ def test_matmul_is_the_product_on_8_bit_activations(tensors, ty):
 
 
 @pytest.mark.parametrize("ty", TYPES, ids=lambda t: PN.TYPES[t])
+def test_a_nan_in_one_activation_block_makes_its_row_nan(tensors, ty):
+    """One NaN among finite activations: its row's outputs are NaN (the caller refuses them),
+    never computed as if it were 0; the other rows are unchanged."""
+    _, panels, n, k = tensors[ty]
+    x = np.random.default_rng(4).standard_normal((3, k)).astype(np.float32)
+    base = K.matmul(ty, n, k, panels, x)
+    x[1, 40] = np.nan
+    y = K.matmul(ty, n, k, panels, x)
+    assert np.isnan(y[1]).all()
+    np.testing.assert_array_equal(bits(y[[0, 2]]), bits(base[[0, 2]]))
+
+
+@pytest.mark.parametrize("ty", TYPES, ids=lambda t: PN.TYPES[t])
 def test_matmul_rows_do_not_depend_on_width_threads_or_isa(tensors, ty):
     """Every window of every width 1..k_max+1, the 256-row prefill chunk, 1 and 2 threads,
     every ISA path: the same bits for each row."""
@@ -204,10 +217,10 @@ def test_the_argmax_head_is_numpys_argmax():
     NaN beats every number), inf, all -inf, -0.0 == 0.0, the last id, a width that is not a
     multiple of 16; every ISA path, 1 and 2 threads. Its value is the row's, bit for bit."""
     rng = np.random.default_rng(5)
-    n = 5003  # 313 panels: 2 threads split at id 2496; chunks of 1024 columns
-    x = rng.standard_normal((15, n)).astype(np.float32)
-    x[0, [7, 4000]] = 9.0  # tie: thread 0's chunk 0 and thread 1's range
-    x[1, [2047, 2048]] = 9.0  # tie across a chunk boundary
+    n = 5003  # chunks of 1,024 ids: 5 chunks, 2 threads split at id 2048 (chunks 0-1, 2-4)
+    x = rng.standard_normal((16, n)).astype(np.float32)
+    x[0, [7, 4000]] = 9.0  # tie: chunk 0 (thread 0) and chunk 3 (thread 1)
+    x[1, [2047, 2048]] = 9.0  # tie across a chunk boundary and the 2-thread split
     x[2, [3001, 3002, 3010]] = 9.0  # ties inside one vector
     x[3, [4990, 5000]] = np.nan  # thread 1's NaNs after thread 0's larger number
     x[3, 10] = 50.0
@@ -216,7 +229,7 @@ def test_the_argmax_head_is_numpys_argmax():
     x[6] = 0.0
     x[6, :50] = -0.0  # equal to 0.0: the first id
     x[7, 5001] = 20.0  # in the tail past the last full vector
-    x[8, [2495, 2496]] = 9.0  # tie across the 2-thread split
+    x[8, [2495, 2496]] = 9.0  # tie inside chunk 2
     x[9, [5, 3000]] = np.nan  # a NaN in each thread's range: the first
     x[9, 6] = np.inf
     x[10, 5002] = 9.0  # the last id
@@ -224,6 +237,8 @@ def test_the_argmax_head_is_numpys_argmax():
     x[12, [16, 15]] = 9.0  # the first of a tie sits in the vector before the other
     x[13, [4000, 5000]] = 9.0  # a tie between the last chunk's vectors and its tail (ids past 4991)
     x[14, [4995, 5001]] = 9.0  # a tie inside the tail
+    x[15] = -1.0
+    x[15, [3, 17]] = [0.0, -0.0]  # equal maxima of both signs in two vectors: id 3, its value +0.0
     want = np.argmax(x, 1)
     for isa in ISAS:
         for th in (1, 2):
@@ -274,7 +289,7 @@ def test_run_top1_is_the_draft_rows_top1(tiny, tmp_path):
     from specrt.runtime.speculative import top1
 
     g, _, weights = tiny
-    ids = np.sort(np.random.default_rng(5).choice(512, 64, replace=False)).astype(np.int32)
+    ids = np.sort(np.random.default_rng(5).choice(np.arange(1, 512), 64, replace=False)).astype(np.int32)  # id 0 cut: a vocab below every kept id
     cut = write_panels(g, tmp_path, "cut", log=lambda *_: None, requant=R.Q4_0, head_ids=ids)
     for m in (model(weights()), model(KernelWeights(tmp_path / "cut.panels", cut, 256, 64))):
         ref = model(m.w)
@@ -289,6 +304,8 @@ def test_run_top1_is_the_draft_rows_top1(tiny, tmp_path):
         assert np.array_equal(m.k, ref.k)
     with pytest.raises(InputError, match="inv_temp"):
         m.run_top1([1], 0, 512, 0.0)
+    with pytest.raises(InputError, match="no id of this model's head is below it"):
+        m.run_top1([1], 0, int(ids[0]), 1.0)
     # the cut head is Q4_0 (8-bit activations per 32): a NaN there is not quantized as a 0 either
     keep, nan = m.w.model.out_norm, np.full(int(m.w.dims["n_embd"]), np.nan, np.float32)
     try:
@@ -418,3 +435,5 @@ def test_a_trimmed_draft_head_gives_the_full_heads_logits_at_its_ids(tiny, tmp_p
         m.run_argmax(PROMPT[:2], 0, 64)
     with pytest.raises(ValueError, match="multiple of 16"):
         write_panels(g, tmp_path, "bad", log=lambda *_: None, head_ids=ids[:10])
+    with pytest.raises(ValueError, match="ascending, each once"):  # the reduced head's id order relies on it
+        write_panels(g, tmp_path, "bad", log=lambda *_: None, head_ids=ids[::-1].copy())

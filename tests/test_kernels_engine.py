@@ -120,9 +120,15 @@ def test_greedy_rounds_read_reduced_heads_and_equal_full_rows(engine, monkeypatc
         assert len(calls) == n and len(steps) == d, "logprobs read full rows"
         assert full.tokens == spec.tokens
         full = engine.generate(p, replace(cfg, speculative=False, logprobs=0))
+        assert len(calls) == n, "logprobs read full rows"
         alone = engine.generate(p, replace(cfg, speculative=False))
+        assert len(calls) > n, "target-only steps read argmax rows"
         assert spec.tokens == full.tokens == alone.tokens, p
         assert spec.text == full.text
+    n, d = len(calls), len(steps)
+    for other in (replace(cfg, temperature=0.7, seed=1), replace(cfg, logit_bias={5: -1.0})):
+        engine.generate(PROMPTS[0], other)
+    assert (len(calls), len(steps)) == (n, d), "sampling and a logit bias read full rows, the target's and the draft's"
 
 
 def test_a_repeated_prompt_reuses_rows_and_equals_its_cold_run(folder):

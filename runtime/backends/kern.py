@@ -157,7 +157,9 @@ class KernelModel:
         n = self._top1_valid.get(vocab)
         if n is None:
             h = self.w.head_ids
-            n = self._top1_valid[vocab] = min(vocab, self.vocab) if h is None else int(np.searchsorted(h, vocab))
+            n = self._top1_valid[vocab] = min(vocab, self.vocab) if h is None else int(np.searchsorted(h, vocab))  # the export sorts head ids
+        if n == 0:
+            raise InputError(f"vocab={vocab}: no id of this model's head is below it (its lowest is {int(self.w.head_ids[0])})")
         out, v = self._reduced(tokens, start, n, inv_temp, self._conf, len(tokens) - 1)
         conf = float(v[-1])
         if not np.isfinite(conf):

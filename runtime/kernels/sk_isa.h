@@ -671,7 +671,7 @@ static inline void SKF(argmax_scan)(const float *x, int n, int base, float *bv, 
         if (*bi < 0 || m > *bv)
             for (int t = 0; t < j; ++t)
                 if (x[t] == m) {
-                    *bv = m, *bi = base + t;
+                    *bv = x[t], *bi = base + t; /* x[t], not m: -0.0 == 0.0, the row's own bits */
                     break;
                 }
     }
