@@ -95,9 +95,7 @@ class KernelModel:
         w = self.w
         with w.lock:
             rc = w.lib.sk_step(self._isa, *self._args, w.scratch, ids.ctypes.data, q, start, self._out.ctypes.data, self._ld, lo)
-        if rc == -3:
-            raise InputError(f"a token id in {list(map(int, ids[:q]))} is outside the vocabulary 0..{self.vocab - 1}")
-        check_rc(rc, "kernels step")
+        self._check(rc, q)
         if self.head is not None and lo < q:
             if self.rows_ready < q:
                 self.logits[self.rows_ready : q] = -np.inf
@@ -176,10 +174,15 @@ class KernelModel:
         w = self.w
         with w.lock:
             rc = w.lib.sk_step_argmax(self._isa, *self._args, w.scratch, ids.ctypes.data, q, start, out.ctypes.data, vals.ctypes.data, n_valid, inv_temp, lo)
-        if rc == -3:
-            raise InputError(f"a token id in {list(map(int, ids[:q]))} is outside the vocabulary 0..{self.vocab - 1}")
-        check_rc(rc, "kernels step")
+        self._check(rc, q)
         return out[lo:q], vals[lo:q]
+
+    def _check(self, rc: int, q: int) -> None:
+        """Raise for a step's return code: InputError for a token id outside the vocabulary
+        (the ``q`` ids of the call named), else :func:`~specrt.runtime.kernels.check_rc`."""
+        if rc == -3:
+            raise InputError(f"a token id in {list(map(int, self.ids[:q]))} is outside the vocabulary 0..{self.vocab - 1}")
+        check_rc(rc, "kernels step")
 
     def fork(self) -> "KernelModel":
         """Another model over the same weights with its own KV, logits and ids buffers."""

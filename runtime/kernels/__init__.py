@@ -213,21 +213,31 @@ def matmul(ggml_type: int, n: int, k: int, panels: np.ndarray, x: np.ndarray, is
     Raises:
         RuntimeError: no library; ValueError: a bad ISA name.
     """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    q = x.shape[0]
+    y = np.empty((q, n), np.float32)
+    m = mat(ggml_type, n, k, panels)
+    _scratch_call("sk_matmul", threads, q, k, lambda lib, s: lib.sk_matmul(isa_id(isa or cpu_isa()), ctypes.byref(m), x.ctypes.data, q, y.ctypes.data, s))
+    return y
+
+
+def _scratch_call(what: str, threads: int | None, q: int, k: int, call) -> None:
+    """``call(lib, scratch)`` (returning the library's code) with a scratch of ``q`` rows of
+    width ``k`` made and freed around it; the team restarted with ``threads`` first when given.
+
+    Raises:
+        RuntimeError: no library, or ``what`` failed.
+    """
     lib = library()
     if lib is None:
         raise RuntimeError(status())
     if threads is not None:
         start_team(threads)
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    q = x.shape[0]
-    y = np.empty((q, n), np.float32)
-    m = mat(ggml_type, n, k, panels)
     s = lib.sk_scratch_new(q, k, 0, 0, 0, 0)
     try:
-        check_rc(lib.sk_matmul(isa_id(isa or cpu_isa()), ctypes.byref(m), x.ctypes.data, q, y.ctypes.data, s), "sk_matmul")
+        check_rc(call(lib, s), what)
     finally:
         lib.sk_scratch_free(s)
-    return y
 
 
 def argmax(x: np.ndarray, isa: str | None = None, threads: int | None = None, inv_temp: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
@@ -243,19 +253,16 @@ def argmax(x: np.ndarray, isa: str | None = None, threads: int | None = None, in
     Raises:
         RuntimeError: no library; ValueError: a bad ISA name.
     """
-    lib = library()
-    if lib is None:
-        raise RuntimeError(status())
-    if threads is not None:
-        start_team(threads)
     x = np.ascontiguousarray(x, dtype=np.float32)
     q, n = x.shape
     ids, vals = np.empty(q, np.int32), np.empty(q, np.float32)
-    s = lib.sk_scratch_new(q, 32, 0, 0, 0, 0)
-    try:
-        check_rc(lib.sk_argmax(isa_id(isa or cpu_isa()), x.ctypes.data, q, n, n, inv_temp, ids.ctypes.data, vals.ctypes.data, s), "sk_argmax")
-    finally:
-        lib.sk_scratch_free(s)
+    _scratch_call(
+        "sk_argmax",
+        threads,
+        q,
+        32,
+        lambda lib, s: lib.sk_argmax(isa_id(isa or cpu_isa()), x.ctypes.data, q, n, n, inv_temp, ids.ctypes.data, vals.ctypes.data, s),
+    )
     return ids, vals
 
 
