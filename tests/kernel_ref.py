@@ -49,7 +49,7 @@ def dequant(raw: np.ndarray, ggml_type: int, n: int, k: int) -> np.ndarray:
     return dequantize(raw, gguf.GGMLQuantizationType(ggml_type)).reshape(n, k)
 
 
-# ---------------------------------------------------------------- activations, as sk.c quantizes them
+# ---------------------------------------------------------------- activations, as the kernels quantize them (c/quant.h)
 
 
 def q8k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:

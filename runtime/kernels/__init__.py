@@ -1,6 +1,6 @@
 """specrt's own CPU kernels: exact q-row matmuls over a GGUF's blocks and the decoder step
-around them, in C (``sk.c``), built by the package's own build at install (setup.py: gcc, no
-download) and loaded here with ctypes.
+around them, in C (``runtime/kernels/c/``: its source map is in docs/guide/kernels.md), built by
+the package's own build at install (setup.py: gcc, no download) and loaded here with ctypes.
 
 The library has three paths compiled in, chosen at run time by the CPU: AVX-512 VNNI, AVX2
 (with FMA and F16C) and portable C. Every path computes each output with the same sequence
@@ -29,6 +29,9 @@ __all__ = [
     "SkLayer",
     "SkModel",
     "SkKv",
+    "SkTypeDesc",
+    "MAX_THREADS",
+    "c_types",
     "library",
     "status",
     "cpu_isa",
@@ -39,16 +42,19 @@ __all__ = [
     "check_rc",
 ]
 
-ABI = 3  # sk.h's SK_ABI: the structs below and the entry points bound in _load
-ISAS = ("portable", "avx2", "avx512vnni")  # ids 0, 1, 2 (sk.h)
+ABI = 4  # sk.h's SK_ABI: the structs below and the entry points bound in _load
+ISAS = ("portable", "avx2", "avx512vnni")  # ids 0, 1, 2 (sk.h; the library's sk_isa_name agrees: tests)
+MAX_THREADS = 64  # sk.h's SK_MAX_THREADS: the most threads of the team (the library's sk_max_threads agrees)
 HERE = Path(__file__).resolve().parent
-SOURCES = ("sk.c", "sk.h", "sk_isa.h", "sk_vec.h")
+CSRC = HERE / "c"  # the C sources (setup.py builds them)
+LIBRARY_ENV = "SPECRT_KERNELS_LIB"  # path of a library to load instead of the built one (the sanitizer build)
 _ERRORS = {
     -1: "the requested ISA path is not supported by this CPU",
     -2: "bad arguments (width, start, shapes or buffers)",
     -3: "a token id outside the vocabulary",
     -4: "out of memory",
     -5: "could not start the thread team",
+    -6: "the model's shapes do not agree with its dims or its scratch",
 }
 
 
@@ -81,21 +87,28 @@ class SkModel(ctypes.Structure):
     )
 
 
+class SkTypeDesc(ctypes.Structure):
+    """sk.h ``sk_type_desc``: one row of the C block-type table (``sk_type_describe``)."""
+
+    _fields_ = [(n, c_int32) for n in ("ggml_type", "block", "gguf_bytes", "panel_bytes", "act", "isa_mask")] + [("name", ctypes.c_char * 16)]
+
+
 class SkKv(ctypes.Structure):
     """sk.h ``sk_kv``: the f16 K tiles and V rows of one sequence."""
 
     _fields_ = [("k", c_void_p), ("v", c_void_p)]
 
 
-def source_hash(folder: Path = HERE) -> str | None:
-    """SHA-256 (hex, 16 digits) of the C sources in ``folder``, or None when they are not
-    there (an installed wheel ships the library only)."""
+def source_hash(folder: Path = CSRC) -> str | None:
+    """SHA-256 (hex, 16 digits) of the C sources (every ``*.c`` and ``*.h``, by name) in
+    ``folder``, as setup.py stamps them into the library; None when there are none (a wheel
+    without its sources)."""
+    files = sorted(p for p in folder.glob("*") if p.suffix in (".c", ".h")) if folder.is_dir() else []
+    if not files:
+        return None
     h = hashlib.sha256()
-    for name in SOURCES:
-        p = folder / name
-        if not p.is_file():
-            return None
-        h.update(p.read_bytes())
+    for p in files:
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -104,6 +117,16 @@ _state: dict = {}
 
 
 def _find() -> Path | None:
+    """The library to load: ``$SPECRT_KERNELS_LIB`` when set, else this interpreter's build
+    (``_sk`` with this interpreter's extension suffix), else any ``_sk*`` build here."""
+    import importlib.machinery
+    import os
+
+    if os.environ.get(LIBRARY_ENV):
+        return Path(os.environ[LIBRARY_ENV])
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        if (HERE / f"_sk{suffix}").is_file():
+            return HERE / f"_sk{suffix}"
     found = sorted(HERE.glob("_sk*.so")) + sorted(HERE.glob("_sk*.pyd"))
     return found[0] if found else None
 
@@ -134,6 +157,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sk_step_rows.argtypes = [c_int, POINTER(SkModel), c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int, c_int]
     lib.sk_argmax.argtypes = [c_int, c_void_p, c_int, c_int, c_int, c_float, c_void_p, c_void_p, c_void_p]
     lib.sk_step_argmax.argtypes = [c_int, POINTER(SkModel), POINTER(SkKv), c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_float, c_int]
+    lib.sk_type_describe.argtypes = [c_int, POINTER(SkTypeDesc)]
+    lib.sk_isa_name.restype = ctypes.c_char_p
+    lib.sk_isa_name.argtypes = [c_int]
     return lib, None
 
 
@@ -188,6 +214,26 @@ def start_team(threads: int, spin_us: int = 200) -> None:
         _state["team"] = (threads, spin_us)
 
 
+def c_types() -> dict[int, dict]:
+    """The C block-type table as the library describes it (``sk_type_describe``): ggml type id
+    -> ``{"name", "block", "gguf_bytes", "panel_bytes", "act" ("q8_k" | "q8_0"), "isas"
+    (names of the paths with a kernel)}`` (tests check :data:`.panels.TABLE` against it).
+
+    Raises:
+        RuntimeError: no library.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(status())
+    out, d = {}, SkTypeDesc()
+    for t in range(64):
+        if lib.sk_type_describe(t, ctypes.byref(d)) == 0:
+            isas = tuple(ISAS[i] for i in range(len(ISAS)) if d.isa_mask >> i & 1)
+            act = {1: "q8_k", 2: "q8_0"}.get(d.act, f"unknown {d.act}")
+            out[t] = {"name": d.name.decode(), "block": d.block, "gguf_bytes": d.gguf_bytes, "panel_bytes": d.panel_bytes, "act": act, "isas": isas}
+    return out
+
+
 def check_rc(rc: int, what: str) -> None:
     """Raise for a non-zero return code of the library.
 
@@ -199,7 +245,21 @@ def check_rc(rc: int, what: str) -> None:
 
 
 def mat(ggml_type: int, n: int, k: int, panels: np.ndarray) -> SkMat:
-    """An :class:`SkMat` over ``panels`` (uint8, kept alive by the caller)."""
+    """An :class:`SkMat` over ``panels`` (uint8, kept alive by the caller).
+
+    Raises:
+        ValueError: a type or shape the kernels do not run, or panels that are not a
+            contiguous uint8 array of at least the bytes ``[n, k]`` takes.
+    """
+    from .panels import panel_bytes, supported
+
+    why = supported(ggml_type, n, k)
+    if why:
+        raise ValueError(why)
+    if not isinstance(panels, np.ndarray) or panels.dtype != np.uint8 or not panels.flags.c_contiguous:
+        raise ValueError("panels must be a contiguous uint8 array (panels.pack's output)")
+    if panels.nbytes < panel_bytes(ggml_type, n, k):
+        raise ValueError(f"panels hold {panels.nbytes} bytes; a [{n}, {k}] matrix of type {ggml_type} takes {panel_bytes(ggml_type, n, k)}")
     return SkMat(ggml_type, n, k, 0, panels.ctypes.data)
 
 
@@ -214,6 +274,8 @@ def matmul(ggml_type: int, n: int, k: int, panels: np.ndarray, x: np.ndarray, is
         RuntimeError: no library; ValueError: a bad ISA name.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != k or x.shape[0] < 1:
+        raise ValueError(f"x is {list(x.shape)}; the matrix takes rows of {k}")
     q = x.shape[0]
     y = np.empty((q, n), np.float32)
     m = mat(ggml_type, n, k, panels)
@@ -251,9 +313,11 @@ def argmax(x: np.ndarray, isa: str | None = None, threads: int | None = None, in
         maximum is not finite).
 
     Raises:
-        RuntimeError: no library; ValueError: a bad ISA name.
+        RuntimeError: no library; ValueError: a bad ISA name, or x not 2-D.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or min(x.shape) < 1:
+        raise ValueError(f"x is {list(x.shape)}; need [q, n] rows")
     q, n = x.shape
     ids, vals = np.empty(q, np.int32), np.empty(q, np.float32)
     _scratch_call(
@@ -271,13 +335,15 @@ def dequant(ggml_type: int, n: int, k: int, panels: np.ndarray, n0: int = 0, n1:
     by the C code the kernels use (the export's exactness check against ``gguf.dequantize``).
 
     Raises:
-        RuntimeError: no library, or bad rows.
+        RuntimeError: no library. ValueError: bad rows or panels (:func:`mat`).
     """
     lib = library()
     if lib is None:
         raise RuntimeError(status())
     n1 = n if n1 is None else n1
-    out = np.empty((n1 - n0, k), np.float32)
+    if not 0 <= n0 <= n1 <= n:
+        raise ValueError(f"rows {n0}..{n1} of {n}")
     m = mat(ggml_type, n, k, panels)
+    out = np.empty((n1 - n0, k), np.float32)
     check_rc(lib.sk_dequant(ctypes.byref(m), n0, n1, out.ctypes.data), "sk_dequant")
     return out

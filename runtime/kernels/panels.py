@@ -3,7 +3,7 @@
 A weight matrix ``W [n, k]`` (GGUF: ``n`` rows of ``k / block`` blocks) becomes panels of
 :data:`P` = 16 output columns. Per panel and per K block, the block's integers are
 interleaved by column, four consecutive k of one column in one 32-bit lane, so that one
-64-byte load serves 16 columns and every row of a q-row call (runtime/kernels/sk_isa.h).
+64-byte load serves 16 columns and every row of a q-row call (runtime/kernels/c/dot_*.h).
 The integers and fp16 scales are the file's own: nothing is requantized, so the layout is
 exact by construction, and :func:`check_tensor` proves it per tensor by dequantizing the
 panels in C and comparing bit for bit with ``gguf.dequantize`` of the same bytes.
@@ -31,16 +31,14 @@ Q4_K and Q4_0/Q4_1 hold exactly the GGUF's bytes per column (Q4_K adds 4 bytes a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 
-__all__ = ["P", "TYPES", "BLOCK", "GGUF_BLOCK_BYTES", "PANEL_BLOCK_BYTES", "panel_bytes", "pack", "supported"]
+__all__ = ["P", "BlockType", "TABLE", "TYPES", "BLOCK", "GGUF_BLOCK_BYTES", "PANEL_BLOCK_BYTES", "panel_bytes", "pack", "supported"]
 
 P = 16  # output columns per panel
-# ggml type ids and names the kernels run
-TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
-BLOCK = {2: 32, 3: 32, 6: 32, 8: 32, 12: 256, 14: 256}  # K per block
-GGUF_BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 8: 34, 12: 144, 14: 210}
-PANEL_BLOCK_BYTES = {2: 288, 3: 320, 6: 544, 8: 544, 12: 2368, 14: 3360}  # per panel (16 columns) and block
 
 
 def supported(ggml_type: int, n: int, k: int) -> str | None:
@@ -147,7 +145,46 @@ def _q4_1(b: np.ndarray) -> list[np.ndarray]:
     ]
 
 
-_PACKERS = {12: _q4k, 14: _q6k, 8: _q8_0, 6: _q5_0, 2: _q4_0, 3: _q4_1}
+@dataclass(frozen=True)
+class BlockType:
+    """One GGUF block type the kernels run: a row of the block-type table, the Python half of
+    the C table in ``runtime/kernels/c/types.c`` (tests/test_kernels.py checks the two against
+    each other through the library's ``sk_type_describe``).
+
+    Attributes:
+        ggml_type: ggml's type id; name: ggml's name.
+        block: weights (k) per block; gguf_bytes: bytes of one block in a GGUF file;
+        panel_bytes: bytes of one block of one panel of :data:`P` columns (the layouts: the
+        module docstring).
+        activation: the activations its kernels read: ``"q8_k"`` (per 256) or ``"q8_0"`` (per 32).
+        pack: ``[np, P, nb, gguf_bytes]`` GGUF bytes -> the parts of each panel block, in order.
+    """
+
+    ggml_type: int
+    name: str
+    block: int
+    gguf_bytes: int
+    panel_bytes: int
+    activation: str
+    pack: Callable[[np.ndarray], list[np.ndarray]]
+
+
+# Adding a block type: a row here and one in types.c (the C table), its packer above, its
+# dequantizer and panel kernels in C (docs/guide/kernels.md, "Adding a block type").
+TABLE: tuple[BlockType, ...] = (
+    BlockType(2, "Q4_0", 32, 18, 288, "q8_0", _q4_0),
+    BlockType(3, "Q4_1", 32, 20, 320, "q8_0", _q4_1),
+    BlockType(6, "Q5_0", 32, 22, 544, "q8_0", _q5_0),
+    BlockType(8, "Q8_0", 32, 34, 544, "q8_0", _q8_0),
+    BlockType(12, "Q4_K", 256, 144, 2368, "q8_k", _q4k),
+    BlockType(14, "Q6_K", 256, 210, 3360, "q8_k", _q6k),
+)
+_BY_ID = {t.ggml_type: t for t in TABLE}
+# views of the table by ggml type id
+TYPES = {t.ggml_type: t.name for t in TABLE}
+BLOCK = {t.ggml_type: t.block for t in TABLE}  # K per block
+GGUF_BLOCK_BYTES = {t.ggml_type: t.gguf_bytes for t in TABLE}
+PANEL_BLOCK_BYTES = {t.ggml_type: t.panel_bytes for t in TABLE}  # per panel (16 columns) and block
 
 
 def pack(raw: np.ndarray, ggml_type: int, n: int, k: int) -> np.ndarray:
@@ -169,7 +206,7 @@ def pack(raw: np.ndarray, ggml_type: int, n: int, k: int) -> np.ndarray:
     why = supported(ggml_type, n, k)
     if why:
         raise ValueError(why)
-    parts = _PACKERS[ggml_type](_blocks(raw, ggml_type, n, k))
+    parts = _BY_ID[ggml_type].pack(_blocks(raw, ggml_type, n, k))
     npan, nb = n // P, k // BLOCK[ggml_type]
     # each part [np, nb, ...]: per (panel, block) its bytes, then the parts one after the other
     out = np.concatenate([np.ascontiguousarray(x).reshape(npan, nb, -1) for x in parts], axis=-1)

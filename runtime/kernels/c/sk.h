@@ -1,32 +1,37 @@
 /* specrt kernels: exact q-row matmuls over GGUF blocks in a column-panel layout, and the
  * whole decoder step (RMSNorm, RoPE, grouped-query attention over an f16 KV cache, SwiGLU)
- * around them. The ABI the Python side (runtime/kernels/__init__.py, ctypes) binds to.
+ * around them. The ABI the Python side (runtime/kernels/__init__.py, ctypes) binds to: the
+ * structs below and the SK_EXPORT functions of api.c and types.c.
  *
  * Exactness contract: every output of every function here is computed by the same sequence
  * of floating-point operations whatever the call width q, the thread count and the ISA path
  * (AVX-512 VNNI, AVX2, portable C): integer sums are exact, float operations are explicit
  * (no contraction: built with -ffp-contract=off), reductions have a fixed lane structure.
  * So a row's bits depend on its own inputs only.
+ *
+ * Source map: docs/guide/kernels.md ("The C source").
  */
 #ifndef SPECRT_SK_H
 #define SPECRT_SK_H
 #include <stdint.h>
 
-#define SK_ABI 3
-#define SK_P 16        /* output columns per panel (one zmm of int32 lanes) */
+#define SK_ABI 4
+#define SK_P 16 /* output columns per panel (one zmm of int32 lanes) */
 #define SK_MAX_THREADS 64
 
-/* ggml type ids (ggml.h) */
+/* ggml type ids (ggml.h) of the block types the kernels run (the table: types.c) */
 enum { SK_F32 = 0, SK_F16 = 1, SK_Q4_0 = 2, SK_Q4_1 = 3, SK_Q5_0 = 6, SK_Q8_0 = 8, SK_Q4_K = 12, SK_Q6_K = 14 };
-/* ISA paths */
-enum { SK_ISA_PORTABLE = 0, SK_ISA_AVX2 = 1, SK_ISA_AVX512VNNI = 2 };
+#define SK_TYPE_IDS 40 /* ggml type ids below this have a row in the table (most rows empty) */
 
-/* bytes per (panel of 16 columns x one K block) of each panel type; K block = 256 (K-quants) or 32 */
-#define SK_Q4K_PSB (128 * SK_P + 8 * SK_P + 8 * SK_P + 2 * SK_P + 2 * SK_P) /* 2368 */
-#define SK_Q6K_PSB (128 * SK_P + 64 * SK_P + 16 * SK_P + 2 * SK_P)          /* 3360 */
-#define SK_I8_PSB (32 * SK_P + 2 * SK_P)                                    /* 544: Q8_0, Q5_0 */
-#define SK_Q40_PSB (16 * SK_P + 2 * SK_P)                                   /* 288 */
-#define SK_Q41_PSB (16 * SK_P + 2 * SK_P + 2 * SK_P)                        /* 320 */
+/* ISA paths, slowest first (the index of sk_isas[] in api.c) */
+enum { SK_ISA_PORTABLE = 0, SK_ISA_AVX2 = 1, SK_ISA_AVX512VNNI = 2, SK_ISA_COUNT = 3 };
+
+/* activation kinds a block type's kernels read (bit flags: a step quantizes every kind its
+ * matrices need): llama.cpp's Q8_K (per 256) and Q8_0 (per 32) */
+enum { SK_ACT_Q8_K = 1, SK_ACT_Q8_0 = 2 };
+
+/* return codes of the exported functions (the Python side words them) */
+enum { SK_OK = 0, SK_E_ISA = -1, SK_E_ARGS = -2, SK_E_TOKEN = -3, SK_E_NOMEM = -4, SK_E_THREADS = -5, SK_E_MODEL = -6 };
 
 /* one weight matrix: y[r][n] = sum_k W[n][k] x[r][k], n < n_out, k < n_in; w = panels */
 typedef struct {
@@ -57,5 +62,17 @@ typedef struct {
 typedef struct {
     uint16_t *k, *v;
 } sk_kv;
+
+/* one row of the block-type table as sk_type_describe gives it (the Python table,
+ * runtime/kernels/panels.py, is checked against it) */
+typedef struct {
+    int32_t ggml_type;   /* ggml's id */
+    int32_t block;       /* weights (k) per block */
+    int32_t gguf_bytes;  /* bytes of one block in a GGUF file */
+    int32_t panel_bytes; /* bytes of one block of one panel (SK_P columns) */
+    int32_t act;         /* SK_ACT_Q8_K or SK_ACT_Q8_0 */
+    int32_t isa_mask;    /* bit i: a kernel for ISA path i */
+    char name[16];       /* ggml's name */
+} sk_type_desc;
 
 #endif

@@ -1,0 +1,25 @@
+/* The AVX-512 VNNI path of the kernels: the kernel bodies (kernels.h) compiled against vec_avx512.h
+ * inside `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2,prefer-vector-width=512")`. Exports the
+ * path's panel kernel of each block type (named in the block-type table, types.c) and its
+ * sk_isa (the exported entry points choose it by id, api.c).
+ */
+#include "sk_internal.h"
+
+#if SK_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2,prefer-vector-width=512")
+#include "vec_avx512.h"
+
+#include "kernels.h"
+
+void sk_q4k_panels_avx512(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) { q4k_panels(m, X, ldx, q, p0, p1, y, ldy, accum); }
+void sk_q6k_panels_avx512(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) { q6k_panels(m, X, ldx, q, p0, p1, y, ldy, accum); }
+void sk_q8_0_panels_avx512(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) { i8_panels(m, X, ldx, q, p0, p1, y, ldy, accum); }
+void sk_q5_0_panels_avx512(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) { i8_panels(m, X, ldx, q, p0, p1, y, ldy, accum); }
+void sk_q4_0_panels_avx512(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) { u4_panels(m, X, ldx, q, p0, p1, y, ldy, accum, 0); }
+void sk_q4_1_panels_avx512(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) { u4_panels(m, X, ldx, q, p0, p1, y, ldy, accum, 1); }
+
+const sk_isa sk_isa_avx512vnni = {"avx512vnni", step, matmul, argmax_rows};
+
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,107 @@
+/* The block-type table: what the kernels know of each GGUF block type they run (its block
+ * size, bytes in a GGUF file and in a panel, the activations its kernels read, its row
+ * dequantizer and its panel kernel on each ISA path), and the row dequantizers themselves.
+ *
+ * Adding a block type: one row here, one in runtime/kernels/panels.py (TABLE; a test checks
+ * the two against each other through sk_type_describe), its dequantizer below, its panel
+ * kernel in a dot_*.h body with one entry point per isa_*.c, and its packer in panels.py.
+ */
+#include "sk_internal.h"
+
+/* ---------------------------------------------------------------- row dequantizers
+ * column c of one block of one panel as floats, by the GGUF formulas (gguf-py's
+ * dequantize_blocks); the export proves each tensor's panels against gguf.dequantize */
+
+static void dequant_q4k(const uint8_t *o, int c, float *y) {
+    const uint8_t *sc = o + 128 * SK_P, *mn = sc + 8 * SK_P, *dd = mn + 8 * SK_P;
+    const float d = sk_h2f(sk_ld16(dd + 2 * c)), dmin = sk_h2f(sk_ld16(dd + 2 * (SK_P + c)));
+    for (int i = 0; i < 4; ++i)
+        for (int t = 0; t < 8; ++t)
+            for (int e = 0; e < 4; ++e) {
+                const uint8_t v = o[((i * 8 + t) * SK_P + c) * 4 + e];
+                const int k0 = 64 * i + 4 * t + e, k1 = k0 + 32;
+                const float d0 = d * (float)sc[(2 * i) * SK_P + c], m0 = dmin * (float)mn[(2 * i) * SK_P + c];
+                const float d1 = d * (float)sc[(2 * i + 1) * SK_P + c], m1 = dmin * (float)mn[(2 * i + 1) * SK_P + c];
+                y[k0] = d0 * (float)(v & 15) - m0;
+                y[k1] = d1 * (float)(v >> 4) - m1;
+            }
+}
+
+static void dequant_q6k(const uint8_t *o, int c, float *y) {
+    const int8_t *sc = (const int8_t *)(o + 128 * SK_P + 64 * SK_P);
+    const float d = sk_h2f(sk_ld16((const uint8_t *)(sc + 16 * SK_P) + 2 * c));
+    for (int k = 0; k < 256; ++k) {
+        const int sb = k / 16, t = (k % 16) / 4, e = k % 4, g = sb / 4, u = sb % 4;
+        const uint8_t lb = o[(((sb >> 1) * 4 + t) * SK_P + c) * 4 + e];
+        const int lo = (sb & 1) ? lb >> 4 : lb & 15, hi = (o[128 * SK_P + ((g * 4 + t) * SK_P + c) * 4 + e] >> (2 * u)) & 3;
+        y[k] = (d * (float)sc[sb * SK_P + c]) * (float)((lo | hi << 4) - 32);
+    }
+}
+
+/* Q8_0, and Q5_0 (its 5-bit values unpacked to bytes at export) */
+static void dequant_i8(const uint8_t *o, int c, float *y) {
+    const float d = sk_h2f(sk_ld16(o + 32 * SK_P + 2 * c));
+    for (int k = 0; k < 32; ++k) y[k] = d * (float)(int8_t)o[((k / 4) * SK_P + c) * 4 + k % 4];
+}
+
+static void dequant_q4_0(const uint8_t *o, int c, float *y) {
+    const float d = sk_h2f(sk_ld16(o + 16 * SK_P + 2 * c));
+    for (int k = 0; k < 16; ++k) {
+        const uint8_t v = o[((k / 4) * SK_P + c) * 4 + k % 4];
+        y[k] = d * (float)((v & 15) - 8);
+        y[k + 16] = d * (float)((v >> 4) - 8);
+    }
+}
+
+static void dequant_q4_1(const uint8_t *o, int c, float *y) {
+    const float d = sk_h2f(sk_ld16(o + 16 * SK_P + 2 * c)), mm = sk_h2f(sk_ld16(o + 16 * SK_P + 2 * (SK_P + c)));
+    for (int k = 0; k < 16; ++k) {
+        const uint8_t v = o[((k / 4) * SK_P + c) * 4 + k % 4];
+        y[k] = d * (float)(v & 15) + mm;
+        y[k + 16] = d * (float)(v >> 4) + mm;
+    }
+}
+
+/* ---------------------------------------------------------------- the table */
+
+#if SK_X86
+#define SK_KERNELS(name) {sk_##name##_panels_portable, sk_##name##_panels_avx2, sk_##name##_panels_avx512}
+#else
+#define SK_KERNELS(name) {sk_##name##_panels_portable, NULL, NULL}
+#endif
+
+/* clang-format off */
+const sk_type sk_types[SK_TYPE_IDS] = {
+    /* ggml id      name    block gguf  panel        activations   dequantizer   panel kernel per ISA */
+    [SK_Q4_0] = {"Q4_0",    32,   18,   SK_Q40_PSB,  SK_ACT_Q8_0,  dequant_q4_0, SK_KERNELS(q4_0)},
+    [SK_Q4_1] = {"Q4_1",    32,   20,   SK_Q41_PSB,  SK_ACT_Q8_0,  dequant_q4_1, SK_KERNELS(q4_1)},
+    [SK_Q5_0] = {"Q5_0",    32,   22,   SK_I8_PSB,   SK_ACT_Q8_0,  dequant_i8,   SK_KERNELS(q5_0)},
+    [SK_Q8_0] = {"Q8_0",    32,   34,   SK_I8_PSB,   SK_ACT_Q8_0,  dequant_i8,   SK_KERNELS(q8_0)},
+    [SK_Q4_K] = {"Q4_K",    256,  144,  SK_Q4K_PSB,  SK_ACT_Q8_K,  dequant_q4k,  SK_KERNELS(q4k)},
+    [SK_Q6_K] = {"Q6_K",    256,  210,  SK_Q6K_PSB,  SK_ACT_Q8_K,  dequant_q6k,  SK_KERNELS(q6k)},
+};
+/* clang-format on */
+
+void sk_dequant_row(const sk_mat *m, int n, float *out) {
+    const sk_type *ty = sk_type_of(m->type);
+    const int p = n / SK_P, c = n % SK_P, kb = ty->block, nb = m->k / kb;
+    const uint8_t *w = m->w + (size_t)p * nb * ty->panel_bytes;
+    for (int b = 0; b < nb; ++b) ty->dequant(w + (size_t)b * ty->panel_bytes, c, out + (size_t)b * kb);
+}
+
+/* the table's row of ggml type id t (runtime/kernels/panels.py checks its own table against
+ * these): SK_OK, or SK_E_ARGS for a type the kernels do not run */
+SK_EXPORT int sk_type_describe(int t, sk_type_desc *out) {
+    const sk_type *ty = sk_type_of(t);
+    if (!ty || !out) return SK_E_ARGS;
+    memset(out, 0, sizeof *out);
+    out->ggml_type = t;
+    out->block = ty->block;
+    out->gguf_bytes = ty->gguf_bytes;
+    out->panel_bytes = ty->panel_bytes;
+    out->act = ty->act;
+    for (int i = 0; i < SK_ISA_COUNT; ++i)
+        if (ty->panels[i]) out->isa_mask |= 1 << i;
+    strncpy(out->name, ty->name, sizeof out->name - 1);
+    return SK_OK;
+}
