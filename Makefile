@@ -25,7 +25,7 @@ REPEATS ?= 3
 THREADS ?= 2
 COMPARE_OUT ?= bench_out/compare
 
-.PHONY: lint install kernels export demo test test-fast bench bench-envs bench-compare models clean gpu-check load-test ray-check real-pair demo-real bench-real bench-agents test-real
+.PHONY: lint lint-c test-sanitize install kernels export demo test test-fast bench bench-envs bench-compare models clean gpu-check load-test ray-check real-pair demo-real bench-real bench-agents test-real
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -119,6 +119,32 @@ lint: install
 # all tests (tiny random pairs + the default pair)
 test: export
 	$(BIN)/python -m pytest -q
+
+# ---- the kernels' C under the compiler's checks (CI runs both: .ci/run) ----
+KDIR := runtime/kernels/c
+KUNITS := $(addprefix $(KDIR)/,api.c team.c types.c isa_portable.c isa_avx2.c isa_avx512.c)
+# setup.py's flags (no -march: each isa_*.c names its own target) and its warnings, as errors here
+KFLAGS := -std=gnu11 -ffp-contract=off -fno-fast-math -fvisibility=hidden -pthread -fPIC
+KWARN := -Wall -Wextra -Wshadow -Werror
+SAN_LIB := build/sanitize/_sk_sanitize.so
+SANITIZE := -fsanitize=address,undefined,float-cast-overflow,pointer-overflow -fno-sanitize-recover=all -fno-omit-frame-pointer
+KSTAMP = $(shell $(BIN)/python -c 'from specrt.runtime.kernels import source_hash; print(source_hash())')
+
+# every translation unit compiled with -Wall -Wextra -Wshadow -Werror at -O3 (setup.py's level),
+# and the C formatted as .clang-format says (clang-format from the [dev] extra)
+lint-c: install
+	@for f in $(KUNITS); do $(CC) -c $(KFLAGS) -O3 $(KWARN) -o /dev/null $$f || exit 1; done
+	$(BIN)/clang-format --dry-run -Werror $(KDIR)/*.c $(KDIR)/*.h
+	@echo "lint-c: $(words $(KUNITS)) translation units clean; clang-format clean"
+
+# the kernels built with AddressSanitizer + UndefinedBehaviorSanitizer (any report fails the
+# run), loaded instead of the installed build (SPECRT_KERNELS_LIB), through the kernels' tests:
+# every ISA path this CPU runs (tests/test_kernels.py walks them), and the safety cases
+test-sanitize: install
+	@mkdir -p $(dir $(SAN_LIB))
+	$(CC) -shared $(KFLAGS) $(KWARN) -O1 -g $(SANITIZE) -DSK_SOURCES='"$(KSTAMP)"' $(KUNITS) -lm -o $(SAN_LIB)
+	LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	SPECRT_KERNELS_LIB=$(SAN_LIB) $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_safety.py -k "not pytorch"
 
 # full benchmark: 100 HumanEval prompts, 128 new tokens, interleaved; then the side-by-side comparison
 bench: export

@@ -79,8 +79,8 @@ static void *sk_alloc_lazy(size_t bytes) {
 SK_EXPORT void sk_scratch_free(void *p) {
     sk_scratch *s = (sk_scratch *)p;
     if (!s) return;
-    void *bufs[] = {s->x,   s->xn,  s->q,   s->k,      s->v,      s->att,    s->g,      s->u,      s->scores, s->a256, s->a32,
-                    s->kvs, s->pos, s->tok, s->blk_r0, s->blk_n,  s->hbuf,   s->amax_v, s->amax_s, s->amax_i};
+    void *bufs[] = {s->x,   s->xn,  s->q,   s->k,   s->v,      s->att,   s->g,    s->u,      s->scores, s->a256,
+                    s->a32, s->kvs, s->pos, s->tok, s->blk_r0, s->blk_n, s->hbuf, s->amax_v, s->amax_s, s->amax_i};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i) free(bufs[i]);
     free(s);
 }
@@ -238,8 +238,8 @@ SK_EXPORT int sk_step(int isa, const sk_model *m, const sk_kv *kv, void *scratch
  * inv_temp <= 0, else its softmax probability at 1/T = inv_temp (NaN where the maximum is not
  * finite). No logits row is written: each thread keeps a few thousand logits in its cache at a
  * time. Every result is the same bits for any thread count and ISA path. */
-SK_EXPORT int sk_step_argmax(int isa, const sk_model *m, const sk_kv *kv, void *scratch, const int32_t *tokens, int q, int start, int32_t *ids, float *vals, int n_valid,
-                             float inv_temp, int lo) {
+SK_EXPORT int sk_step_argmax(int isa, const sk_model *m, const sk_kv *kv, void *scratch, const int32_t *tokens, int q, int start, int32_t *ids, float *vals,
+                             int n_valid, float inv_temp, int lo) {
     sk_scratch *s = (sk_scratch *)scratch;
     const sk_isa *I = sk_isa_get(isa);
     if (!I) return SK_E_ISA;
@@ -257,8 +257,8 @@ SK_EXPORT int sk_step_argmax(int isa, const sk_model *m, const sk_kv *kv, void *
  * its row pos[r]. Two rows may not name the same (cache, position). Every row's bits are the
  * ones sk_step gives it: rows never read another sequence's data and every output is computed
  * by the same operations whatever the call holds. Logits rows [lo, q) as sk_step. */
-SK_EXPORT int sk_step_rows(int isa, const sk_model *m, const sk_kv *const *kvs, void *scratch, const int32_t *tokens, const int32_t *pos, int q, float *logits, int ldl,
-                           int lo) {
+SK_EXPORT int sk_step_rows(int isa, const sk_model *m, const sk_kv *const *kvs, void *scratch, const int32_t *tokens, const int32_t *pos, int q, float *logits,
+                           int ldl, int lo) {
     sk_scratch *s = (sk_scratch *)scratch;
     const sk_isa *I = sk_isa_get(isa);
     if (!I) return SK_E_ISA;

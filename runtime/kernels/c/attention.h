@@ -34,7 +34,8 @@ static inline void v_rows(const uint16_t *V, size_t ldv, const float *e, int t0,
 /* scores of one row for K tile j, heads [h0, h0 + nh): sb[i][j*16 + lane]; nh a constant where
  * it is inlined. The accumulators are GCC vector values (16 lanes; lowered to what each ISA
  * has), so they live in registers: lane by lane the same multiplies and adds as scalar code */
-static inline __attribute__((always_inline)) void score_tile(const uint16_t *kt, const float *Qh, int hd, float scale, float *sb, int lds, int j, const int nh) {
+static inline __attribute__((always_inline)) void score_tile(const uint16_t *kt, const float *Qh, int hd, float scale, float *sb, int lds, int j,
+                                                             const int nh) {
     v16 acc[SK_GROUP_MAX];
     for (int i = 0; i < nh; ++i) acc[i] = (v16){0};
     for (int d = 0; d < hd; ++d) {
@@ -169,4 +170,3 @@ static void qkv_post(const sk_model *m, const sk_kv *const *kvs, const int32_t *
         }
     }
 }
-

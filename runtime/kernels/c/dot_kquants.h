@@ -10,8 +10,8 @@
  */
 
 /* Q4_K: y[r][c] += xd * (sum_i (ilo*d*sc_2i + ihi*d*sc_2i+1) - dmin * sum_j m_j * xsum32_j) */
-static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h,
-                                                                 int accum, int pf) {
+static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h, int accum,
+                                                           int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
     const vi m4 = VI32(0x0F0F0F0F);
@@ -70,8 +70,8 @@ static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *w, int
 
 /* Q6_K: y[r][c] += xd * (d * float(isum)), isum = sum_s sc_s * a_s - 32 * sum_s sc_s * xsum16_s, all in
  * exact int32 (|isum| < 4e8): one rounding per super-block, the offset term by int16 pairs */
-static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h,
-                                                                 int accum, int pf) {
+static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h, int accum,
+                                                           int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
     const vi m4 = VI32(0x0F0F0F0F), m3 = VI32(0x03030303), lo16 = VI32(0xFFFF);

@@ -3,10 +3,9 @@
  * Kernel body: included by kernels.h once per ISA path, as dot_kquants.h.
  */
 
-
 /* Q8_0 / Q5_0 panels (signed bytes): y[r][c] += isum * (dw * dx) per 32-block */
 static inline __attribute__((always_inline)) void i8_rows(const uint8_t *w, int nb, const sk_a32 *X, int ldx, int Q, float *y, int ldy, int h, int accum,
-                                                               int pf) {
+                                                          int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
     for (int b = 0; b < nb; ++b) {
@@ -36,7 +35,7 @@ static inline __attribute__((always_inline)) void i8_rows(const uint8_t *w, int 
 /* Q4_0 (offset 8) / Q4_1 (min m) panels of nibbles: per 32-block
  * Q4_0: y += (isum - 8 * xsum) * (dw * dx);  Q4_1: y += isum * (dw * dx); y += (mw * dx) * xsum */
 static inline __attribute__((always_inline)) void u4_rows(const uint8_t *w, int nb, int with_min, const sk_a32 *X, int ldx, int Q, float *y, int ldy, int h,
-                                                                int accum, int pf) {
+                                                          int accum, int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
     const vi m4 = VI32(0x0F0F0F0F);

@@ -99,4 +99,3 @@ static void rope(float *v, const float *cs, const float *sn, int hd, int neox) {
         v[b] = x0 * sn[i] + x1 * cs[i];
     }
 }
-

@@ -74,8 +74,8 @@ static float exp_sum(const float *x, int n, float mx, float it) {
  * order), so every result is the same bits for any thread split and ISA path. The logits are
  * the ones the full head writes, bit for bit (the same panel kernels). With F (tests:
  * sk_argmax) the rows are read from F (ldf floats a row) instead of projected. */
-static void head_reduce(const sk_model *m, sk_scratch *s, const void *X, int ldx, int nq, int n_valid, float it, int32_t *ids, float *vals, int tid,
-                             int nt, const float *F, int ldf) {
+static void head_reduce(const sk_model *m, sk_scratch *s, const void *X, int ldx, int nq, int n_valid, float it, int32_t *ids, float *vals, int tid, int nt,
+                        const float *F, int ldf) {
     const int np = (n_valid + SK_P - 1) / SK_P, ch = SK_HEAD_COLS / SK_P, nc = (np + ch - 1) / ch, mq = s->max_q;
     int a, b;
     thread_share(nc, tid, nt, &a, &b);
@@ -121,4 +121,3 @@ static void head_reduce(const sk_model *m, sk_scratch *s, const void *X, int ldx
         vals[r] = 1.f / sum;
     }
 }
-

@@ -12,12 +12,24 @@
 
 #include "kernels.h"
 
-void sk_q4k_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) { q4k_panels(m, X, ldx, q, p0, p1, y, ldy, accum); }
-void sk_q6k_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) { q6k_panels(m, X, ldx, q, p0, p1, y, ldy, accum); }
-void sk_q8_0_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) { i8_panels(m, X, ldx, q, p0, p1, y, ldy, accum); }
-void sk_q5_0_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) { i8_panels(m, X, ldx, q, p0, p1, y, ldy, accum); }
-void sk_q4_0_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) { u4_panels(m, X, ldx, q, p0, p1, y, ldy, accum, 0); }
-void sk_q4_1_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) { u4_panels(m, X, ldx, q, p0, p1, y, ldy, accum, 1); }
+void sk_q4k_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    q4k_panels(m, X, ldx, q, p0, p1, y, ldy, accum);
+}
+void sk_q6k_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    q6k_panels(m, X, ldx, q, p0, p1, y, ldy, accum);
+}
+void sk_q8_0_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    i8_panels(m, X, ldx, q, p0, p1, y, ldy, accum);
+}
+void sk_q5_0_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    i8_panels(m, X, ldx, q, p0, p1, y, ldy, accum);
+}
+void sk_q4_0_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    u4_panels(m, X, ldx, q, p0, p1, y, ldy, accum, 0);
+}
+void sk_q4_1_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    u4_panels(m, X, ldx, q, p0, p1, y, ldy, accum, 1);
+}
 
 const sk_isa sk_isa_avx2 = {"avx2", step, matmul, argmax_rows};
 

@@ -15,23 +15,23 @@ _Static_assert(RB_Q4K <= RB, "the row dispatch (SK_ROWS_CASES) covers RB rows");
 #error "SK_ROWS_CASES dispatches passes of 4 or 8 rows only: another RB would leave rows of a pass unwritten"
 #endif
 #if RB == 8
-#define SK_ROWS_CASES(CALL) \
-    switch (Q) {            \
-    case 1: CALL(1); break; \
-    case 2: CALL(2); break; \
-    case 3: CALL(3); break; \
-    case 4: CALL(4); break; \
-    case 5: CALL(5); break; \
-    case 6: CALL(6); break; \
-    case 7: CALL(7); break; \
+#define SK_ROWS_CASES(CALL)  \
+    switch (Q) {             \
+    case 1: CALL(1); break;  \
+    case 2: CALL(2); break;  \
+    case 3: CALL(3); break;  \
+    case 4: CALL(4); break;  \
+    case 5: CALL(5); break;  \
+    case 6: CALL(6); break;  \
+    case 7: CALL(7); break;  \
     default: CALL(8); break; \
     }
 #else
-#define SK_ROWS_CASES(CALL) \
-    switch (Q) {            \
-    case 1: CALL(1); break; \
-    case 2: CALL(2); break; \
-    case 3: CALL(3); break; \
+#define SK_ROWS_CASES(CALL)  \
+    switch (Q) {             \
+    case 1: CALL(1); break;  \
+    case 2: CALL(2); break;  \
+    case 3: CALL(3); break;  \
     default: CALL(4); break; \
     }
 #endif

@@ -35,9 +35,9 @@
 #endif
 
 #define SK_EXPORT __attribute__((visibility("default")))
-#define SK_GROUP_MAX 8         /* query heads of one KV head processed together */
-#define SK_HEAD_DIM_MAX 256    /* head_dim <= 256, a multiple of 16 */
-#define SK_ATT_ROWS 4          /* rows of one sequence an attention item takes together (K/V read once for them) */
+#define SK_GROUP_MAX 8      /* query heads of one KV head processed together */
+#define SK_HEAD_DIM_MAX 256 /* head_dim <= 256, a multiple of 16 */
+#define SK_ATT_ROWS 4       /* rows of one sequence an attention item takes together (K/V read once for them) */
 #define SK_MAX_LAYERS 512
 #define SK_HEAD_COLS 1024      /* columns of the LM head a reduced head's chunk holds (a multiple of SK_P) */
 #define SK_HEAD_CHUNKS_MAX 512 /* chunks of a reduced head: ids < 524,288 */
@@ -113,8 +113,7 @@ static inline const sk_type *sk_type_of(int t) { return t >= 0 && t < SK_TYPE_ID
 void sk_dequant_row(const sk_mat *m, int n, float *out);
 
 /* each ISA path's panel kernels (defined in isa_<path>.c, listed in the table in types.c) */
-sk_panels_fn sk_q4k_panels_portable, sk_q6k_panels_portable, sk_q8_0_panels_portable, sk_q5_0_panels_portable, sk_q4_0_panels_portable,
-    sk_q4_1_panels_portable;
+sk_panels_fn sk_q4k_panels_portable, sk_q6k_panels_portable, sk_q8_0_panels_portable, sk_q5_0_panels_portable, sk_q4_0_panels_portable, sk_q4_1_panels_portable;
 #if SK_X86
 sk_panels_fn sk_q4k_panels_avx2, sk_q6k_panels_avx2, sk_q8_0_panels_avx2, sk_q5_0_panels_avx2, sk_q4_0_panels_avx2, sk_q4_1_panels_avx2;
 sk_panels_fn sk_q4k_panels_avx512, sk_q6k_panels_avx512, sk_q8_0_panels_avx512, sk_q5_0_panels_avx512, sk_q4_0_panels_avx512, sk_q4_1_panels_avx512;

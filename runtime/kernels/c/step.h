@@ -133,7 +133,7 @@ static void step_job(void *arg, int tid, int nt) {
 }
 
 static void step(const sk_model *m, const sk_kv *const *kvs, const int32_t *pos, sk_scratch *s, const int32_t *tokens, int q, float *logits, int ldl, int lo,
-                      int32_t *ids, float *vals, int n_valid, float inv_temp) {
+                 int32_t *ids, float *vals, int n_valid, float inv_temp) {
     step_args a = {m, kvs, pos, s, tokens, q, lo, logits, ldl, ids, vals, n_valid, inv_temp};
     sk_team_run(step_job, &a);
 }

@@ -17,7 +17,7 @@
 #define SPECRT_VEC_AVX512_H
 #include "sk_internal.h"
 
-#define SK_LEVEL 2 /* 2 AVX-512 VNNI, 1 AVX2, 0 portable: what elementwise.h's conversions use */
+#define SK_LEVEL 2                    /* 2 AVX-512 VNNI, 1 AVX2, 0 portable: what elementwise.h's conversions use */
 #define SK_ISA_THIS SK_ISA_AVX512VNNI /* this path's column of the block-type table */
 
 #define LANES 16
