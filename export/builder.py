@@ -39,6 +39,7 @@ graph in an integer export, with a note in the manifest entry and the export log
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -130,7 +131,10 @@ def _rename_external_data(graph_path: Path, data_name: str) -> None:
             for kv in t.external_data:
                 if kv.key == "location":
                     kv.value = data_name
-    onnx.save(m, str(graph_path))
+    from specrt.runtime.fileio import replaced
+
+    with replaced(graph_path) as tmp:
+        onnx.save(m, str(tmp))
 
 
 def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_ctx: int, cache: Path, log=print, meter=None) -> ModelEntry:
@@ -183,8 +187,8 @@ def build_model(model_dir: Path, out: Path, role: str, opts: QuantOptions, max_c
     phase("onnxruntime-genai model builder (child process)")
     gcfg = _run_builder(source, tmp, cache, opts, extra, max_ctx, model_dir, meter, log)
     graph, data = out / f"{role}.onnx", out / f"{role}.onnx.data"
-    shutil.move(str(tmp / "model.onnx"), graph)
-    shutil.move(str(tmp / "model.onnx.data"), data)
+    os.replace(tmp / "model.onnx", graph)  # tmp is inside out: renames, over any old file
+    os.replace(tmp / "model.onnx.data", data)
     _rename_external_data(graph, data.name)
     corrected = 0
     if (source / MINS_FILE).is_file():

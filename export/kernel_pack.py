@@ -225,10 +225,13 @@ def write_panels(gguf_path: str | Path, out: Path, role: str, log=print, requant
             raise ValueError(
                 f"head_ids: {len(head_ids)} ids in [{head_ids.min()}, {head_ids.max()}]; need a positive multiple of 16 ids in 0..{vocab - 1}, ascending, each once"
             )
+    from specrt.runtime.fileio import replaced
+
     path = Path(out) / f"{role}.panels"
     index, offset = {}, 0
     extra = {"head_ids": head_ids} if head_ids is not None else {}
-    with open(path, "wb") as f:
+    # a new file moved over the name: a process that mapped the old one keeps its bytes
+    with replaced(path) as tmp, open(tmp, "wb") as f:
         for key, t in [*tensors.items(), *extra.items()]:
             ty, n, k, blob = _tensor_blob(key, t, requant, head_ids)
             pad = (-offset) % ALIGN

@@ -186,10 +186,16 @@ def release_exporter_caches() -> int:
 
 def _save(prog, path: Path, external_data: bool) -> None:
     """Save an ONNX program; weights inline, or in ``<name>.data`` beside it when
-    ``external_data`` (torch also switches to external data by itself above 1.5 GB). A
-    stale ``<name>.data`` from an earlier export is removed first."""
-    Path(str(path) + ".data").unlink(missing_ok=True)
-    prog.save(str(path), external_data=external_data)
+    ``external_data`` (torch also switches to external data by itself above 1.5 GB). Both are
+    written in a staging folder and moved over the old files (:func:`specrt.runtime.fileio.staged_dir`);
+    a stale ``<name>.data`` from an earlier export is removed when this one has none."""
+    from specrt.runtime.fileio import staged_dir
+
+    path = Path(path)
+    with staged_dir(path.parent) as stage:
+        prog.save(str(stage / path.name), external_data=external_data)
+        if not (stage / (path.name + ".data")).exists():
+            Path(str(path) + ".data").unlink(missing_ok=True)
 
 
 def matmul_params(wrapper: KVExportModel) -> int:
@@ -289,9 +295,12 @@ def save_sharing_weights(full, full_path: Path, parts: list, size_threshold: int
     import onnx
     from onnx import numpy_helper
 
+    from specrt.runtime.fileio import replaced
+
     data_path = full_path.with_name(full_path.name + ".data")
     index: dict[tuple, tuple[int, int]] = {}
-    with open(data_path, "wb") as f:
+    # every file under a temporary name, moved over its name (graphs after the data they point to)
+    with replaced(data_path) as tmp, open(tmp, "wb") as f:
         for t in full.graph.initializer:
             raw = numpy_helper.to_array(t).tobytes()
             if len(raw) < size_threshold:
@@ -303,12 +312,14 @@ def save_sharing_weights(full, full_path: Path, parts: list, size_threshold: int
                 index[key] = (f.tell(), len(raw))
                 f.write(raw)
             _set_external(t, data_path.name, *index[key])
-    onnx.save(full, str(full_path))
+    with replaced(full_path) as tmp:
+        onnx.save(full, str(tmp))
     for proto, path in parts:
         for t in proto.graph.initializer:
             if t.data_location != onnx.TensorProto.EXTERNAL and (key := _tensor_key(t)) in index:
                 _set_external(t, data_path.name, *index[key])
-        onnx.save(proto, str(path))
+        with replaced(path) as tmp:
+            onnx.save(proto, str(tmp))
     return data_path
 
 

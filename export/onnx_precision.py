@@ -319,7 +319,8 @@ def write_variant(src: Path, dst: Path, precision: str, pad: int) -> Path:
         return Path(src)
     m = onnx.load(str(src))
     m = add_past_pad(convert_precision(m, precision), pad)
-    tmp = Path(str(dst) + ".tmp")
-    onnx.save(m, str(tmp))
-    tmp.replace(dst)
+    from specrt.runtime.fileio import replaced
+
+    with replaced(dst) as tmp:
+        onnx.save(m, str(tmp))
     return Path(dst)

@@ -531,13 +531,16 @@ def _export_models(dirs: dict, out: Path, o: ExportOptions, quants: dict, n_voca
 def _write_tokenizer_files(out: Path, tok_json: Path, fixed: str | None, target_dir: Path, files: dict, log) -> str | None:
     """Write ``tokenizer.json`` (the target's, or its fixed text) and the chat template
     (removing a stale one), record both in ``files``; returns the template or None."""
+    from specrt.runtime.fileio import replaced, write_text
+
     if fixed is None:
-        shutil.copyfile(tok_json, out / "tokenizer.json")
+        with replaced(out / "tokenizer.json") as tmp:
+            shutil.copyfile(tok_json, tmp)
     else:
-        (out / "tokenizer.json").write_text(fixed, encoding="utf-8")
+        write_text(out / "tokenizer.json", fixed)
     template = find_chat_template(target_dir)
     if template is not None:
-        (out / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+        write_text(out / CHAT_TEMPLATE_FILE, template)
         log(f"chat template of {target_dir} -> {out / CHAT_TEMPLATE_FILE}")
     else:
         (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)

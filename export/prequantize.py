@@ -385,11 +385,20 @@ def add_min_corrections(graph: str | Path, mins_file: str | Path, log=print) -> 
     nodes = _topological(list(g.node))
     del g.node[:]
     g.node.extend(nodes)
-    data = graph.with_name(graph.name + ".data")
-    data.unlink(missing_ok=True)
-    onnx.save(model, str(graph), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
+    _save_with_data(model, graph)
     log(f"  {done} layers with asymmetric source blocks: their 32-block offsets subtracted exactly (x block sums @ M)")
     return done
+
+
+def _save_with_data(model, graph: Path) -> None:
+    """Save ``model`` as ``graph`` with its weights in ``<graph>.data``, both written under a
+    staging folder and moved over the old files (:func:`specrt.runtime.fileio.staged_dir`)."""
+    import onnx
+
+    from specrt.runtime.fileio import staged_dir
+
+    with staged_dir(graph.parent) as stage:
+        onnx.save(model, str(stage / graph.name), save_as_external_data=True, all_tensors_to_one_file=True, location=graph.name + ".data", size_threshold=1024)
 
 
 def _topological(nodes: list) -> list:
@@ -439,8 +448,6 @@ def quantize_embedding(graph: str | Path, block_size: int, log=print) -> bool:
     )
     q.process()
     del model
-    data = graph.with_name(graph.name + ".data")
-    data.unlink(missing_ok=True)
-    onnx.save(q.model.model, str(graph), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
+    _save_with_data(q.model.model, graph)
     log(f"  embedding table quantized to int4 (GatherBlockQuantized, blocks of {block_size})")
     return True

@@ -155,9 +155,9 @@ def build_plan(trt, onnx_path: Path, entry: ModelEntry, pset: ProfileSet, cfg: T
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    from specrt.runtime.fileio import write_bytes
+
+    write_bytes(path, data)
 
 
 def build_plans(folder: str | Path, manifest: Manifest, cfg: TrtBuildConfig = TrtBuildConfig(), trt=None, log: Callable[[str], None] = print) -> Manifest:

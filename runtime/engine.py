@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .backends import DEFAULT_BACKEND, kernel_files, load_models, resolve_backend
-from .backends.base import SplitsHead, ThreadConfig
+from .backends.base import SplitsHead, ThreadConfig, is_width_exact, reduces_head
 from .chunks import PREFILL_CHUNK
 from .config import GenerationConfig, resolve_config
 from .constraints import ConstrainedAcceptor, GrammarTokenizer, check_logit_bias
@@ -121,7 +121,7 @@ def target_exactness(target, manifest: Manifest) -> tuple[bool, int, int]:
     """``(width_exact, min_q, reuse_step)`` of a loaded target: a model whose rows do not
     depend on the call (``width_exact``: the kernels) is exact at every width and layout (1, 1);
     any other keeps the manifest's measured ``exact_min_q`` and reuse granularity."""
-    if getattr(target, "width_exact", False):
+    if is_width_exact(target):
         return True, 1, 1
     return False, manifest.min_q(), manifest.reuse_step(target.max_q)
 
@@ -194,11 +194,13 @@ class Engine:
             check = Verification(self.folder, files, hint)
             check.wait()
             self.integrity = dict(hashed=check.hashed, cached=check.cached)
+            # what a loader that maps a file checks it still is (the kernels' panels)
+            verified = {n: (check.identities.get(n), files[n]) for n in files}
         else:
-            self.integrity = None
+            self.integrity = verified = None
         self.codec = TextCodec(self.folder / manifest.tokenizer_file, manifest.bos_token_id, manifest.add_bos)
         self.target, self.draft = load_models(
-            self.backend, self.folder, manifest, threads or ThreadConfig(), max(PREFILL_CHUNK, manifest.k_max + 1), PREFILL_CHUNK, verify_hashes
+            self.backend, self.folder, manifest, threads or ThreadConfig(), max(PREFILL_CHUNK, manifest.k_max + 1), PREFILL_CHUNK, verify_hashes, verified
         )
         self.width_exact, self.min_q, step = target_exactness(self.target, manifest)  # a step of reusable rows
         self.slot = Slot(self.target, self.draft, step, manifest.k_max + 1)
@@ -409,13 +411,31 @@ class Engine:
         one of this machine and backend (:func:`specrt.runtime.costs.recorded_call_costs`), else
         measured once on this Engine (5 interleaved repetitions, 256 rows of past) and kept."""
         if self._adaptive is None:
-            from .costs import measure_costs, recorded_call_costs
+            from .costs import recorded_call_costs
 
             m = self.manifest
-            costs = recorded_call_costs(m, self.backend) or measure_costs(self, range(1, m.k_max + 2), min(256, m.max_ctx - m.k_max - 2), reps=5)
+            costs = recorded_call_costs(m, self.backend)
+            if costs is None:
+                # measured on this Engine's own models: under its lock (a generation of another
+                # thread would have its KV rows and buffers overwritten), unless this thread
+                # holds it already (a plan made inside rounds())
+                if self._owner == threading.get_ident():
+                    costs = self._measure_costs()
+                else:
+                    with self._locked():
+                        if self._adaptive is not None:  # measured while this thread waited
+                            return self._adaptive
+                        costs = self._measure_costs()
             prior = float((m.extra.get("calibration") or {}).get("acceptance", 0.7))
             self._adaptive = (tuple(costs.target(q) for q in range(1, m.k_max + 2)), costs.draft_s_per_call, prior)
         return self._adaptive
+
+    def _measure_costs(self):
+        """:func:`~specrt.runtime.costs.measure_costs` on this Engine (its lock held)."""
+        from .costs import measure_costs
+
+        m = self.manifest
+        return measure_costs(self, range(1, m.k_max + 2), min(256, m.max_ctx - m.k_max - 2), reps=5)
 
     def _locked(self):
         """This Engine's lock as a context manager, refusing (instead of deadlocking) a
@@ -470,7 +490,7 @@ class Engine:
         one "" per round) and returns the :class:`GenerationResult`. ``out`` (and ``lps``
         with ``cfg.logprobs``) become the generation's live output lists. Closing the
         iterator early releases the lock (the result is then never made)."""
-        gen = self.start(ids, cfg, trace)  # before the lock: a first plan may measure costs (dropping the cache)
+        gen = self.start(ids, cfg, trace)  # before the lock: a first plan may measure costs under it (dropping the cache)
         if out is not None:
             gen.tokens = out
         if lps is not None and gen.logprobs is not None:
@@ -494,7 +514,7 @@ def argmax_only(cfg: GenerationConfig, target, observe: bool) -> bool:
     greedy (no logprobs, logit bias, constraint or observe), on a target whose kernels reduce
     the head (``argmax_head``)."""
     plain = cfg.temperature == 0.0 and cfg.logprobs is None and cfg.constraint is None and not cfg.logit_bias and not observe
-    return plain and bool(getattr(target, "argmax_head", False))
+    return plain and reduces_head(target)
 
 
 # what an Engine's KV buffers hold for reuse: its slot's record (None while a generation holds them)

@@ -89,9 +89,10 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _hash_file(path: str | Path) -> tuple[str, tuple | None]:
-    """(hex SHA-256, identity to record it under, or None when it must not be recorded:
-    the file changed while it was read, or its ctime is too recent, see :data:`RACY_NS`)."""
+def _hash_file(path: str | Path) -> tuple[str, tuple | None, tuple | None]:
+    """(hex SHA-256, identity to record it under or None when it must not be recorded (the
+    file changed while it was read, or its ctime is too recent, see :data:`RACY_NS`), identity
+    the digest is of or None when the file changed while it was read)."""
     h = hashlib.sha256()
     buf = bytearray(_BLOCK)
     view = memoryview(buf)
@@ -102,7 +103,7 @@ def _hash_file(path: str | Path) -> tuple[str, tuple | None]:
             h.update(view[:n])
         after = file_identity(os.fstat(f.fileno()))
     stable = before == after and before[4] < start - RACY_NS
-    return h.hexdigest(), (before if stable else None)
+    return h.hexdigest(), (before if stable else None), (before if before == after else None)
 
 
 def _key(ident: tuple) -> str:
@@ -268,6 +269,9 @@ class Verification:
     Attributes:
         cached: names of the files that passed on their recorded digest (no read).
         hashed: names of the files that are hashed.
+        identities: after :meth:`wait`, per file the :func:`file_identity` its digest was
+            verified under (None where the file changed while it was read), so that whoever
+            opens it next can check it still is that file (the kernels' panels are).
     """
 
     def __init__(self, folder: Path, digests: Mapping[str, str], hint: str, workers: int | None = None, cache: DigestCache | None | bool = None):
@@ -275,6 +279,7 @@ class Verification:
         self._expected = dict(digests)
         self._cache = digest_cache() if cache is None else (cache or None)
         self.cached: list[str] = []
+        self.identities: dict[str, tuple | None] = {}
         sizes = {}
         for n, want in self._expected.items():
             try:
@@ -284,6 +289,7 @@ class Verification:
                 continue
             if self._cache is not None and self._cache.matches(file_identity(st), want):
                 self.cached.append(n)
+                self.identities[n] = file_identity(st)
             else:
                 sizes[n] = st.st_size
         self.hashed = sorted(sizes, key=lambda n: -sizes[n])
@@ -307,7 +313,7 @@ class Verification:
                 if fut is None:
                     continue  # cached: the recorded digest of this identity is the manifest's
                 try:
-                    got, ident = fut.result()
+                    got, ident, self.identities[name] = fut.result()
                 except OSError as e:
                     raise EngineError(f"{self.folder / name} cannot be read ({e.strerror or e}); {self.hint}", "files") from None
                 if got != self._expected[name]:

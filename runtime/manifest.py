@@ -311,11 +311,9 @@ class Manifest:
 
     def write(self, folder: Path) -> Path:
         """Write ``folder/manifest.json`` atomically (temp file + rename); returns its path."""
-        folder = Path(folder)
-        tmp = folder / (MANIFEST + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(folder / MANIFEST)
-        return folder / MANIFEST
+        from .fileio import write_text
+
+        return write_text(Path(folder) / MANIFEST, self.to_json())
 
 
 LAZY_HEAD_KEY = "lazy_head"  # key of the optional lazy-head record in Manifest.extra

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from .runtime.backends import BACKENDS, DEFAULT_BACKEND
-from .runtime.backends.base import ThreadConfig
+from .runtime.backends.base import MAX_THREADS, ThreadConfig
 from .runtime.config import STRATEGIES, check_threshold, field_default
 from .runtime.drafters import DRAFTERS
 from .runtime.errors import InputError, SpecRTError
@@ -47,7 +47,10 @@ def _clean_errors(fn):
 
 def _threads_option(f):
     f = click.option(
-        "--threads", type=click.IntRange(1, 256), default=None, help=f"onnxruntime intra-op threads per session (default: {ThreadConfig().intra_op})"
+        "--threads",
+        type=click.IntRange(1, MAX_THREADS),
+        default=None,
+        help=f"threads per model: onnxruntime intra-op threads, or specrt's kernels' team (default: {ThreadConfig().intra_op})",
     )(f)
     f = click.option("--spinning/--no-spinning", default=False, show_default=True, help="let onnxruntime pool threads spin while idle")(f)
     return f

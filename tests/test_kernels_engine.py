@@ -303,3 +303,79 @@ def test_batched_serving_on_the_kernels_equals_each_request_alone(folder, policy
         assert r.tokens == cold.generate(follow, GenerationConfig(max_new_tokens=8)).tokens
     finally:
         pool.close()
+
+
+# ---- one Engine from several threads, closed Engines (issue 51) ------------------------------
+
+
+def _without_recorded_costs(folder, tmp_path):
+    """A copy of the folder whose manifest has no recorded costs: adaptive k measures them on
+    the Engine's own models at its first plan."""
+    import json
+
+    copy = tmp_path / "engine"
+    shutil.copytree(folder, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["extra"].pop("tune", None)
+    (copy / "manifest.json").write_text(json.dumps(m))
+    return copy
+
+
+def test_two_threads_on_one_engine_with_adaptive_k_equal_serial_runs(folder, tmp_path):
+    """A generation holds the Engine while another thread's first adaptive plan measures the
+    call costs: the measurement (calls at 256 rows of past, on the Engine's own models) waits
+    for the lock, so the running generation (a prompt past 256 tokens: the rows the
+    measurement writes) keeps its KV and gives its serial output. Before, the measurement ran
+    beside it and overwrote its rows."""
+    import threading
+
+    copy = _without_recorded_costs(folder, tmp_path)
+    serial = Engine(copy)
+    long_prompt = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(40))
+    assert len(serial.prompt_ids(long_prompt)) > 300
+    cfg_a = GenerationConfig(max_new_tokens=48, k_max=4, threshold=0.0)
+    cfg_b = GenerationConfig(max_new_tokens=24, k_max=4, threshold=0.0, adaptive=True)
+    want_a = serial.generate(long_prompt, cfg_a).tokens
+    want_b = serial.generate(PROMPTS[0], cfg_b).tokens
+    shared = Engine(copy)
+    assert shared._adaptive is None
+    got: dict = {}
+    started = threading.Event()
+
+    def a():
+        stream = shared.stream(long_prompt, cfg_a)
+        got["a"] = [next(iter(stream))]  # the lock is held from the first piece on
+        started.set()
+        got["a"] += list(stream)
+        got["a_tokens"] = stream.result.tokens
+
+    def b():
+        started.wait(60)
+        got["b"] = shared.generate(PROMPTS[0], cfg_b).tokens
+
+    ts = [threading.Thread(target=f) for f in (a, b)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(300)
+    assert not any(t.is_alive() for t in ts)
+    assert got["a_tokens"] == want_a, "the running generation's KV was overwritten"
+    assert got["b"] == want_b
+    assert shared._adaptive is not None
+
+
+def test_a_closed_engine_refuses_every_call_in_one_line(engine):
+    """Engine.close() frees the models' buffers: a generation, a cost measurement or a fork
+    after it raises a specrt error, never reaches C."""
+    from specrt.runtime.costs import measure_costs
+    from specrt.runtime.errors import EngineError
+
+    e = engine.fork()
+    e.close()
+    with pytest.raises(EngineError, match="closed"):
+        e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=4))
+    with pytest.raises(EngineError, match="closed"):
+        measure_costs(e, [1, 2], 10, reps=1)
+    with pytest.raises(EngineError, match="closed"):
+        e.fork()
+    assert engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=4)).tokens  # the weights live on for the parent

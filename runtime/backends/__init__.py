@@ -178,12 +178,27 @@ def cpu_model(folder: Path, entry, max_ctx: int, max_q: int, threads: ThreadConf
 
 def kernel_files(manifest: Manifest) -> dict[str, str]:
     """File name -> SHA-256 of the kernel panels (target, and draft where written: checked at
-    load with the graphs when the kernels run), from the manifest's ``files`` map."""
-    recs = (manifest.extra.get(KERNELS_KEY) or {}).values()
-    return {r["file"]: manifest.files[r["file"]].sha256 for r in recs if isinstance(r, dict) and r.get("file") in manifest.files}
+    load with the graphs when the kernels run), from the manifest's ``files`` map.
+
+    Raises:
+        EngineError: a kernels record names no file, or one the manifest's ``files`` does not
+            list (it would be loaded unhashed).
+    """
+    out = {}
+    for role, r in (manifest.extra.get(KERNELS_KEY) or {}).items():
+        if not isinstance(r, dict):
+            continue
+        name = r.get("file")
+        if not isinstance(name, str) or name not in manifest.files:
+            raise EngineError(
+                f"the manifest's kernels record for the {role} names {name!r}, which its files map does not list (no SHA-256 to check it against); re-export the engine",
+                "files",
+            )
+        out[name] = manifest.files[name].sha256
+    return out
 
 
-def kernel_target(folder: Path, manifest: Manifest, threads: ThreadConfig, max_q: int):
+def kernel_target(folder: Path, manifest: Manifest, threads: ThreadConfig, max_q: int, verified: dict | None = None):
     """The target on specrt's kernels (:class:`~.kern.KernelModel`) from the folder's panels,
     on the kernels' thread team (``threads.intra_op`` threads). The path is the CPU's best,
     or ``SPECRT_KERNELS_ISA`` (``avx512vnni``, ``avx2``, ``portable``) when set.
@@ -207,8 +222,11 @@ def kernel_target(folder: Path, manifest: Manifest, threads: ThreadConfig, max_q
         raise EngineError(
             f"{folder / rec['file']}: {rec['dims']['n_vocab']} logits a row, the manifest's target has {manifest.target.vocab_size}; re-export the engine"
         )
-    start_team(threads.intra_op)
-    return kernel_model(folder, manifest, "target", max_q, isa)
+    try:
+        start_team(threads.intra_op)
+    except RuntimeError as e:
+        raise BackendError(f"backend 'kernels': {e}", "threads") from None
+    return kernel_model(folder, manifest, "target", max_q, isa, verified)
 
 
 def kernels_isa() -> str:
@@ -221,21 +239,28 @@ def kernels_isa() -> str:
     return os.environ.get("SPECRT_KERNELS_ISA") or cpu_isa()
 
 
-def kernel_model(folder: Path, manifest: Manifest, role: str, max_q: int, isa: str | None = None):
+def kernel_model(folder: Path, manifest: Manifest, role: str, max_q: int, isa: str | None = None, verified: dict | None = None):
     """A :class:`~.kern.KernelModel` over the folder's ``role`` panels (``extra.kernels[role]``)
     on the path ``isa`` (default: as :func:`kernel_target` chooses it).
 
+    Args:
+        verified: file name -> ``(identity, sha256)`` of the files the load verified
+            (:class:`~specrt.runtime.integrity.Verification`): the panels file mapped must be
+            the one verified (:class:`~specrt.runtime.kernels.weights.KernelWeights`); None
+            when hashes are not checked.
+
     Raises:
-        EngineError: the panels file does not hold what its record says.
+        EngineError: the panels file does not hold what its record says, or is not the file
+            that was verified.
     """
     from ..kernels.weights import KernelWeights
     from .kern import KernelModel
 
     rec = manifest.extra[KERNELS_KEY][role]
     try:
-        weights = KernelWeights(Path(folder) / rec["file"], rec, manifest.max_ctx, max_q)
+        weights = KernelWeights(Path(folder) / rec["file"], rec, manifest.max_ctx, max_q, (verified or {}).get(rec["file"]))
     except RuntimeError as e:
-        raise EngineError(str(e)) from None
+        raise EngineError(str(e), "files") from None
     return KernelModel(weights, isa or kernels_isa())
 
 
@@ -255,7 +280,7 @@ def refuse_builder_graphs(backend: str, manifest: Manifest, folder: Path) -> Non
             )
 
 
-def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_q: int, draft_q: int, verify_hashes: bool = True):
+def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_q: int, draft_q: int, verify_hashes: bool = True, verified: dict | None = None):
     """(target, draft) model objects of ``backend`` for an engine folder.
 
     Args:
@@ -264,6 +289,8 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
         threads: :class:`~specrt.runtime.backends.base.ThreadConfig` (onnxruntime backends).
         target_q, draft_q: widest call per model.
         verify_hashes: check plan files against the manifest (tensorrt).
+        verified: file name -> ``(identity, sha256)`` of the files the load verified (the
+            kernels check the panels they map are those: :func:`kernel_model`).
 
     Returns:
         ``(target, draft)``, each a :class:`~specrt.runtime.backends.base.Model`; an
@@ -275,9 +302,9 @@ def load_models(backend: str, folder: Path, manifest: Manifest, threads, target_
     """
     m = manifest
     if backend == "kernels":
-        target = kernel_target(folder, m, threads, target_q)
+        target = kernel_target(folder, m, threads, target_q, verified)
         if (m.extra.get(KERNELS_KEY) or {}).get("draft"):  # the draft's panels too: one thread team for both
-            return target, kernel_model(folder, m, "draft", draft_q)
+            return target, kernel_model(folder, m, "draft", draft_q, verified=verified)
         return target, cpu_model(folder, m.draft, m.max_ctx, draft_q, threads.for_draft(m.draft.params), role="draft")
     if backend == "ort-cpu":
         from .ort import SharedHeadSessions

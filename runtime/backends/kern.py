@@ -20,12 +20,37 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import InputError, NumericsError
+from ..errors import EngineError, InputError, NumericsError
 from ..kernels import SkKv, check_rc, isa_id
 from ..kernels.weights import KernelWeights
 from .kv_layout import check_call, host_zeros, release_bytes, release_tail_rows
 
-__all__ = ["KernelModel"]
+__all__ = ["KernelModel", "token_ids", "int_array"]
+
+
+def int_array(values, what: str, param: str) -> np.ndarray:
+    """``values`` as a 1-D int64 array, before anything narrows them to the kernels' int32
+    buffers (numpy would wrap ``2**32 + 7`` to 7 silently; the caller range-checks these).
+
+    Raises:
+        InputError: not a 1-D sequence of integers (bools and floats refused; param ``param``).
+    """
+    a = np.asarray(values)
+    if a.ndim != 1 or (a.size and (a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer))):
+        raise InputError(f"{what} must be a 1-D sequence of integers, got {a.dtype} with shape {a.shape}", param)
+    return a.astype(np.int64, copy=False)
+
+
+def token_ids(tokens, vocab: int) -> np.ndarray:
+    """``tokens`` as int64 ``[q]`` (:func:`int_array`), each an id in ``0..vocab-1``.
+
+    Raises:
+        InputError: not integers, or an id outside the vocabulary (param ``tokens``).
+    """
+    a = int_array(tokens, "token ids", "tokens")
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= vocab):
+        raise InputError(f"a token id in {a.tolist()[:16]} is outside the vocabulary 0..{vocab - 1}", "tokens")
+    return a
 
 
 class KernelModel:
@@ -88,13 +113,13 @@ class KernelModel:
         Returns:
             float32 ``[q, vocab]`` (rows below ``lo``: stale).
         """
-        q = len(tokens)
-        check_call(q, start, self.max_q, self.max_ctx)
-        ids = self.ids
-        ids[:q] = tokens
+        toks = self._tokens(tokens, start)
+        q = len(toks)
         w = self.w
-        with w.lock:
-            rc = w.lib.sk_step(self._isa, *self._args, w.scratch, ids.ctypes.data, q, start, self._out.ctypes.data, self._ld, lo)
+        with w.lock:  # the ids buffer too: another thread's call on this model cannot change it before C copies it
+            self._open()
+            self.ids[:q] = toks
+            rc = w.lib.sk_step(self._isa, *self._args, w.scratch, self.ids.ctypes.data, q, start, self._out.ctypes.data, self._ld, lo)
         self._check(rc, q)
         if self.head is not None and lo < q:
             if self.rows_ready < q:
@@ -167,47 +192,82 @@ class KernelModel:
 
     def _reduced(self, tokens, start: int, n_valid: int, inv_temp: float, vals: np.ndarray, lo: int) -> tuple[np.ndarray, np.ndarray]:
         """One ``sk_step_argmax`` call (rows ``[lo, q)`` reduced): views of its ids and vals."""
-        q = len(tokens)
-        check_call(q, start, self.max_q, self.max_ctx)
-        ids, out = self.ids, self.argmax_ids
-        ids[:q] = tokens
-        w = self.w
+        toks = self._tokens(tokens, start)
+        q = len(toks)
+        out, w = self.argmax_ids, self.w
         with w.lock:
-            rc = w.lib.sk_step_argmax(self._isa, *self._args, w.scratch, ids.ctypes.data, q, start, out.ctypes.data, vals.ctypes.data, n_valid, inv_temp, lo)
+            self._open()
+            self.ids[:q] = toks
+            rc = w.lib.sk_step_argmax(
+                self._isa, *self._args, w.scratch, self.ids.ctypes.data, q, start, out.ctypes.data, vals.ctypes.data, n_valid, inv_temp, lo
+            )
         self._check(rc, q)
         return out[lo:q], vals[lo:q]
+
+    def _tokens(self, tokens, start: int) -> np.ndarray:
+        """The call's ids, checked (:func:`token_ids`: range first, then int32), and its rows
+        against the buffers (:func:`~.kv_layout.check_call`)."""
+        self._open()
+        toks = token_ids(tokens, self.w.n_vocab)
+        check_call(len(toks), start, self.max_q, self.max_ctx)
+        return toks
+
+    def _open(self) -> None:
+        """Raise unless this model and its weights are open.
+
+        Raises:
+            EngineError: :meth:`close` was called (on this model or its weights)."""
+        if self._kv is None or self.w.closed:
+            raise EngineError("this kernels model is closed (Engine.close or KernelModel.close); load the engine again", "engine")
 
     def _check(self, rc: int, q: int) -> None:
         """Raise for a step's return code: InputError for a token id outside the vocabulary
         (the ``q`` ids of the call named), else :func:`~specrt.runtime.kernels.check_rc`."""
         if rc == -3:
-            raise InputError(f"a token id in {list(map(int, self.ids[:q]))} is outside the vocabulary 0..{self.vocab - 1}")
+            raise InputError(f"a token id in {list(map(int, self.ids[:q]))} is outside the vocabulary 0..{self.vocab - 1}", "tokens")
         check_rc(rc, "kernels step")
 
     def fork(self) -> "KernelModel":
-        """Another model over the same weights with its own KV, logits and ids buffers."""
+        """Another model over the same weights with its own KV, logits and ids buffers.
+
+        Raises:
+            EngineError: this model is closed."""
+        self._open()
         return KernelModel(self.w, self.isa)
 
     def swap_kv(self, other: "KernelModel") -> None:
         """Exchange KV caches with ``other`` (a model over the same weights): each then holds
-        the other's rows. O(1): the buffers change owner (continuous batching moves slots so)."""
+        the other's rows. O(1): the buffers change owner (continuous batching moves slots so).
+
+        Raises:
+            EngineError: either model is closed."""
+        self._open()
+        other._open()
         for name in ("k", "v", "_kv", "_args"):
             a, b = getattr(self, name), getattr(other, name)
             setattr(self, name, b)
             setattr(other, name, a)
 
     def close(self) -> None:
-        """Drop this model's buffers (the weights go with their last user)."""
-        self.k = self.v = self.logits = self.head = self._out = None
+        """Drop this model's buffers (the weights go with their last user); every call after
+        raises :class:`~specrt.runtime.errors.EngineError`. Idempotent."""
+        with self.w.lock:  # not while a step of another thread is in C over these buffers
+            self._kv = self._args = None
+            self.k = self.v = self.logits = self.head = self._out = None
 
     def release_logits(self, start: int = 0) -> int:
-        """Give logits rows ``[start, max_q)`` back to the OS (whole pages); returns bytes."""
+        """Give logits rows ``[start, max_q)`` back to the OS (whole pages); returns bytes (0
+        once closed: nothing is held)."""
+        if self.logits is None:
+            return 0
         self.rows_ready = min(self.rows_ready, max(0, start))  # released rows read zeros, not -inf
         return release_tail_rows(self.logits, start)
 
     def release_rows(self, start: int) -> int:
         """Give KV rows ``[start, max_ctx)`` of every layer back to the OS (whole pages; a K
-        tile holding a row below ``start`` is kept). Returns bytes released."""
+        tile holding a row below ``start`` is kept). Returns bytes released (0 once closed)."""
+        if self.k is None:
+            return 0
         d = self.w.dims
         per_row = int(d["n_head_kv"]) * int(d["head_dim"]) * 2  # bytes of one position in one layer
         layer = self.w.ctx16 * per_row

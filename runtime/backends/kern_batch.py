@@ -22,9 +22,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import EngineError, InputError
 from ..kernels import check_rc
-from .kern import KernelModel
+from .kern import KernelModel, int_array, token_ids
 from .kv_layout import check_batch_step, host_zeros
 
 __all__ = ["KernelBatch"]
@@ -85,26 +85,31 @@ class KernelBatch:
                 0..max_batch-1, a position outside the context, one (slot, position) twice,
                 or a token id outside the vocabulary.
         """
+        if not self.slots:
+            raise EngineError("this kernels batch is closed; build another", "engine")
         q = len(tokens)
         if not (len(slots) == q == len(positions)):
             raise InputError(f"{len(slots)} slots, {q} tokens and {len(positions)} positions: one each per row", "tokens")
         if not 1 <= q <= self.max_rows:
             raise InputError(f"a batched call takes 1..{self.max_rows} rows, got {q}", "tokens")
-        pos = self.pos[:q]
-        pos[:] = positions
-        if int(pos.min()) < 0 or int(pos.max()) >= self.max_ctx:
-            raise InputError(f"positions must be in 0..{self.max_ctx - 1}, got {int(pos.min())}..{int(pos.max())}", "lengths")
-        if len(set(zip(slots, positions))) != q:
+        toks = token_ids(tokens, self.w.n_vocab)
+        at = int_array(positions, "positions", "lengths")  # range-checked before the int32 buffer: no wrap
+        if int(at.min()) < 0 or int(at.max()) >= self.max_ctx:
+            raise InputError(f"positions must be in 0..{self.max_ctx - 1}, got {int(at.min())}..{int(at.max())}", "lengths")
+        sl = [int(j) for j in slots]
+        if any(not 0 <= j < self.max_batch for j in sl):
+            raise InputError(f"slots {sl}: slots 0..{self.max_batch - 1}", "slot")
+        if len(set(zip(sl, at.tolist()))) != q:
             raise InputError("a batched call names one (slot, position) twice", "lengths")
-        for i, j in enumerate(slots):
-            if not 0 <= j < self.max_batch:
-                raise InputError(f"slot {j}: slots 0..{self.max_batch - 1}", "slot")
-            self._kvp[i] = ctypes.addressof(self.slots[j]._kv)
-        self.ids[:q] = tokens
         w = self.w
-        with w.lock:
+        with w.lock:  # the buffers C reads are filled under the lock that serializes calls
+            for i, j in enumerate(sl):
+                self.slots[j]._open()
+                self._kvp[i] = ctypes.addressof(self.slots[j]._kv)
+            self.ids[:q] = toks
+            self.pos[:q] = at
             rc = w.lib.sk_step_rows(
-                self._isa, ctypes.byref(w.model), self._kvp, w.scratch, self.ids.ctypes.data, pos.ctypes.data, q, self.logits.ctypes.data, self.vocab, 0
+                self._isa, ctypes.byref(w.model), self._kvp, w.scratch, self.ids.ctypes.data, self.pos.ctypes.data, q, self.logits.ctypes.data, self.vocab, 0
             )
         if rc == -3:
             raise InputError(f"a token id in {list(map(int, self.ids[:q]))} is outside the vocabulary 0..{self.vocab - 1}", "tokens")
