@@ -43,11 +43,12 @@ def measure(engines: str, past: int, reps: int) -> tuple[dict, str]:
         SystemExit: a model of the folder does not run on the kernels.
     """
     from specrt import Engine
+    from specrt.runtime.backends.base import DraftsTop1, reduces_head
     from specrt.runtime.speculative import top1
 
     e = Engine(engines)
     d, t, vocab = e.draft, e.target, e.manifest.vocab_size
-    if not hasattr(d, "run_top1") or not getattr(t, "argmax_head", False):
+    if not isinstance(d, DraftsTop1) or not reduces_head(t):
         raise SystemExit(f"{engines}: both models must run on specrt's kernels (backend {e.backend})")
     toks = [int(x) for x in np.random.default_rng(0).integers(100, 5000, past + 64)]
     d.run_rows(toks[:past], 0, past)

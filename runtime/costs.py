@@ -104,9 +104,11 @@ def loop_call(model, role: str, vocab: int) -> Callable:
     tokenizer's ids. Sampled, constrained and logprob runs read full rows, which cost a little
     more (on the real pair's draft 0.4-0.5 ms a step, docs/bench/real_pair/reduced_heads_*):
     adaptive k uses these greedy costs for them too."""
-    if role == "draft" and hasattr(model, "run_top1"):
+    from .backends.base import DraftsTop1, reduces_head
+
+    if role == "draft" and isinstance(model, DraftsTop1):
         return lambda toks, start: model.run_top1(toks, start, vocab, 1.0)
-    if role == "target" and getattr(model, "argmax_head", False):
+    if role == "target" and reduces_head(model):
         return lambda toks, start: model.run_argmax(toks, start, vocab)
     return model.run
 

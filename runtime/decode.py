@@ -49,7 +49,7 @@ from typing import Iterator, Protocol, Sequence
 import numpy as np
 
 from .adaptive import AdaptiveK
-from .backends.base import Model, run_tail
+from .backends.base import Model, reduces_head, run_tail
 from .chunks import call_start, chunk_bounds, feed
 from .drafters import Drafter, drafter_is_free, make_drafter
 from .prefix import KVPrefix, prefill_calls
@@ -290,7 +290,7 @@ def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, c
     if plan.strategy == "full" or n == 0:
         toks, s, off = verification_call(seq, cands, valid, min_q)
         calls.append((len(toks), s, len(toks)))
-        if plan.argmax and getattr(target, "argmax_head", False):
+        if plan.argmax and reduces_head(target):
             yield 0, target.run_argmax(toks, s, plan.argmax)[off:]  # each row's token (Plan.argmax)
         else:
             yield 0, target.run(toks, s)[off:]

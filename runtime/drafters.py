@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from .backends.base import Model
+from .backends.base import DraftsTop1, Model
 from .speculative import GreedyAcceptor
 
 __all__ = [
@@ -133,7 +133,7 @@ class ModelDrafter:
 
         draft = self.draft
         unseen = seq[self.kv :]  # tokens the draft's KV lacks (the first call feeds them)
-        top1 = getattr(draft, "run_top1", None) if pre is None and type(acc) is GreedyAcceptor else None
+        top1 = draft.run_top1 if pre is None and type(acc) is GreedyAcceptor and isinstance(draft, DraftsTop1) else None
         i = 0
         while True:
             f = acc.forced_at(i)

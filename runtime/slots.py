@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterable, Mapping, Sequence
 
-from .backends.base import Model, release_scratch
+from .backends.base import Model, ReleasesRows, release_scratch
 from .errors import InputError
 from .prefix import KVPrefix, route_key
 
@@ -193,7 +193,7 @@ class Slot:
 
     def __init__(self, target: Model, draft: Model, t_step: int, narrow: int, release_target: Callable[[int], int] | None = None):
         self.target, self.draft, self.t_step, self.narrow = target, draft, t_step, narrow
-        self.release_target = release_target if release_target is not None else getattr(target, "release_rows", None)
+        self.release_target = release_target if release_target is not None else (target.release_rows if isinstance(target, ReleasesRows) else None)
         self.rec: KVPrefix | None = None
         self.share: int | None = None
         self.used = 0.0
@@ -232,7 +232,7 @@ class Slot:
         rec = self.rec
         for rel, rows in (
             (self.release_target, 0 if rec is None else rec.target_rows),
-            (getattr(self.draft, "release_rows", None), 0 if rec is None else rec.draft_rows),
+            (self.draft.release_rows if isinstance(self.draft, ReleasesRows) else None, 0 if rec is None else rec.draft_rows),
         ):
             if rel is not None:
                 done += rel(rows)
