@@ -139,12 +139,13 @@ lint-c: install
 
 # the kernels built with AddressSanitizer + UndefinedBehaviorSanitizer (any report fails the
 # run), loaded instead of the installed build (SPECRT_KERNELS_LIB), through the kernels' tests:
-# every ISA path this CPU runs (tests/test_kernels.py walks them), and the safety cases
+# every ISA path this CPU runs (tests/test_kernels.py walks them), and the safety cases;
+# --capture=sys: a sanitizer report (written to fd 2 as the process exits) reaches the log
 test-sanitize: install
 	@mkdir -p $(dir $(SAN_LIB))
 	$(CC) -shared $(KFLAGS) $(KWARN) -O1 -g $(SANITIZE) -DSK_SOURCES='"$(KSTAMP)"' $(KUNITS) -lm -o $(SAN_LIB)
 	LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-	SPECRT_KERNELS_LIB=$(SAN_LIB) $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_safety.py -k "not pytorch"
+	SPECRT_KERNELS_LIB=$(SAN_LIB) $(BIN)/python -m pytest -q -p no:cacheprovider --capture=sys tests/test_kernels.py tests/test_kernels_safety.py -k "not pytorch"
 
 # full benchmark: 100 HumanEval prompts, 128 new tokens, interleaved; then the side-by-side comparison
 bench: export

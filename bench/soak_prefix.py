@@ -22,6 +22,13 @@ running prefill's logits rows and onnxruntime's intermediates come on top. ``--m
 serves through N continuous-batching slots instead of ``--workers``. Prints JSON and writes
 it to ``--out``.
 
+The phases end on time (``--warmup-minutes``, ``--minutes``) or, for runs that must measure
+the same work on any machine (the tests: a machine 2-3x slower, or loaded, would otherwise
+take its "warm" reading before the cache filled), on what they measure: the warm-up ends at
+the first sample after ``--warmup-requests`` answers once the prefix cache has served
+``--warmup-cached`` prompt tokens in all, and the run after ``--requests`` more answers
+(``--minutes`` then only caps it).
+
     python -m specrt.bench.soak_prefix --engines engines/default --workers 4 --minutes 30 --out bench_out/soak_prefix.json
     python -m specrt.bench.soak_prefix --engines engines/qwen2.5-coder --max-batch 4 --threads 2 --budget 8192 --max-chars 9000 --out bench_out/soak_real.json
 """
@@ -99,13 +106,14 @@ def memory_sizes(engines: Path, budget: int, slots: int) -> tuple[float, float, 
     return budget * per_token / 2**20, slots * max_ctx * per_token / 2**20, weights / 2**20
 
 
-def client(port: int, prompts: list[str], seed: int, stop: float, max_chars: int, out: dict, lock: threading.Lock) -> None:
-    """One client thread until the time ``stop``: a conversation of random turns (random
-    budget, greedy or sampled, speculative or not), restarted past ``max_chars`` or at
-    random; counts sent, answered, lost and cached tokens into ``out`` under ``lock``."""
+def client(port: int, prompts: list[str], seed: int, stop: float, max_chars: int, out: dict, lock: threading.Lock, done: threading.Event | None = None) -> None:
+    """One client thread until the time ``stop`` (or ``done`` is set): a conversation of
+    random turns (random budget, greedy or sampled, speculative or not), restarted past
+    ``max_chars`` or at random; counts sent, answered, lost and cached tokens into ``out``
+    under ``lock``."""
     rng = random.Random(seed)
     text = rng.choice(prompts)
-    while time.time() < stop:
+    while time.time() < stop and not (done is not None and done.is_set()):
         body = dict(prompt=text, max_tokens=rng.choice([8, 16, 32]), temperature=rng.choice([0, 0, 0.8]), seed=rng.randrange(1000))
         if rng.random() < 0.3:
             body["speculative"] = False
@@ -144,14 +152,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="> 0 (with --max-batch): --max-tokens-in-flight, so the KV the running requests hold is bounded too; the record then checks the peak against RSS once loaded + (budget + in-flight) tokens of KV",
     )
-    ap.add_argument("--minutes", type=float, default=30)
-    ap.add_argument("--warmup-minutes", type=float, default=2)
+    ap.add_argument("--minutes", type=float, default=30, help="the run's length (with --requests: its cap)")
+    ap.add_argument("--warmup-minutes", type=float, default=2, help="the warm-up's length (unless --warmup-requests)")
+    ap.add_argument(
+        "--warmup-requests", type=int, default=0, help="> 0: the warm-up ends once this many requests were answered and the cache used (--warmup-cached)"
+    )
+    ap.add_argument("--warmup-cached", type=int, default=0, help="with --warmup-requests: prompt tokens the prefix cache must have served in all first")
+    ap.add_argument("--requests", type=int, default=0, help="> 0 (with --warmup-requests): stop once this many more requests were answered after the warm-up")
+    ap.add_argument("--sample-every", type=float, default=10, help="seconds between RSS samples")
     ap.add_argument("--max-chars", type=int, default=2400, help="restart a conversation beyond this many characters")
     ap.add_argument("--prompts", default="data/humaneval_dev.jsonl")
     ap.add_argument("--out", default="bench_out/soak_prefix.json")
     a = ap.parse_args(argv)
     if a.in_flight > 0 and a.max_batch <= 0:
         ap.error("--in-flight needs --max-batch (the tokens-in-flight limit is the batch scheduler's)")
+    if a.requests > 0 and a.warmup_requests <= 0:
+        ap.error("--requests needs --warmup-requests (phases end on work, not time)")
     return a
 
 
@@ -162,19 +178,66 @@ def server_command(a: argparse.Namespace, port) -> list:
     return cmd + (["--max-tokens-in-flight", a.in_flight] if a.in_flight > 0 else [])
 
 
-def sample_while(threads: list, port, pid: int, t0: float, stats: dict) -> list[dict]:
-    """Every 10 s until the client ``threads`` end: the server's RSS (MiB), where it is
-    (:func:`memory_parts`), requests sent and the prefix cache's token gauge (None when the
-    busy server did not answer /metrics in time). Printed and returned."""
+class Phases:
+    """When the warm-up and the run end: on time (``warmup_s``), or on work: the first sample
+    with at least ``warmup_requests`` answers and ``cached`` prompt tokens served from the
+    prefix cache in all starts the measured phase, and ``requests`` answers after it end the
+    run (``done`` set).
+
+    Attributes:
+        warm_from: index of the first sample of the measured phase (None: not reached).
+    """
+
+    def __init__(self, warmup_s: float, warmup_requests: int = 0, cached: int = 0, requests: int = 0):
+        self.warmup_s, self.warmup_requests, self.cached, self.requests = warmup_s, warmup_requests, cached, requests
+        self.warm_from: int | None = None
+        self._ok_at_warm = 0
+        self.done = threading.Event()
+
+    def observe(self, samples: list[dict]) -> None:
+        """Update the phases with the newest sample (``t``, ``answered``, ``cached``)."""
+        s = samples[-1]
+        if self.warm_from is None:
+            if self.warmup_requests > 0:
+                warm = s["answered"] >= self.warmup_requests and s["cached"] >= self.cached
+            else:
+                warm = s["t"] >= self.warmup_s
+            if warm:
+                self.warm_from, self._ok_at_warm = len(samples) - 1, s["answered"]
+        if self.warm_from is not None and self.requests > 0 and s["answered"] - self._ok_at_warm >= self.requests:
+            self.done.set()
+
+    def warm(self, samples: list[dict]) -> list[dict]:
+        """The samples of the measured phase."""
+        return [] if self.warm_from is None else samples[self.warm_from :]
+
+
+def sample_while(threads: list, port, pid: int, t0: float, stats: dict, phases: Phases | None = None, every: float = 10) -> list[dict]:
+    """Every ``every`` seconds until the client ``threads`` end: the server's RSS (MiB), where
+    it is (:func:`memory_parts`), requests sent and answered, and the prefix cache's token
+    gauge (None when the busy server did not answer /metrics in time); each sample goes to
+    ``phases`` (which may end the run). Printed and returned."""
     samples = []
     while any(t.is_alive() for t in threads):
-        time.sleep(10)
+        time.sleep(every)
         try:
             held = read_metrics(port).get("specrt_prefix_cache_tokens")
         except (OSError, RuntimeError):  # a busy server may not answer in time: a missing sample
             held = None
-        samples.append(dict(t=round(time.time() - t0, 1), rss_mib=round(rss_mib(pid), 1), sent=stats["sent"], cache_tokens=held, memory=memory_parts(pid)))
+        samples.append(
+            dict(
+                t=round(time.time() - t0, 1),
+                rss_mib=round(rss_mib(pid), 1),
+                sent=stats["sent"],
+                answered=stats["ok"],
+                cached=stats["cached"],
+                cache_tokens=held,
+                memory=memory_parts(pid),
+            )
+        )
         print(json.dumps(samples[-1]), flush=True)
+        if phases is not None:
+            phases.observe(samples)
     return samples
 
 
@@ -195,15 +258,16 @@ def main(argv=None) -> int:
     stop = (t0 := time.time()) + 60 * a.minutes
     stats = {"sent": 0, "ok": 0, "lost": 0, "cached": 0, "errors": []}
     lock = threading.Lock()
-    threads = [threading.Thread(target=client, args=(port, prompts, i, stop, a.max_chars, stats, lock), daemon=True) for i in range(a.clients)]
+    phases = Phases(60 * a.warmup_minutes, a.warmup_requests, a.warmup_cached, a.requests)
+    threads = [threading.Thread(target=client, args=(port, prompts, i, stop, a.max_chars, stats, lock, phases.done), daemon=True) for i in range(a.clients)]
     for t in threads:
         t.start()
     try:
-        samples = sample_while(threads, port, proc.pid, t0, stats)
+        samples = sample_while(threads, port, proc.pid, t0, stats, phases, a.sample_every)
         metrics = read_metrics(port)
     finally:
         stop_all([proc])
-    warm = [s for s in samples if s["t"] >= 60 * a.warmup_minutes]
+    warm = phases.warm(samples)
     rss_warm = warm[0]["rss_mib"] if warm else float("nan")
     peak = max(s["rss_mib"] for s in warm) if warm else float("nan")
     max_held = max((s["cache_tokens"] for s in samples if s["cache_tokens"] is not None), default=0)  # the gauge, every 10 s
@@ -234,6 +298,8 @@ def main(argv=None) -> int:
         peak_over_loaded_plus_allocated=peak / (rss_loaded + kv_alloc_mib) if warm else None,
         cache_tokens_max=max_held,
         cache_tokens_samples_missing=sum(s["cache_tokens"] is None for s in samples),
+        requests_after_warmup=samples[-1]["answered"] - warm[0]["answered"] if warm else 0,
+        warmup_ended_s=warm[0]["t"] if warm else None,
         holds=bool(warm) and stats["lost"] == 0 and peak <= 1.10 * rss_warm and max_held <= a.budget,
         samples=samples,
     )

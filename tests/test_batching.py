@@ -294,7 +294,7 @@ def test_serve_max_batch_concurrent_clients_metrics_and_disconnect(int4_pair, in
         while b"data: {" not in head:
             head += sock.recv(4096)
         sock.close()
-        deadline = time.time() + 5
+        deadline = time.time() + 60  # a condition, not a measurement: a loaded machine may take long
         while read_metrics(srv.port)["specrt_workers_busy"] != 0:
             assert time.time() < deadline, "the slot was not freed"
             time.sleep(0.05)
