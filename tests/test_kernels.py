@@ -24,7 +24,7 @@ if K.status() is not None:
     pytest.skip(f"kernels not available: {K.status()}", allow_module_level=True)
 
 ISAS = K.ISAS[: K.ISAS.index(K.cpu_isa()) + 1]  # every path this CPU runs
-TYPES = [R.Q4_0, R.Q4_1, R.Q5_0, R.Q8_0, R.Q4_K, R.Q6_K]
+TYPES = [R.Q4_0, R.Q4_1, R.Q5_0, R.Q5_1, R.Q8_0, R.Q4_K, R.Q6_K]
 K_MAX = 8
 
 
@@ -172,6 +172,28 @@ def test_step_rows_do_not_depend_on_the_calls(tiny):
                 got = m.run(PROMPT[30 : 30 + q], 30)
                 np.testing.assert_array_equal(bits(got), bits(base[30 : 30 + q]), err_msg=f"{isa} q={q}")
     K.start_team(2)
+
+
+def test_a_decoder_of_q5_1_matrices_steps_exactly(tmp_path):
+    """Q5_1 (the first block type added through the block-type tables) as a decoder's
+    attention and FFN matrices: the step matches the numpy reference, and 1-row steps give
+    the 40-row call's bits on every ISA path."""
+    from specrt.export.kernel_pack import write_panels
+    from specrt.runtime.kernels.weights import KernelWeights
+
+    g = R.write_gguf(tmp_path / "q51.gguf", "llama", types={"attn": R.Q5_1, "attn_v": R.Q5_1, "ffn": R.Q5_1, "ffn_down": R.Q5_1})
+    rec = write_panels(g, tmp_path, "target", log=lambda *_: None)
+    assert rec["tensors"]["blk.0.ffn_up"]["type"] == R.Q5_1
+    w = KernelWeights(tmp_path / "target.panels", rec, 256, 64)
+    base = model(w, "portable").run(PROMPT, 0).copy()
+    ref = R.reference_step(g, PROMPT, rec["rope_neox"])
+    # most rows equal the reference to float rounding; a few differ where an 8-bit activation
+    # rounds the other way (as Q4_1's do; the reference rounds in float64)
+    err = np.linalg.norm(base - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert np.median(err) < 1e-5 and err.max() < 0.05 and (base.argmax(1) == ref.argmax(1)).mean() >= 0.95
+    for isa in ISAS:
+        m = model(w, isa)
+        np.testing.assert_array_equal(bits(np.stack([m.run([t], i)[0].copy() for i, t in enumerate(PROMPT)])), bits(base), err_msg=isa)
 
 
 def test_rows_past_start_are_never_read(tiny):

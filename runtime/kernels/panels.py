@@ -20,13 +20,14 @@ Q6_K    3360     ql[8 p][4 t][16 c][4 e] = lo4 q(32p+4t+e) | lo4 q(32p+16+4t+e) 
                  sc[16][16] i8; d[16] f16
 Q8_0    544      qs[8 t][16 c][4 e] = q(4t+e) (int8); d[16] f16
 Q5_0    544      as Q8_0 with q - 16 (int8, -16..15)
+Q5_1    576      qs[8 t][16 c][4 e] = q(4t+e) (uint8, 0..31); d[16] f16; m[16] f16
 Q4_0    288      qs[4 t][16 c][4 e] = q(4t+e) | q(16+4t+e) << 4 (GGUF's bytes); d[16] f16
 Q4_1    320      as Q4_0; d[16] f16; m[16] f16
 ======= ======== ==================================================================
 
 Q4_K and Q4_0/Q4_1 hold exactly the GGUF's bytes per column (Q4_K adds 4 bytes a block: its
 6-bit scales unpacked); Q6_K and Q8_0 are the same size as the GGUF; Q5_0 grows from 22 to
-34 bytes a block (5-bit values unpacked to bytes: its kernel is Q8_0's).
+34 bytes a block (5-bit values unpacked to bytes: its kernel is Q8_0's), Q5_1 from 24 to 36.
 """
 
 from __future__ import annotations
@@ -131,6 +132,19 @@ def _q5_0(b: np.ndarray) -> list[np.ndarray]:
     return [_lanes(q.reshape(npan, P, nb, 8, 4)), _lanes(b[..., 0:2].reshape(npan, P, nb, 1, 2))]
 
 
+def _q5_1(b: np.ndarray) -> list[np.ndarray]:
+    npan, _, nb, _ = b.shape
+    qh = b[..., 4:8].copy().view(np.uint32)[..., 0]  # [p][c][b]
+    bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    ql = b[..., 8:24]
+    q = np.concatenate([ql & 0x0F, ql >> 4], axis=-1) | (bits << 4)  # 0..31: k = 0..15 low nibbles, 16..31 high
+    return [
+        _lanes(q.astype(np.uint8).reshape(npan, P, nb, 8, 4)),
+        _lanes(b[..., 0:2].reshape(npan, P, nb, 1, 2)),
+        _lanes(b[..., 2:4].reshape(npan, P, nb, 1, 2)),
+    ]
+
+
 def _q4_0(b: np.ndarray) -> list[np.ndarray]:
     npan, _, nb, _ = b.shape
     return [_lanes(b[..., 2:18].reshape(npan, P, nb, 4, 4)), _lanes(b[..., 0:2].reshape(npan, P, nb, 1, 2))]
@@ -175,6 +189,7 @@ TABLE: tuple[BlockType, ...] = (
     BlockType(2, "Q4_0", 32, 18, 288, "q8_0", _q4_0),
     BlockType(3, "Q4_1", 32, 20, 320, "q8_0", _q4_1),
     BlockType(6, "Q5_0", 32, 22, 544, "q8_0", _q5_0),
+    BlockType(7, "Q5_1", 32, 24, 576, "q8_0", _q5_1),
     BlockType(8, "Q8_0", 32, 34, 544, "q8_0", _q8_0),
     BlockType(12, "Q4_K", 256, 144, 2368, "q8_k", _q4k),
     BlockType(14, "Q6_K", 256, 210, 3360, "q8_k", _q6k),

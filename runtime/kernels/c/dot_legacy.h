@@ -1,5 +1,6 @@
 /* Panel kernels of the 32-weight blocks (Q8_0 activations): Q8_0 and Q5_0 (signed bytes:
- * Q5_0's 5-bit values are unpacked to bytes at export), Q4_0 and Q4_1 (nibbles).
+ * Q5_0's 5-bit values are unpacked to bytes at export), Q5_1 (unsigned bytes 0..31 and a
+ * min), Q4_0 and Q4_1 (nibbles).
  * Kernel body: included by kernels.h once per ISA path, as dot_kquants.h.
  */
 
@@ -80,6 +81,38 @@ static inline __attribute__((always_inline)) void u4_rows(const uint8_t *w, int 
     }
 }
 
+/* Q5_1 panels (5-bit values 0..31 unpacked to bytes at export, min m): per 32-block
+ * y += isum * (dw * dx); y += (mw * dx) * xsum, as Q4_1 (u4_rows) */
+static inline __attribute__((always_inline)) void q5_1_rows(const uint8_t *w, int nb, const sk_a32 *X, int ldx, int Q, float *y, int ldy, int h, int accum,
+                                                            int pf) {
+    vf yacc[RB];
+    for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *o = w + (size_t)b * SK_Q51_PSB;
+        if (pf) sk_prefetch(o + 4 * SK_PF_AHEAD * SK_Q51_PSB, SK_Q51_PSB);
+        const uint16_t *dd = (const uint16_t *)(o + 32 * SK_P);
+        const vf dw = H2F(dd + h * LANES), mw = H2F(dd + SK_P + h * LANES);
+        vi a[RB];
+        for (int r = 0; r < Q; ++r) a[r] = VZERO();
+        for (int t = 0; t < 8; ++t) {
+            const vi v = VLOADW(o + (size_t)(t * SK_P) * 4 + h * LANES * 4);
+#pragma GCC unroll 4
+            for (int r = 0; r < Q; ++r) a[r] = DOTU(a[r], v, XSET(X[(size_t)r * ldx + b].q + 4 * t));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < Q; ++r) {
+            const sk_a32 *xb = &X[(size_t)r * ldx + b];
+            const vf dx = FSET1(xb->d);
+            yacc[r] = FMA(VCVT(a[r]), FMUL(dw, dx), yacc[r]);
+            yacc[r] = FMA(FMUL(mw, dx), FSET1((float)xb->sum), yacc[r]);
+        }
+    }
+    for (int r = 0; r < Q; ++r) {
+        float *yr = y + (size_t)r * ldy + h * LANES;
+        FSTORE(yr, accum ? FADD(FLOAD(yr), yacc[r]) : yacc[r]);
+    }
+}
+
 /* Q8_0 / Q5_0 panels [p0, p1) of m for q rows (sk_panels_fn: y[0] is column p0 * SK_P) */
 static void i8_panels(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
     const int nb = m->k / 32;
@@ -92,6 +125,25 @@ static void i8_panels(const sk_mat *m, const void *X, int ldx, int q, int p0, in
             for (int h = 0; h < HALVES; ++h) {
                 const int pf = r0 == 0 && h == 0;
 #define CALL(QQ) i8_rows(w, nb, x, ldx, QQ, yp, ldy, h, accum, pf)
+                SK_ROWS_CASES(CALL)
+#undef CALL
+            }
+        }
+    }
+}
+
+/* Q5_1 panels [p0, p1) of m for q rows (sk_panels_fn) */
+static void q5_1_panels(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    const int nb = m->k / 32;
+    for (int p = p0; p < p1; ++p) {
+        const uint8_t *w = m->w + (size_t)p * nb * SK_Q51_PSB;
+        for (int r0 = 0; r0 < q; r0 += RB) {
+            const int Q = q - r0 < RB ? q - r0 : RB;
+            const sk_a32 *x = (const sk_a32 *)X + (size_t)r0 * ldx;
+            float *yp = y + (size_t)r0 * ldy + (size_t)(p - p0) * SK_P;
+            for (int h = 0; h < HALVES; ++h) {
+                const int pf = r0 == 0 && h == 0;
+#define CALL(QQ) q5_1_rows(w, nb, x, ldx, QQ, yp, ldy, h, accum, pf)
                 SK_ROWS_CASES(CALL)
 #undef CALL
             }

@@ -30,6 +30,9 @@ void sk_q4_0_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0,
 void sk_q4_1_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
     u4_panels(m, X, ldx, q, p0, p1, y, ldy, accum, 1);
 }
+void sk_q5_1_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    q5_1_panels(m, X, ldx, q, p0, p1, y, ldy, accum);
+}
 
 const sk_isa sk_isa_avx2 = {"avx2", step, matmul, argmax_rows};
 

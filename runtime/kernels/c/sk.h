@@ -20,7 +20,7 @@
 #define SK_MAX_THREADS 64
 
 /* ggml type ids (ggml.h) of the block types the kernels run (the table: types.c) */
-enum { SK_F32 = 0, SK_F16 = 1, SK_Q4_0 = 2, SK_Q4_1 = 3, SK_Q5_0 = 6, SK_Q8_0 = 8, SK_Q4_K = 12, SK_Q6_K = 14 };
+enum { SK_F32 = 0, SK_F16 = 1, SK_Q4_0 = 2, SK_Q4_1 = 3, SK_Q5_0 = 6, SK_Q5_1 = 7, SK_Q8_0 = 8, SK_Q4_K = 12, SK_Q6_K = 14 };
 #define SK_TYPE_IDS 40 /* ggml type ids below this have a row in the table (most rows empty) */
 
 /* ISA paths, slowest first (the index of sk_isas[] in api.c) */

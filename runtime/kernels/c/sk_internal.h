@@ -84,6 +84,7 @@ typedef struct {
 #define SK_I8_PSB (32 * SK_P + 2 * SK_P)                                    /* 544: Q8_0, Q5_0 */
 #define SK_Q40_PSB (16 * SK_P + 2 * SK_P)                                   /* 288 */
 #define SK_Q41_PSB (16 * SK_P + 2 * SK_P + 2 * SK_P)                        /* 320 */
+#define SK_Q51_PSB (32 * SK_P + 2 * SK_P + 2 * SK_P)                        /* 576: Q5_1 */
 
 /* ---------------------------------------------------------------- the block-type table */
 
@@ -113,10 +114,12 @@ static inline const sk_type *sk_type_of(int t) { return t >= 0 && t < SK_TYPE_ID
 void sk_dequant_row(const sk_mat *m, int n, float *out);
 
 /* each ISA path's panel kernels (defined in isa_<path>.c, listed in the table in types.c) */
-sk_panels_fn sk_q4k_panels_portable, sk_q6k_panels_portable, sk_q8_0_panels_portable, sk_q5_0_panels_portable, sk_q4_0_panels_portable, sk_q4_1_panels_portable;
+sk_panels_fn sk_q4k_panels_portable, sk_q6k_panels_portable, sk_q8_0_panels_portable, sk_q5_0_panels_portable, sk_q4_0_panels_portable, sk_q4_1_panels_portable,
+    sk_q5_1_panels_portable;
 #if SK_X86
-sk_panels_fn sk_q4k_panels_avx2, sk_q6k_panels_avx2, sk_q8_0_panels_avx2, sk_q5_0_panels_avx2, sk_q4_0_panels_avx2, sk_q4_1_panels_avx2;
-sk_panels_fn sk_q4k_panels_avx512, sk_q6k_panels_avx512, sk_q8_0_panels_avx512, sk_q5_0_panels_avx512, sk_q4_0_panels_avx512, sk_q4_1_panels_avx512;
+sk_panels_fn sk_q4k_panels_avx2, sk_q6k_panels_avx2, sk_q8_0_panels_avx2, sk_q5_0_panels_avx2, sk_q4_0_panels_avx2, sk_q4_1_panels_avx2, sk_q5_1_panels_avx2;
+sk_panels_fn sk_q4k_panels_avx512, sk_q6k_panels_avx512, sk_q8_0_panels_avx512, sk_q5_0_panels_avx512, sk_q4_0_panels_avx512, sk_q4_1_panels_avx512,
+    sk_q5_1_panels_avx512;
 #endif
 
 /* ---------------------------------------------------------------- the ISA table */

@@ -62,6 +62,12 @@ static void dequant_q4_1(const uint8_t *o, int c, float *y) {
     }
 }
 
+/* Q5_1: the 5-bit values 0..31 unpacked to bytes at export; d * q + m */
+static void dequant_q5_1(const uint8_t *o, int c, float *y) {
+    const float d = sk_h2f(sk_ld16(o + 32 * SK_P + 2 * c)), mm = sk_h2f(sk_ld16(o + 32 * SK_P + 2 * (SK_P + c)));
+    for (int k = 0; k < 32; ++k) y[k] = d * (float)o[((k / 4) * SK_P + c) * 4 + k % 4] + mm;
+}
+
 /* ---------------------------------------------------------------- the table */
 
 #if SK_X86
@@ -76,6 +82,7 @@ const sk_type sk_types[SK_TYPE_IDS] = {
     [SK_Q4_0] = {"Q4_0",    32,   18,   SK_Q40_PSB,  SK_ACT_Q8_0,  dequant_q4_0, SK_KERNELS(q4_0)},
     [SK_Q4_1] = {"Q4_1",    32,   20,   SK_Q41_PSB,  SK_ACT_Q8_0,  dequant_q4_1, SK_KERNELS(q4_1)},
     [SK_Q5_0] = {"Q5_0",    32,   22,   SK_I8_PSB,   SK_ACT_Q8_0,  dequant_i8,   SK_KERNELS(q5_0)},
+    [SK_Q5_1] = {"Q5_1",    32,   24,   SK_Q51_PSB,  SK_ACT_Q8_0,  dequant_q5_1, SK_KERNELS(q5_1)},
     [SK_Q8_0] = {"Q8_0",    32,   34,   SK_I8_PSB,   SK_ACT_Q8_0,  dequant_i8,   SK_KERNELS(q8_0)},
     [SK_Q4_K] = {"Q4_K",    256,  144,  SK_Q4K_PSB,  SK_ACT_Q8_K,  dequant_q4k,  SK_KERNELS(q4k)},
     [SK_Q6_K] = {"Q6_K",    256,  210,  SK_Q6K_PSB,  SK_ACT_Q8_K,  dequant_q6k,  SK_KERNELS(q6k)},
