@@ -409,33 +409,11 @@ class Engine:
         of a draft step, and the acceptance to start from. From ``specrt tune``'s record in
         the manifest (``extra.tune.costs``, ``extra.calibration.acceptance``) when there is
         one of this machine and backend (:func:`specrt.runtime.costs.recorded_call_costs`), else
-        measured once on this Engine (5 interleaved repetitions, 256 rows of past) and kept."""
+        measured once on this Engine under its lock (5 interleaved repetitions, 256 rows of
+        past) and kept: :func:`_adaptive_costs`."""
         if self._adaptive is None:
-            from .costs import recorded_call_costs
-
-            m = self.manifest
-            costs = recorded_call_costs(m, self.backend)
-            if costs is None:
-                # measured on this Engine's own models: under its lock (a generation of another
-                # thread would have its KV rows and buffers overwritten), unless this thread
-                # holds it already (a plan made inside rounds())
-                if self._owner == threading.get_ident():
-                    costs = self._measure_costs()
-                else:
-                    with self._locked():
-                        if self._adaptive is not None:  # measured while this thread waited
-                            return self._adaptive
-                        costs = self._measure_costs()
-            prior = float((m.extra.get("calibration") or {}).get("acceptance", 0.7))
-            self._adaptive = (tuple(costs.target(q) for q in range(1, m.k_max + 2)), costs.draft_s_per_call, prior)
+            self._adaptive = _adaptive_costs(self)
         return self._adaptive
-
-    def _measure_costs(self):
-        """:func:`~specrt.runtime.costs.measure_costs` on this Engine (its lock held)."""
-        from .costs import measure_costs
-
-        m = self.manifest
-        return measure_costs(self, range(1, m.k_max + 2), min(256, m.max_ctx - m.k_max - 2), reps=5)
 
     def _locked(self):
         """This Engine's lock as a context manager, refusing (instead of deadlocking) a
@@ -507,6 +485,28 @@ class Engine:
             finally:  # closed early too: rows proved reusable are never rewritten after
                 self.slot.keep(gen if self.prefix_cache else None)
         return gen.result()
+
+
+def _adaptive_costs(eng: Engine) -> tuple:
+    """:meth:`Engine.adaptive_costs` computed: the recorded costs, or costs measured on the
+    Engine's own models under its lock (a generation of another thread would have its KV rows
+    and buffers overwritten), unless this thread holds it already (a plan made inside
+    ``rounds()``)."""
+    from .costs import measure_costs, recorded_call_costs
+
+    m = eng.manifest
+    costs = recorded_call_costs(m, eng.backend)
+    if costs is None:
+        measure = lambda: measure_costs(eng, range(1, m.k_max + 2), min(256, m.max_ctx - m.k_max - 2), reps=5)  # noqa: E731
+        if eng._owner == threading.get_ident():
+            costs = measure()
+        else:
+            with eng._locked():
+                if eng._adaptive is not None:  # measured while this thread waited
+                    return eng._adaptive
+                costs = measure()
+    prior = float((m.extra.get("calibration") or {}).get("acceptance", 0.7))
+    return (tuple(costs.target(q) for q in range(1, m.k_max + 2)), costs.draft_s_per_call, prior)
 
 
 def argmax_only(cfg: GenerationConfig, target, observe: bool) -> bool:

@@ -31,7 +31,9 @@ MAX_SCRIPTS_SHARE = 0.15
 # never of a higher floor nor of the other wing of its floor. A wing is a tuple of import
 # prefixes; a module belongs to the wing of its longest matching prefix.
 FLOORS = (
-    (("specrt.runtime.errors", "specrt.runtime.integrity", "specrt.runtime.manifest"),),  # the error tree and the export/runtime contract
+    (
+        ("specrt.runtime.errors", "specrt.runtime.integrity", "specrt.runtime.manifest", "specrt.runtime.fileio"),
+    ),  # the error tree and the export/runtime contract
     (("specrt.runtime.kernels",),),  # specrt's C kernels and their panels: numpy and ctypes only
     (("specrt.runtime.backends",),),  # model runners: they read the manifest, nothing of the loop
     (("specrt.runtime",),),  # the token path (engine, decode loop, tokenizer, chat templates, costs)
