@@ -325,8 +325,8 @@ def test_two_threads_on_one_engine_with_adaptive_k_equal_serial_runs(folder, tmp
     """A generation holds the Engine while another thread's first adaptive plan measures the
     call costs: the measurement (calls at 256 rows of past, on the Engine's own models) waits
     for the lock, so the running generation (a prompt past 256 tokens: the rows the
-    measurement writes) keeps its KV and gives its serial output. Before, the measurement ran
-    beside it and overwrote its rows."""
+    measurement writes) keeps its KV and gives its serial output, tokens and logprobs bit for
+    bit. Before, the measurement ran beside it and overwrote its rows."""
     import threading
 
     copy = _without_recorded_costs(folder, tmp_path)
@@ -337,9 +337,12 @@ def test_two_threads_on_one_engine_with_adaptive_k_equal_serial_runs(folder, tmp
         if len(serial.prompt_ids(long_prompt)) > 300:
             break
     assert 300 < len(serial.prompt_ids(long_prompt)) < 400
-    cfg_a = GenerationConfig(max_new_tokens=48, k_max=4, threshold=0.0)
+    # long enough to be running while the measurement would (150 target-only steps), and with
+    # logprobs: a KV row changed under it changes them even where the greedy token holds
+    cfg_a = GenerationConfig(max_new_tokens=150, speculative=False, logprobs=0)
     cfg_b = GenerationConfig(max_new_tokens=24, k_max=4, threshold=0.0, adaptive=True)
-    want_a = serial.generate(long_prompt, cfg_a).tokens
+    alone = serial.generate(long_prompt, cfg_a)
+    want_a = (alone.tokens, [lp.logprob for lp in alone.logprobs])
     want_b = serial.generate(PROMPTS[0], cfg_b).tokens
     shared = Engine(copy)
     assert shared._adaptive is None
@@ -351,7 +354,7 @@ def test_two_threads_on_one_engine_with_adaptive_k_equal_serial_runs(folder, tmp
         got["a"] = [next(iter(stream))]  # the lock is held from the first piece on
         started.set()
         got["a"] += list(stream)
-        got["a_tokens"] = stream.result.tokens
+        got["a_tokens"] = (stream.result.tokens, [lp.logprob for lp in stream.result.logprobs])
 
     def b():
         started.wait(60)
@@ -363,7 +366,7 @@ def test_two_threads_on_one_engine_with_adaptive_k_equal_serial_runs(folder, tmp
     for t in ts:
         t.join(300)
     assert not any(t.is_alive() for t in ts)
-    assert got["a_tokens"] == want_a, "the running generation's KV was overwritten"
+    assert got["a_tokens"] == want_a, "the running generation's KV was overwritten (its tokens or logprobs changed)"
     assert got["b"] == want_b
     assert shared._adaptive is not None
 
