@@ -74,6 +74,11 @@ LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_
 BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 
 
+def _is_vector(t) -> bool:
+    """A 1-D GGUF tensor (norms, biases, rope_freqs): a float32 blob, not panels."""
+    return len(t.shape) == 1 or (len(t.shape) == 2 and int(t.shape[1]) == 1)
+
+
 def plan_tensors(reader) -> tuple[dict, dict, str | None]:
     """(dims, {name: reader tensor}, why not) for a GGUF reader: the tensors a kernel step
     reads, or the first reason the kernels cannot run this file."""
@@ -109,7 +114,7 @@ def plan_tensors(reader) -> tuple[dict, dict, str | None]:
         if t is None:
             return dims, {}, f"tensor {name} is missing"
         ty = int(t.tensor_type)
-        if len(t.shape) == 1 or (len(t.shape) == 2 and int(t.shape[1]) == 1):
+        if _is_vector(t):
             if ty != 0:
                 return dims, {}, f"{name} is {t.tensor_type.name} (1-D tensors must be F32)"
         else:
@@ -175,7 +180,7 @@ def _tensor_blob(key: str, t, requant: int | None, head_ids: np.ndarray | None) 
 
     if key == "head_ids":
         return 26, len(t), 1, np.ascontiguousarray(t)  # ggml's I32
-    if int(t.tensor_type) == 0:
+    if _is_vector(t):  # F32 (plan_tensors checked it)
         blob = np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(-1))
         return 0, int(blob.size), 1, blob
     ty, n, k, raw = _blocks(t, None if key == "token_embd" else requant, head_ids if key == "output" else None)

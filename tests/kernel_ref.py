@@ -13,8 +13,22 @@ from pathlib import Path
 
 import numpy as np
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
-BLOCK = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
+F32, F16, BF16 = 0, 1, 30
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23
+K_QUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)  # 256-blocks: Q8_K activations
+FLOATS = (F32, F16, BF16)  # float weights: the float activations themselves
+BLOCK = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, IQ4_NL: 32, **{t: 256 for t in K_QUANTS}, **dict.fromkeys(FLOATS, 1)}
+# random-byte blocks: (block bytes, offsets and values of their f16 scales as multiples of `scale`)
+# chosen so that the dequantized values are about `scale` in magnitude and centred on 0
+RANDOM_BLOCKS = {
+    Q2_K: (84, ((80, 1 / 12), (82, 1.5 / 12))),  # d sc q - dmin m: q ~ 1.5, sc ~ m ~ 7.5
+    Q3_K: (110, ((108, 1 / 40),)),  # d (s - 32) v: |s - 32| ~ 16, |v| ~ 2
+    Q4_K: (144, ((0, 1 / 500), (2, 7.5 / 500))),  # d sc q - dmin m with q ~ 7.5, sc ~ m ~ 31.5
+    Q5_K: (176, ((0, 1 / 1000), (2, 15.5 / 1000))),  # q ~ 15.5
+    Q6_K: (210, ((208, 1 / 2000),)),
+    IQ4_NL: (18, ((0, 1 / 60),)),  # d kv, |kv| ~ 60
+    IQ4_XS: (136, ((0, 1 / 1000),)),  # d (ls - 32) kv
+}
 
 
 def f16(x: float) -> np.ndarray:
@@ -23,22 +37,22 @@ def f16(x: float) -> np.ndarray:
 
 def random_tensor(rng, ggml_type: int, n: int, k: int, scale: float = 0.05) -> np.ndarray:
     """uint8 ``[n, row bytes]`` of valid random blocks of ``ggml_type`` whose values are
-    about ``scale`` in magnitude (K-quants: random bytes with sane fp16 scales; the others
-    quantized by gguf-py from random floats)."""
+    about ``scale`` in magnitude (K-quants and IQ4: random bytes with sane fp16 scales; the
+    others quantized by gguf-py from random floats)."""
     import gguf
     from gguf.quants import quantize
 
-    if ggml_type == Q4_K:
-        b = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
-        # d sc q - dmin m with q ~ 7.5, sc ~ m ~ 31.5 on average: dmin = 7.5 d centres the values on 0
-        for j, v in ((0, scale / 500), (2, scale * 7.5 / 500)):
-            b[..., j : j + 2] = f16(v)
-        return b.reshape(n, -1)
-    if ggml_type == Q6_K:
-        b = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-        b[..., 208:210] = f16(scale / 2000)
+    if ggml_type in RANDOM_BLOCKS:
+        nbytes, scales = RANDOM_BLOCKS[ggml_type]
+        b = rng.integers(0, 256, (n, k // BLOCK[ggml_type], nbytes), dtype=np.uint8)
+        for j, v in scales:
+            b[..., j : j + 2] = f16(scale * v)
         return b.reshape(n, -1)
     w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
+    if ggml_type == F32:
+        return w.view(np.uint8)
+    if ggml_type == F16:
+        return w.astype(np.float16).view(np.uint8)
     return quantize(w, gguf.GGMLQuantizationType(ggml_type))
 
 
@@ -46,6 +60,8 @@ def dequant(raw: np.ndarray, ggml_type: int, n: int, k: int) -> np.ndarray:
     import gguf
     from gguf.quants import dequantize
 
+    if ggml_type in (F32, F16):  # gguf.dequantize passes these through as their own dtype
+        return np.ascontiguousarray(raw).view(np.float32 if ggml_type == F32 else np.float16).astype(np.float32).reshape(n, k)
     return dequantize(raw, gguf.GGMLQuantizationType(ggml_type)).reshape(n, k)
 
 
@@ -83,7 +99,9 @@ def q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
 def matmul_ref(x: np.ndarray, w: np.ndarray, ggml_type: int) -> np.ndarray:
     """float64 ``[r, n]``: rows ``x`` quantized as the kernels quantize them for a matrix of
     ``ggml_type``, times the dequantized ``w [n, k]`` (float64 sums)."""
-    q, d, blk = (q8k if ggml_type in (Q4_K, Q6_K) else q8_0)(x)
+    if ggml_type in FLOATS:  # float weights read the float activations themselves
+        return np.asarray(x, np.float64) @ w.astype(np.float64).T
+    q, d, blk = (q8k if ggml_type in K_QUANTS else q8_0)(x)
     r, k = q.shape
     qb = q.reshape(r, k // blk, blk).astype(np.float64)
     wb = w.astype(np.float64).reshape(w.shape[0], k // blk, blk)

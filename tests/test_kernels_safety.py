@@ -130,7 +130,7 @@ def test_every_record_is_checked_against_its_block_type_and_dims(tiny):
     cases = {
         "token_embd is [1024, 256]; the dims make it [512, 256]": lambda r: r["tensors"]["token_embd"].update(n=1024),
         "blk.1.ffn_down: 1 bytes": lambda r: r["tensors"]["blk.1.ffn_down"].update(bytes=1),
-        "type 13 is not one the kernels run": lambda r: r["tensors"]["blk.0.attn_q"].update(type=13),
+        "type 16 is not one the kernels run": lambda r: r["tensors"]["blk.0.attn_q"].update(type=16),  # IQ2_XXS
         "tensor blk.1.attn_v is missing": lambda r: r["tensors"].pop("blk.1.attn_v"),
         "not 4-byte aligned": lambda r: r["tensors"]["output"].update(offset=3),
         "inside the file's": lambda r: r["tensors"]["output"].update(offset=size),

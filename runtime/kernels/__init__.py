@@ -216,7 +216,7 @@ def start_team(threads: int, spin_us: int = 200) -> None:
 
 def c_types() -> dict[int, dict]:
     """The C block-type table as the library describes it (``sk_type_describe``): ggml type id
-    -> ``{"name", "block", "gguf_bytes", "panel_bytes", "act" ("q8_k" | "q8_0"), "isas"
+    -> ``{"name", "block", "gguf_bytes", "panel_bytes", "act" ("q8_k" | "q8_0" | "f32"), "isas"
     (names of the paths with a kernel)}`` (tests check :data:`.panels.TABLE` against it).
 
     Raises:
@@ -229,7 +229,7 @@ def c_types() -> dict[int, dict]:
     for t in range(64):
         if lib.sk_type_describe(t, ctypes.byref(d)) == 0:
             isas = tuple(ISAS[i] for i in range(len(ISAS)) if d.isa_mask >> i & 1)
-            act = {1: "q8_k", 2: "q8_0"}.get(d.act, f"unknown {d.act}")
+            act = {1: "q8_k", 2: "q8_0", 4: "f32"}.get(d.act, f"unknown {d.act}")
             out[t] = {"name": d.name.decode(), "block": d.block, "gguf_bytes": d.gguf_bytes, "panel_bytes": d.panel_bytes, "act": act, "isas": isas}
     return out
 

@@ -15,19 +15,33 @@ type    bytes    layout
 ======= ======== ==================================================================
 Q4_K    2368     qs[4 i][8 t][16 c][4 e] = q(64i+4t+e) | q(64i+32+4t+e) << 4 (GGUF's own
                  qs bytes, transposed); sc[8][16] u8; mn[8][16] u8; d[16] f16; dmin[16] f16
+Q5_K    2880     as Q4_K, with qh[8 t][16 c][4 e] (GGUF's qh bytes: bit j = the fifth bit of
+                 sub-block j's value 4t+e) after qs
 Q6_K    3360     ql[8 p][4 t][16 c][4 e] = lo4 q(32p+4t+e) | lo4 q(32p+16+4t+e) << 4;
                  qh[4 g][4 t][16 c][4 e] = sum_u hi2 q(16(4g+u)+4t+e) << 2u;
                  sc[16][16] i8; d[16] f16
+Q3_K    3360     as Q6_K with q = v + 32 (v = -4..3) and sc = s - 32 (its 6-bit scale)
+Q2_K    1600     qs[2 g][8 t][16 c][4 e] = GGUF's byte 32g+4t+e (value 128g+32s+4t+e in bits
+                 2s); sc[16][16] u8; mn[16][16] u8 (the scale bytes' nibbles); d, dmin f16
+IQ4_XS  4256     v[8 j][8 t][16 c][4 e] = table value (int8) of sub-block j's 4t+e;
+                 sc[8][16] i8 = ls - 32; d[16] f16
 Q8_0    544      qs[8 t][16 c][4 e] = q(4t+e) (int8); d[16] f16
 Q5_0    544      as Q8_0 with q - 16 (int8, -16..15)
+IQ4_NL  544      as Q8_0 with the table value (int8, -127..113)
 Q5_1    576      qs[8 t][16 c][4 e] = q(4t+e) (uint8, 0..31); d[16] f16; m[16] f16
 Q4_0    288      qs[4 t][16 c][4 e] = q(4t+e) | q(16+4t+e) << 4 (GGUF's bytes); d[16] f16
 Q4_1    320      as Q4_0; d[16] f16; m[16] f16
+F32     64       per k: w[16 c] f32 (a "block" is one k)
+F16     32       per k: w[16 c] f16
+BF16    32       per k: w[16 c] bf16
 ======= ======== ==================================================================
 
-Q4_K and Q4_0/Q4_1 hold exactly the GGUF's bytes per column (Q4_K adds 4 bytes a block: its
-6-bit scales unpacked); Q6_K and Q8_0 are the same size as the GGUF; Q5_0 grows from 22 to
-34 bytes a block (5-bit values unpacked to bytes: its kernel is Q8_0's), Q5_1 from 24 to 36.
+Q4_K, Q4_0/Q4_1 and Q2_K hold the GGUF's bytes per column (Q4_K adds 4 bytes a block: its
+6-bit scales unpacked; Q2_K 16: its scale bytes split), Q5_K adds 4; Q6_K, Q8_0 and the
+floats are the same size as the GGUF. Five types are unpacked to bytes so that a simple (or an
+existing) kernel reads them: Q5_0 grows from 22 to 34 bytes a block and IQ4_NL from 18 to 34
+(Q8_0's kernel), Q5_1 from 24 to 36, Q3_K from 110 to 210 (Q6_K's kernel), IQ4_XS from 136
+to 266.
 """
 
 from __future__ import annotations
@@ -78,12 +92,9 @@ def _lanes(x: np.ndarray) -> np.ndarray:
 
 
 def _q4k(b: np.ndarray) -> list[np.ndarray]:
-    from gguf.quants import Q4_K
-
     npan, _, nb, _ = b.shape
     d, dmin, scales, qs = b[..., 0:2], b[..., 2:4], b[..., 4:16], b[..., 16:144]
-    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(scales).reshape(-1, 12))
-    sc, mn = sc.reshape(npan, P, nb, 8), mn.reshape(npan, P, nb, 8)
+    sc, mn = _k_scales(scales)
     return [
         _lanes(qs.reshape(npan, P, nb, 32, 4)),
         _cols_last(sc),
@@ -103,18 +114,111 @@ def _q6k_values(b: np.ndarray) -> np.ndarray:
     return (lo.reshape(-1, 256) | (hi.reshape(-1, 256) << 4)).reshape(*lead, 256)
 
 
-def _q6k(b: np.ndarray) -> list[np.ndarray]:
-    npan, _, nb, _ = b.shape
-    q = _q6k_values(b).reshape(npan, P, nb, 256)
+def _q6k_layout(q: np.ndarray, sc: np.ndarray, d: np.ndarray) -> list[np.ndarray]:
+    """Q6_K's panel parts from unsigned 6-bit values ``q [np, P, nb, 256]``, int8 scales
+    ``sc [np, P, nb, 16]`` (as bytes) and f16 ``d [np, P, nb, 2]`` (as bytes)."""
+    npan, _, nb, _ = q.shape
     sub = q.reshape(npan, P, nb, 8, 2, 4, 4)  # [p][c][b][pair][half][t][e]
     ql = (sub[..., 0, :, :] & 0x0F) | ((sub[..., 1, :, :] & 0x0F) << 4)  # [p][c][b][pair][t][e]
     g = q.reshape(npan, P, nb, 4, 4, 4, 4) >> 4  # [p][c][b][group][u][t][e]
     qh = g[..., 0, :, :] | (g[..., 1, :, :] << 2) | (g[..., 2, :, :] << 4) | (g[..., 3, :, :] << 6)
     ql = np.moveaxis(ql.reshape(npan, P, nb, 32, 4), 1, 3)
     qh = np.moveaxis(qh.reshape(npan, P, nb, 16, 4), 1, 3)
-    sc = b[..., 192:208]
-    d = b[..., 208:210]
     return [ql.astype(np.uint8), qh.astype(np.uint8), _cols_last(sc), _lanes(d.reshape(npan, P, nb, 1, 2))]
+
+
+def _q6k(b: np.ndarray) -> list[np.ndarray]:
+    npan, _, nb, _ = b.shape
+    return _q6k_layout(_q6k_values(b).reshape(npan, P, nb, 256), b[..., 192:208], b[..., 208:210])
+
+
+def _q3k(b: np.ndarray) -> list[np.ndarray]:
+    """Q3_K as Q6_K panels (its kernel is Q6_K's): value v in -4..3 stored as v + 32 (Q6_K
+    subtracts 32), 6-bit scale s stored as the int8 s - 32 (Q6_K's signed scale); d as is.
+    The unpacking follows gguf-py's Q3_K.dequantize_blocks."""
+    npan, _, nb, _ = b.shape
+    hmask, qs, scales, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], b[..., 108:110]
+    lead = (npan, P, nb)
+    lo = (scales[..., 0:8, None] >> np.array([0, 4], np.uint8)) & 0x0F  # [.., 8, 2]
+    lo = np.moveaxis(lo, -1, -2).reshape(*lead, 16)  # scale j: byte j % 8, nibble j // 8
+    hi = (scales[..., 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)) & 0x03  # [.., 4, 4]
+    hi = np.moveaxis(hi, -1, -2).reshape(*lead, 16)  # scale j: byte 8 + j % 4, bits 2 (j // 4)
+    sc = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).view(np.uint8)
+    ql = (qs.reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 0x03  # [.., 2, 4, 32]
+    qh = (hmask.reshape(*lead, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 0x01  # [.., 8, 32]
+    v = ql.reshape(*lead, 256).astype(np.int16) - ((qh.reshape(*lead, 256) ^ 1).astype(np.int16) << 2)
+    return _q6k_layout((v + 32).astype(np.uint8), sc, d)
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 6-bit scales and mins of Q4_K/Q5_K blocks' 12 scale bytes ``[np, P, nb, 12]``:
+    gguf-py's own unpacking (``Q4_K.get_scale_min``), each ``[np, P, nb, 8]``."""
+    from gguf.quants import Q4_K
+
+    npan, _, nb, _ = b.shape
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b).reshape(-1, 12))
+    return sc.reshape(npan, P, nb, 8), mn.reshape(npan, P, nb, 8)
+
+
+def _q5k(b: np.ndarray) -> list[np.ndarray]:
+    """Q5_K: Q4_K's parts with GGUF's qh bytes (bit j of byte l: the fifth bit of value l of
+    sub-block j) as a plane after the nibbles."""
+    npan, _, nb, _ = b.shape
+    d, dmin, scales, qh, qs = b[..., 0:2], b[..., 2:4], b[..., 4:16], b[..., 16:48], b[..., 48:176]
+    sc, mn = _k_scales(scales)
+    return [
+        _lanes(qs.reshape(npan, P, nb, 32, 4)),
+        _lanes(qh.reshape(npan, P, nb, 8, 4)),
+        _cols_last(sc),
+        _cols_last(mn),
+        _lanes(d.reshape(npan, P, nb, 1, 2)),
+        _lanes(dmin.reshape(npan, P, nb, 1, 2)),
+    ]
+
+
+def _q2k(b: np.ndarray) -> list[np.ndarray]:
+    """Q2_K: GGUF's 2-bit bytes as they are, each scale byte split into its scale (low nibble)
+    and min (high nibble)."""
+    npan, _, nb, _ = b.shape
+    scales, qs, d, dmin = b[..., 0:16], b[..., 16:80], b[..., 80:82], b[..., 82:84]
+    return [
+        _lanes(qs.reshape(npan, P, nb, 16, 4)),
+        _cols_last(scales & 0x0F),
+        _cols_last(scales >> 4),
+        _lanes(d.reshape(npan, P, nb, 1, 2)),
+        _lanes(dmin.reshape(npan, P, nb, 1, 2)),
+    ]
+
+
+def _iq4_values(qs: np.ndarray) -> np.ndarray:
+    """IQ4_NL/IQ4_XS nibbles ``[..., 16 j + l]`` -> int8 values ``[..., 32 j + l]`` of gguf-py's
+    table (element l < 16: low nibble of byte l, else high nibble of byte l - 16)."""
+    from gguf.quants import IQ4_NL
+
+    kv = np.array(IQ4_NL.kvalues, dtype=np.int8)
+    lead = qs.shape[:-1]
+    q = qs.reshape(*lead, -1, 1, 16) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    return kv[(q & 0x0F).reshape(*lead, -1)]
+
+
+def _iq4_nl(b: np.ndarray) -> list[np.ndarray]:
+    """IQ4_NL as Q8_0 panels: its table values as signed bytes (-127..113), d as is."""
+    npan, _, nb, _ = b.shape
+    v = _iq4_values(b[..., 2:18]).view(np.uint8)
+    return [_lanes(v.reshape(npan, P, nb, 8, 4)), _lanes(b[..., 0:2].reshape(npan, P, nb, 1, 2))]
+
+
+def _iq4_xs(b: np.ndarray) -> list[np.ndarray]:
+    """IQ4_XS: its table values as signed bytes, the 6-bit scale of each 32 as the int8
+    ls - 32 (gguf-py's unpacking: 4 low bits from scales_l, 2 high from scales_h), d as is."""
+    npan, _, nb, _ = b.shape
+    d, sh, sl, qs = b[..., 0:2], b[..., 2:4], b[..., 4:8], b[..., 8:136]
+    lo = ((sl[..., None] >> np.array([0, 4], np.uint8)) & 0x0F).reshape(npan, P, nb, 8)
+    h16 = np.ascontiguousarray(sh).view(np.uint16)  # [.., 1]
+    hi = ((h16 >> (2 * np.arange(8, dtype=np.uint16))) & 0x03).astype(np.uint8)
+    sc = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).view(np.uint8)
+    v = _iq4_values(qs).view(np.uint8)
+    return [_lanes(v.reshape(npan, P, nb, 64, 4)), _cols_last(sc), _lanes(d.reshape(npan, P, nb, 1, 2))]
 
 
 def _q8_0(b: np.ndarray) -> list[np.ndarray]:
@@ -159,6 +263,11 @@ def _q4_1(b: np.ndarray) -> list[np.ndarray]:
     ]
 
 
+def _float(b: np.ndarray) -> list[np.ndarray]:
+    """F32/F16/BF16: per k, the 16 columns' values as the file stores them."""
+    return [np.moveaxis(b, 1, 2)]  # [np, P, k, bytes] -> [np, k, P, bytes]
+
+
 @dataclass(frozen=True)
 class BlockType:
     """One GGUF block type the kernels run: a row of the block-type table, the Python half of
@@ -170,7 +279,8 @@ class BlockType:
         block: weights (k) per block; gguf_bytes: bytes of one block in a GGUF file;
         panel_bytes: bytes of one block of one panel of :data:`P` columns (the layouts: the
         module docstring).
-        activation: the activations its kernels read: ``"q8_k"`` (per 256) or ``"q8_0"`` (per 32).
+        activation: the activations its kernels read: ``"q8_k"`` (per 256), ``"q8_0"`` (per 32)
+            or ``"f32"`` (the float rows themselves: float weights).
         pack: ``[np, P, nb, gguf_bytes]`` GGUF bytes -> the parts of each panel block, in order.
     """
 
@@ -186,13 +296,21 @@ class BlockType:
 # Adding a block type: a row here and one in types.c (the C table), its packer above, its
 # dequantizer and panel kernels in C (docs/guide/kernels.md, "Adding a block type").
 TABLE: tuple[BlockType, ...] = (
+    BlockType(0, "F32", 1, 4, 64, "f32", _float),
+    BlockType(1, "F16", 1, 2, 32, "f32", _float),
     BlockType(2, "Q4_0", 32, 18, 288, "q8_0", _q4_0),
     BlockType(3, "Q4_1", 32, 20, 320, "q8_0", _q4_1),
     BlockType(6, "Q5_0", 32, 22, 544, "q8_0", _q5_0),
     BlockType(7, "Q5_1", 32, 24, 576, "q8_0", _q5_1),
     BlockType(8, "Q8_0", 32, 34, 544, "q8_0", _q8_0),
+    BlockType(10, "Q2_K", 256, 84, 1600, "q8_k", _q2k),
+    BlockType(11, "Q3_K", 256, 110, 3360, "q8_k", _q3k),
     BlockType(12, "Q4_K", 256, 144, 2368, "q8_k", _q4k),
+    BlockType(13, "Q5_K", 256, 176, 2880, "q8_k", _q5k),
     BlockType(14, "Q6_K", 256, 210, 3360, "q8_k", _q6k),
+    BlockType(20, "IQ4_NL", 32, 18, 544, "q8_0", _iq4_nl),
+    BlockType(23, "IQ4_XS", 256, 136, 4256, "q8_k", _iq4_xs),
+    BlockType(30, "BF16", 1, 2, 32, "f32", _float),
 )
 _BY_ID = {t.ggml_type: t for t in TABLE}
 # views of the table by ggml type id

@@ -1,4 +1,5 @@
-/* Panel kernels of the K-quant family (256-weight blocks, Q8_K activations): Q4_K and Q6_K.
+/* Panel kernels of the 256-weight blocks (Q8_K activations): the K-quants Q2_K, Q4_K, Q5_K and
+ * Q6_K (Q3_K's values are laid out as Q6_K panels: its kernel is Q6_K's), and IQ4_XS.
  * Kernel body: included by kernels.h once per ISA path (isa_*.c) and compiled there against
  * that path's vector backend (vec_*.h); each type's entry point per path is a one-line
  * function in isa_*.c, named sk_<type>_panels_<path>, listed in the block-type table (types.c).
@@ -119,6 +120,138 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *w, int
     }
 }
 
+/* Q5_K: Q4_K's nibbles, scales and mins with a fifth bit per value from the qh plane (bit
+ * 2i + half of a byte: sub-block 2i + half):
+ * y[r][c] += xd * (sum_j a_j * d * sc_j - dmin * sum_j m_j * xsum32_j), values 0..31 */
+static inline __attribute__((always_inline)) void q5k_rows(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h, int accum,
+                                                           int pf) {
+    vf yacc[RB];
+    for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
+    const vi m4 = VI32(0x0F0F0F0F), m10 = VI32(0x10101010);
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *o = w + (size_t)b * SK_Q5K_PSB;
+        if (pf) sk_prefetch(o + SK_PF_AHEAD * SK_Q5K_PSB, SK_Q5K_PSB);
+        const uint8_t *qh = o + 128 * SK_P, *sc = qh + 32 * SK_P, *mn = sc + 8 * SK_P;
+        const uint16_t *dd = (const uint16_t *)(mn + 8 * SK_P);
+        const vf d = H2F(dd + h * LANES), dmin = H2F(dd + SK_P + h * LANES);
+        vf s[RB];
+        for (int r = 0; r < Q; ++r) s[r] = FZERO();
+        for (int i = 0; i < 4; ++i) {
+            for (int half = 0; half < 2; ++half) {
+                vi a[RB];
+                for (int r = 0; r < Q; ++r) a[r] = VZERO();
+                for (int t = 0; t < 8; ++t) {
+                    const vi v = VLOADW(o + (size_t)((i * 8 + t) * SK_P) * 4 + h * LANES * 4);
+                    const vi hv = VLOADW(qh + (size_t)(t * SK_P) * 4 + h * LANES * 4);
+                    const vi lo = half ? VAND(VSRL16(v, 4), m4) : VAND(v, m4);
+                    const vi wq = VOR(lo, VAND(VSLL16(VSRL16(hv, 2 * i + half), 4), m10)); /* 0..31 */
+#pragma GCC unroll 8
+                    for (int r = 0; r < Q; ++r) a[r] = DOTU(a[r], wq, XSET(X[(size_t)r * ldx + b].q + 64 * i + 32 * half + 4 * t));
+                }
+                const vf sv = FMUL(d, U82F(sc + (2 * i + half) * SK_P + h * LANES));
+#pragma GCC unroll 8
+                for (int r = 0; r < Q; ++r) s[r] = FMA(VCVT(a[r]), sv, s[r]);
+            }
+        }
+        vi mp[4]; /* m_2i | m_2i+1 << 16 per lane, against the int16 pair of 32-sums */
+        for (int i = 0; i < 4; ++i) mp[i] = VOR(U8TO32(mn + 2 * i * SK_P + h * LANES), VSLL32(U8TO32(mn + (2 * i + 1) * SK_P + h * LANES), 16));
+#pragma GCC unroll 4
+        for (int r = 0; r < Q; ++r) {
+            const sk_a256 *xb = &X[(size_t)r * ldx + b];
+            vi ma = VZERO();
+            for (int i = 0; i < 4; ++i) ma = DOT16(ma, mp[i], XSET(xb->bs32 + 2 * i));
+            yacc[r] = FMA(FSET1(xb->d), FNMA(dmin, VCVT(ma), s[r]), yacc[r]);
+        }
+    }
+    for (int r = 0; r < Q; ++r) {
+        float *yr = y + (size_t)r * ldy + h * LANES;
+        FSTORE(yr, accum ? FADD(FLOAD(yr), yacc[r]) : yacc[r]);
+    }
+}
+
+/* Q2_K: 2-bit values (GGUF's own bytes), 4-bit scale and min per 16:
+ * y[r][c] += xd * (d * float(sum_s sc_s * a_s) - dmin * float(sum_s m_s * xsum16_s)), the sums
+ * exact int32 */
+static inline __attribute__((always_inline)) void q2k_rows(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h, int accum,
+                                                           int pf) {
+    vf yacc[RB];
+    for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
+    const vi m3 = VI32(0x03030303);
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *o = w + (size_t)b * SK_Q2K_PSB;
+        if (pf) sk_prefetch(o + SK_PF_AHEAD * SK_Q2K_PSB, SK_Q2K_PSB);
+        const uint8_t *sc = o + 64 * SK_P, *mn = sc + 16 * SK_P;
+        const uint16_t *dd = (const uint16_t *)(mn + 16 * SK_P);
+        const vf d = H2F(dd + h * LANES), dmin = H2F(dd + SK_P + h * LANES);
+        vi is[RB];
+        for (int r = 0; r < Q; ++r) is[r] = VZERO();
+        for (int g = 0; g < 2; ++g)
+            for (int sh = 0; sh < 4; ++sh)
+                for (int hb = 0; hb < 2; ++hb) { /* sub-block 8g + 2sh + hb: values 128g + 32sh + 16hb .. +16 */
+                    vi a[RB];
+                    for (int r = 0; r < Q; ++r) a[r] = VZERO();
+                    for (int tt = 0; tt < 4; ++tt) {
+                        const int t = 4 * hb + tt;
+                        const vi v = VLOADW(o + (size_t)((g * 8 + t) * SK_P) * 4 + h * LANES * 4);
+                        const vi wq = VAND(VSRL16(v, 2 * sh), m3); /* 0..3 */
+#pragma GCC unroll 8
+                        for (int r = 0; r < Q; ++r) a[r] = DOTU(a[r], wq, XSET(X[(size_t)r * ldx + b].q + 128 * g + 32 * sh + 4 * t));
+                    }
+                    const vi scv = U8TO32(sc + (8 * g + 2 * sh + hb) * SK_P + h * LANES);
+#pragma GCC unroll 8
+                    for (int r = 0; r < Q; ++r) is[r] = VADD32(is[r], VMUL32(a[r], scv));
+                }
+        vi mp[8]; /* m_2j | m_2j+1 << 16 per lane, against the int16 pair of 16-sums */
+        for (int j = 0; j < 8; ++j) mp[j] = VOR(U8TO32(mn + 2 * j * SK_P + h * LANES), VSLL32(U8TO32(mn + (2 * j + 1) * SK_P + h * LANES), 16));
+#pragma GCC unroll 4
+        for (int r = 0; r < Q; ++r) {
+            const sk_a256 *xb = &X[(size_t)r * ldx + b];
+            vi ma = VZERO();
+            for (int j = 0; j < 8; ++j) ma = DOT16(ma, mp[j], XSET(xb->bs16 + 2 * j));
+            yacc[r] = FMA(FSET1(xb->d), FNMA(dmin, VCVT(ma), FMUL(d, VCVT(is[r]))), yacc[r]);
+        }
+    }
+    for (int r = 0; r < Q; ++r) {
+        float *yr = y + (size_t)r * ldy + h * LANES;
+        FSTORE(yr, accum ? FADD(FLOAD(yr), yacc[r]) : yacc[r]);
+    }
+}
+
+/* IQ4_XS: the non-linear 4-bit values (IQ4_NL's table) unpacked to signed bytes at export,
+ * a 6-bit signed scale per 32 and d per 256: y[r][c] += xd * (d * float(sum_j sc_j * a_j)),
+ * the sum exact int32 (|sum| < 2^28) */
+static inline __attribute__((always_inline)) void iq4xs_rows(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h, int accum,
+                                                             int pf) {
+    vf yacc[RB];
+    for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *o = w + (size_t)b * SK_IQ4XS_PSB;
+        if (pf) sk_prefetch(o + SK_PF_AHEAD * SK_IQ4XS_PSB, SK_IQ4XS_PSB);
+        const int8_t *sc = (const int8_t *)(o + 256 * SK_P);
+        const vf d = H2F((const uint16_t *)(sc + 8 * SK_P) + h * LANES);
+        vi is[RB];
+        for (int r = 0; r < Q; ++r) is[r] = VZERO();
+        for (int j = 0; j < 8; ++j) {
+            vi a[RB];
+            for (int r = 0; r < Q; ++r) a[r] = VZERO();
+            for (int t = 0; t < 8; ++t) {
+                const vi v = VLOADW(o + (size_t)((j * 8 + t) * SK_P) * 4 + h * LANES * 4);
+#pragma GCC unroll 8
+                for (int r = 0; r < Q; ++r) a[r] = DOTS(a[r], v, XSET(X[(size_t)r * ldx + b].q + 32 * j + 4 * t));
+            }
+            const vi scv = I8TO32(sc + j * SK_P + h * LANES);
+#pragma GCC unroll 8
+            for (int r = 0; r < Q; ++r) is[r] = VADD32(is[r], VMUL32(VSUB32(a[r], VI32(I8_BIAS * X[(size_t)r * ldx + b].bs32[j])), scv));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < Q; ++r) yacc[r] = FMA(FSET1(X[(size_t)r * ldx + b].d), FMUL(d, VCVT(is[r])), yacc[r]);
+    }
+    for (int r = 0; r < Q; ++r) {
+        float *yr = y + (size_t)r * ldy + h * LANES;
+        FSTORE(yr, accum ? FADD(FLOAD(yr), yacc[r]) : yacc[r]);
+    }
+}
+
 /* Q4_K panels [p0, p1) of m for q rows (sk_panels_fn: y[0] is column p0 * SK_P) */
 static void q4k_panels(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
     const int nb = m->k / 256;
@@ -150,6 +283,63 @@ static void q6k_panels(const sk_mat *m, const void *X, int ldx, int q, int p0, i
             for (int h = 0; h < HALVES; ++h) {
                 const int pf = r0 == 0 && h == 0;
 #define CALL(QQ) q6k_rows(w, nb, x, ldx, QQ, yp, ldy, h, accum, pf)
+                SK_ROWS_CASES(CALL)
+#undef CALL
+            }
+        }
+    }
+}
+
+/* Q5_K panels [p0, p1) of m for q rows (sk_panels_fn) */
+static void q5k_panels(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    const int nb = m->k / 256;
+    for (int p = p0; p < p1; ++p) {
+        const uint8_t *w = m->w + (size_t)p * nb * SK_Q5K_PSB;
+        for (int r0 = 0; r0 < q; r0 += RB_Q4K) {
+            const int Q = q - r0 < RB_Q4K ? q - r0 : RB_Q4K;
+            const sk_a256 *x = (const sk_a256 *)X + (size_t)r0 * ldx;
+            float *yp = y + (size_t)r0 * ldy + (size_t)(p - p0) * SK_P;
+            for (int h = 0; h < HALVES; ++h) {
+                const int pf = r0 == 0 && h == 0;
+#define CALL(QQ) q5k_rows(w, nb, x, ldx, QQ, yp, ldy, h, accum, pf)
+                SK_ROWS_CASES(CALL)
+#undef CALL
+            }
+        }
+    }
+}
+
+/* Q2_K panels [p0, p1) of m for q rows (sk_panels_fn) */
+static void q2k_panels(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    const int nb = m->k / 256;
+    for (int p = p0; p < p1; ++p) {
+        const uint8_t *w = m->w + (size_t)p * nb * SK_Q2K_PSB;
+        for (int r0 = 0; r0 < q; r0 += RB) {
+            const int Q = q - r0 < RB ? q - r0 : RB;
+            const sk_a256 *x = (const sk_a256 *)X + (size_t)r0 * ldx;
+            float *yp = y + (size_t)r0 * ldy + (size_t)(p - p0) * SK_P;
+            for (int h = 0; h < HALVES; ++h) {
+                const int pf = r0 == 0 && h == 0;
+#define CALL(QQ) q2k_rows(w, nb, x, ldx, QQ, yp, ldy, h, accum, pf)
+                SK_ROWS_CASES(CALL)
+#undef CALL
+            }
+        }
+    }
+}
+
+/* IQ4_XS panels [p0, p1) of m for q rows (sk_panels_fn) */
+static void iq4xs_panels(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    const int nb = m->k / 256;
+    for (int p = p0; p < p1; ++p) {
+        const uint8_t *w = m->w + (size_t)p * nb * SK_IQ4XS_PSB;
+        for (int r0 = 0; r0 < q; r0 += RB) {
+            const int Q = q - r0 < RB ? q - r0 : RB;
+            const sk_a256 *x = (const sk_a256 *)X + (size_t)r0 * ldx;
+            float *yp = y + (size_t)r0 * ldy + (size_t)(p - p0) * SK_P;
+            for (int h = 0; h < HALVES; ++h) {
+                const int pf = r0 == 0 && h == 0;
+#define CALL(QQ) iq4xs_rows(w, nb, x, ldx, QQ, yp, ldy, h, accum, pf)
                 SK_ROWS_CASES(CALL)
 #undef CALL
             }

@@ -33,6 +33,24 @@ void sk_q4_1_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0,
 void sk_q5_1_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
     q5_1_panels(m, X, ldx, q, p0, p1, y, ldy, accum);
 }
+void sk_q5k_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    q5k_panels(m, X, ldx, q, p0, p1, y, ldy, accum);
+}
+void sk_q2k_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    q2k_panels(m, X, ldx, q, p0, p1, y, ldy, accum);
+}
+void sk_iq4xs_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    iq4xs_panels(m, X, ldx, q, p0, p1, y, ldy, accum);
+}
+void sk_f16_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    float_panels(m, X, ldx, q, p0, p1, y, ldy, accum, SK_F16);
+}
+void sk_bf16_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    float_panels(m, X, ldx, q, p0, p1, y, ldy, accum, SK_BF16);
+}
+void sk_f32_panels_avx2(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    float_panels(m, X, ldx, q, p0, p1, y, ldy, accum, SK_F32);
+}
 
 const sk_isa sk_isa_avx2 = {"avx2", step, matmul, argmax_rows};
 

@@ -48,6 +48,7 @@ static inline int act_of(const sk_mat *m) { return sk_type_of(m->type)->act; }
 #include "quant.h"
 #include "dot_kquants.h"
 #include "dot_legacy.h"
+#include "dot_float.h"
 
 /* panels [p0, p1) of m for q rows into y (y[0]: column p0 * SK_P): its type's kernel on this
  * path, from the block-type table (types.c) */

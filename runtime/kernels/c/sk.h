@@ -20,15 +20,32 @@
 #define SK_MAX_THREADS 64
 
 /* ggml type ids (ggml.h) of the block types the kernels run (the table: types.c) */
-enum { SK_F32 = 0, SK_F16 = 1, SK_Q4_0 = 2, SK_Q4_1 = 3, SK_Q5_0 = 6, SK_Q5_1 = 7, SK_Q8_0 = 8, SK_Q4_K = 12, SK_Q6_K = 14 };
+enum {
+    SK_F32 = 0,
+    SK_F16 = 1,
+    SK_Q4_0 = 2,
+    SK_Q4_1 = 3,
+    SK_Q5_0 = 6,
+    SK_Q5_1 = 7,
+    SK_Q8_0 = 8,
+    SK_Q2_K = 10,
+    SK_Q3_K = 11,
+    SK_Q4_K = 12,
+    SK_Q5_K = 13,
+    SK_Q6_K = 14,
+    SK_IQ4_NL = 20,
+    SK_IQ4_XS = 23,
+    SK_BF16 = 30
+};
 #define SK_TYPE_IDS 40 /* ggml type ids below this have a row in the table (most rows empty) */
 
 /* ISA paths, slowest first (the index of sk_isas[] in api.c) */
 enum { SK_ISA_PORTABLE = 0, SK_ISA_AVX2 = 1, SK_ISA_AVX512VNNI = 2, SK_ISA_COUNT = 3 };
 
 /* activation kinds a block type's kernels read (bit flags: a step quantizes every kind its
- * matrices need): llama.cpp's Q8_K (per 256) and Q8_0 (per 32) */
-enum { SK_ACT_Q8_K = 1, SK_ACT_Q8_0 = 2 };
+ * matrices need): llama.cpp's Q8_K (per 256) and Q8_0 (per 32), or the float rows themselves
+ * (F32, F16, BF16 weights) */
+enum { SK_ACT_Q8_K = 1, SK_ACT_Q8_0 = 2, SK_ACT_F32 = 4 };
 
 /* return codes of the exported functions (the Python side words them) */
 enum { SK_OK = 0, SK_E_ISA = -1, SK_E_ARGS = -2, SK_E_TOKEN = -3, SK_E_NOMEM = -4, SK_E_THREADS = -5, SK_E_MODEL = -6 };
@@ -70,7 +87,7 @@ typedef struct {
     int32_t block;       /* weights (k) per block */
     int32_t gguf_bytes;  /* bytes of one block in a GGUF file */
     int32_t panel_bytes; /* bytes of one block of one panel (SK_P columns) */
-    int32_t act;         /* SK_ACT_Q8_K or SK_ACT_Q8_0 */
+    int32_t act;         /* SK_ACT_Q8_K, SK_ACT_Q8_0 or SK_ACT_F32 */
     int32_t isa_mask;    /* bit i: a kernel for ISA path i */
     char name[16];       /* ggml's name */
 } sk_type_desc;

@@ -11,8 +11,11 @@
  *   isa_portable.c   the portable C path    } `#pragma GCC target`, and exports one sk_isa
  * Kernel bodies, written once and compiled once per ISA path:
  *   quant.h          activation quantizers (Q8_K, Q8_0)
- *   dot_kquants.h    panel kernels of the K-quant family (Q4_K, Q6_K)
- *   dot_legacy.h     panel kernels of the 32-blocks (Q8_0, Q5_0, Q4_0, Q4_1)
+ *   dot_kquants.h    panel kernels of the K-quant family (Q2_K, Q4_K, Q5_K, Q6_K; Q3_K's
+ *                    panels are Q6_K's) and IQ4_XS
+ *   dot_float.h      panel kernels of float weights (F32, F16, BF16) on float activations
+ *   dot_legacy.h     panel kernels of the 32-blocks (Q8_0, Q5_0, Q4_0, Q4_1, Q5_1; IQ4_NL's
+ *                    panels are Q8_0's)
  *   elementwise.h    lane-structured sums, RMSNorm, exp, SiLU, RoPE
  *   attention.h      grouped-query attention over the f16 KV cache
  *   head.h           the reduced LM head (each row's first maximum)
@@ -79,17 +82,22 @@ typedef struct {
 /* ---------------------------------------------------------------- panel layouts
  * bytes per (panel of 16 columns x one K block) of each panel type (the layouts:
  * runtime/kernels/panels.py); K block = 256 (K-quants) or 32 */
-#define SK_Q4K_PSB (128 * SK_P + 8 * SK_P + 8 * SK_P + 2 * SK_P + 2 * SK_P) /* 2368 */
-#define SK_Q6K_PSB (128 * SK_P + 64 * SK_P + 16 * SK_P + 2 * SK_P)          /* 3360 */
-#define SK_I8_PSB (32 * SK_P + 2 * SK_P)                                    /* 544: Q8_0, Q5_0 */
-#define SK_Q40_PSB (16 * SK_P + 2 * SK_P)                                   /* 288 */
-#define SK_Q41_PSB (16 * SK_P + 2 * SK_P + 2 * SK_P)                        /* 320 */
-#define SK_Q51_PSB (32 * SK_P + 2 * SK_P + 2 * SK_P)                        /* 576: Q5_1 */
+#define SK_Q4K_PSB (128 * SK_P + 8 * SK_P + 8 * SK_P + 2 * SK_P + 2 * SK_P)             /* 2368 */
+#define SK_Q6K_PSB (128 * SK_P + 64 * SK_P + 16 * SK_P + 2 * SK_P)                      /* 3360 */
+#define SK_I8_PSB (32 * SK_P + 2 * SK_P)                                                /* 544: Q8_0, Q5_0 */
+#define SK_Q40_PSB (16 * SK_P + 2 * SK_P)                                               /* 288 */
+#define SK_Q41_PSB (16 * SK_P + 2 * SK_P + 2 * SK_P)                                    /* 320 */
+#define SK_Q51_PSB (32 * SK_P + 2 * SK_P + 2 * SK_P)                                    /* 576: Q5_1 */
+#define SK_Q5K_PSB (128 * SK_P + 32 * SK_P + 8 * SK_P + 8 * SK_P + 2 * SK_P + 2 * SK_P) /* 2880 */
+#define SK_Q2K_PSB (64 * SK_P + 16 * SK_P + 16 * SK_P + 2 * SK_P + 2 * SK_P)            /* 1600 */
+#define SK_IQ4XS_PSB (256 * SK_P + 8 * SK_P + 2 * SK_P)                                 /* 4256 */
+#define SK_F16_PSB (2 * SK_P)                                                           /* 32 a k: F16, BF16 */
+#define SK_F32_PSB (4 * SK_P)                                                           /* 64 a k: F32 */
 
 /* ---------------------------------------------------------------- the block-type table */
 
-/* panels [p0, p1) of m for q rows of activations X (ldx blocks a row; the activation kind of
- * m's type) into y (ldy floats a row; y[0] is column p0 * SK_P); accum: add into y (a
+/* panels [p0, p1) of m for q rows of activations X (ldx blocks a row, or floats for SK_ACT_F32;
+ * the activation kind of m's type) into y (ldy floats a row; y[0] is column p0 * SK_P); accum: add into y (a
  * residual) instead of storing */
 typedef void sk_panels_fn(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum);
 /* column c of one block of one panel (o: its panel_bytes) as floats y[block] */
@@ -100,7 +108,7 @@ typedef struct {
     int32_t block;       /* weights (k) per block; 0: the kernels do not run this type */
     int32_t gguf_bytes;  /* bytes of one GGUF block */
     int32_t panel_bytes; /* bytes of one block of one panel of SK_P columns */
-    int32_t act;         /* SK_ACT_Q8_K or SK_ACT_Q8_0 */
+    int32_t act;         /* SK_ACT_Q8_K, SK_ACT_Q8_0 or SK_ACT_F32 */
     sk_dequant_fn *dequant;
     sk_panels_fn *panels[SK_ISA_COUNT]; /* the kernel of each ISA path (NULL: not built here) */
 } sk_type;
@@ -115,11 +123,14 @@ void sk_dequant_row(const sk_mat *m, int n, float *out);
 
 /* each ISA path's panel kernels (defined in isa_<path>.c, listed in the table in types.c) */
 sk_panels_fn sk_q4k_panels_portable, sk_q6k_panels_portable, sk_q8_0_panels_portable, sk_q5_0_panels_portable, sk_q4_0_panels_portable, sk_q4_1_panels_portable,
-    sk_q5_1_panels_portable;
+    sk_q5_1_panels_portable, sk_q5k_panels_portable, sk_q2k_panels_portable, sk_iq4xs_panels_portable, sk_f16_panels_portable, sk_bf16_panels_portable,
+    sk_f32_panels_portable;
 #if SK_X86
-sk_panels_fn sk_q4k_panels_avx2, sk_q6k_panels_avx2, sk_q8_0_panels_avx2, sk_q5_0_panels_avx2, sk_q4_0_panels_avx2, sk_q4_1_panels_avx2, sk_q5_1_panels_avx2;
+sk_panels_fn sk_q4k_panels_avx2, sk_q6k_panels_avx2, sk_q8_0_panels_avx2, sk_q5_0_panels_avx2, sk_q4_0_panels_avx2, sk_q4_1_panels_avx2, sk_q5_1_panels_avx2,
+    sk_q5k_panels_avx2, sk_q2k_panels_avx2, sk_iq4xs_panels_avx2, sk_f16_panels_avx2, sk_bf16_panels_avx2, sk_f32_panels_avx2;
 sk_panels_fn sk_q4k_panels_avx512, sk_q6k_panels_avx512, sk_q8_0_panels_avx512, sk_q5_0_panels_avx512, sk_q4_0_panels_avx512, sk_q4_1_panels_avx512,
-    sk_q5_1_panels_avx512;
+    sk_q5_1_panels_avx512, sk_q5k_panels_avx512, sk_q2k_panels_avx512, sk_iq4xs_panels_avx512, sk_f16_panels_avx512, sk_bf16_panels_avx512,
+    sk_f32_panels_avx512;
 #endif
 
 /* ---------------------------------------------------------------- the ISA table */

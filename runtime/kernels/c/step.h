@@ -18,8 +18,18 @@ typedef struct {
     float inv_temp;
 } step_args;
 
-/* nm matrices over the same activations: this thread's share of their panels, one list */
-static void mm_share(sk_scratch *s, const sk_mat *const *mats, float *const *ys, const int *ldy, int nm, int q, int accum, int tid, int nt) {
+/* the activations a matrix of kind act reads from row r0 on, and their stride (blocks a row,
+ * or floats): the quantized blocks of the scratch, or the float rows xf (ldf floats a row) */
+static inline const void *act_rows(const sk_scratch *s, int act, const float *xf, int ldf, int r0, int *ldx) {
+    if (act == SK_ACT_Q8_K) return *ldx = s->lda256, (const void *)(s->a256 + (size_t)r0 * s->lda256);
+    if (act == SK_ACT_Q8_0) return *ldx = s->lda32, (const void *)(s->a32 + (size_t)r0 * s->lda32);
+    return *ldx = ldf, (const void *)(xf + (size_t)r0 * ldf);
+}
+
+/* nm matrices over the same activations (quantized in the scratch from, or for float weights
+ * read as, the float rows xf of ldf floats): this thread's share of their panels, one list */
+static void mm_share(sk_scratch *s, const float *xf, int ldf, const sk_mat *const *mats, float *const *ys, const int *ldy, int nm, int q, int accum, int tid,
+                     int nt) {
     int total = 0;
     for (int i = 0; i < nm; ++i) total += mats[i]->n / SK_P;
     int a, b;
@@ -28,8 +38,9 @@ static void mm_share(sk_scratch *s, const sk_mat *const *mats, float *const *ys,
     for (int i = 0; i < nm; ++i) {
         const int np = mats[i]->n / SK_P, lo = a > base ? a - base : 0, hi = b - base < np ? b - base : np;
         if (lo < hi) {
-            const int k256 = act_of(mats[i]) == SK_ACT_Q8_K;
-            mm(mats[i], k256 ? (const void *)s->a256 : (const void *)s->a32, k256 ? s->lda256 : s->lda32, q, lo, hi, ys[i] + (size_t)lo * SK_P, ldy[i], accum);
+            int ldx;
+            const void *X = act_rows(s, act_of(mats[i]), xf, ldf, 0, &ldx);
+            mm(mats[i], X, ldx, q, lo, hi, ys[i] + (size_t)lo * SK_P, ldy[i], accum);
         }
         base += np;
     }
@@ -53,7 +64,7 @@ static void step_job(void *arg, int tid, int nt) {
             const sk_mat *mats[3] = {&L->wq, &L->wk, &L->wv};
             float *ys[3] = {s->q, s->k, s->v};
             const int ld[3] = {nh * hd, nkv * hd, nkv * hd};
-            mm_share(s, mats, ys, ld, 3, q, 0, tid, nt);
+            mm_share(s, s->xn, E, mats, ys, ld, 3, q, 0, tid, nt);
         }
         sk_bar(tid, nt);
         qkv_post(m, A->kvs, A->pos, s, l, q, tid, nt);
@@ -76,7 +87,7 @@ static void step_job(void *arg, int tid, int nt) {
             const sk_mat *mats[1] = {&L->wo};
             float *ys[1] = {s->x};
             const int ld[1] = {E};
-            mm_share(s, mats, ys, ld, 1, q, 1, tid, nt);
+            mm_share(s, s->att, nh * hd, mats, ys, ld, 1, q, 1, tid, nt);
         }
         sk_bar(tid, nt);
         for (int r = r0; r < r1; ++r) rmsnorm(s->x + (size_t)r * E, L->ffn_norm, E, m->norm_eps, s->xn + (size_t)r * E);
@@ -86,12 +97,13 @@ static void step_job(void *arg, int tid, int nt) {
             const sk_mat *mats[2] = {&L->wgate, &L->wup};
             float *ys[2] = {s->g, s->u};
             const int ld[2] = {F, F};
-            mm_share(s, mats, ys, ld, 2, q, 0, tid, nt);
+            mm_share(s, s->xn, E, mats, ys, ld, 2, q, 0, tid, nt);
         }
         sk_bar(tid, nt);
         {
-            /* SwiGLU and its quantization per activation block: items (row, block) */
-            const int need = act_of(&L->wdown), kb = need == SK_ACT_Q8_K ? 256 : 32, nb = F / kb, items = q * nb;
+            /* SwiGLU (in place in g) and its quantization per activation block: items (row, block;
+             * float weights read g's rows: a row an item) */
+            const int need = act_of(&L->wdown), kb = need == SK_ACT_Q8_K ? 256 : need == SK_ACT_Q8_0 ? 32 : F, nb = F / kb, items = q * nb;
             int a, b;
             thread_share(items, tid, nt, &a, &b);
             for (int it = a; it < b; ++it) {
@@ -107,7 +119,7 @@ static void step_job(void *arg, int tid, int nt) {
             const sk_mat *mats[1] = {&L->wdown};
             float *ys[1] = {s->x};
             const int ld[1] = {E};
-            mm_share(s, mats, ys, ld, 1, q, 1, tid, nt);
+            mm_share(s, s->g, F, mats, ys, ld, 1, q, 1, tid, nt);
         }
         sk_bar(tid, nt);
     }
@@ -120,15 +132,15 @@ static void step_job(void *arg, int tid, int nt) {
     quant_rows(s, s->xn, E, E, lo + s0, lo + s1, act_of(&m->output));
     sk_bar(tid, nt);
     {
-        const int k256 = act_of(&m->output) == SK_ACT_Q8_K;
-        const void *X = k256 ? (const void *)(s->a256 + (size_t)lo * s->lda256) : (const void *)(s->a32 + (size_t)lo * s->lda32);
+        int ldx;
+        const void *X = act_rows(s, act_of(&m->output), s->xn, E, lo, &ldx);
         if (A->ids) {
-            head_reduce(m, s, X, k256 ? s->lda256 : s->lda32, nq, A->n_valid, A->inv_temp, A->ids + lo, A->vals + lo, tid, nt, NULL, 0);
+            head_reduce(m, s, X, ldx, nq, A->n_valid, A->inv_temp, A->ids + lo, A->vals + lo, tid, nt, NULL, 0);
             return;
         }
         int a, b;
         thread_share(m->output.n / SK_P, tid, nt, &a, &b);
-        mm(&m->output, X, k256 ? s->lda256 : s->lda32, nq, a, b, A->logits + (size_t)lo * A->ldl + (size_t)a * SK_P, A->ldl, 0);
+        mm(&m->output, X, ldx, nq, a, b, A->logits + (size_t)lo * A->ldl + (size_t)a * SK_P, A->ldl, 0);
     }
 }
 
@@ -156,7 +168,7 @@ static void mm_job(void *arg, int tid, int nt) {
     const sk_mat *mats[1] = {A->m};
     float *ys[1] = {A->y};
     const int ld[1] = {A->m->n};
-    mm_share(A->s, mats, ys, ld, 1, A->q, 0, tid, nt);
+    mm_share(A->s, A->x, A->m->k, mats, ys, ld, 1, A->q, 0, tid, nt);
 }
 
 static void matmul(const sk_mat *m, const float *x, int q, float *y, sk_scratch *s) {

@@ -10,6 +10,7 @@
  *   DOTS(acc, w, x)  acc + sum of 4 (s8 w_byte * s8 x_byte) per lane, minus I8_BIAS * (x bytes sum)
  *   DOT16(acc, a, b) acc + lo16(a)*lo16(b) + hi16(a)*hi16(b) per lane (int16 pairs)
  *   XSET(p)          the 4 activation bytes at p broadcast to every lane (kernels.h)
+ *   H2F, BF2F(p)     LANES f16 / bf16 values at p as floats (exact)
  *   RB, RB_Q4K       rows per register-blocked pass (Q4_K keeps more registers a row)
  *   HI_X16           1: Q4_K's high nibble is used in place (x16), its scale / 16
  */
@@ -44,6 +45,7 @@ typedef __m512 vf;
 #define FLOAD(p) _mm512_loadu_ps(p)
 #define FSTORE(p, v) _mm512_storeu_ps(p, v)
 #define H2F(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define BF2F(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define U82F(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define I82F(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define U8TO32(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))

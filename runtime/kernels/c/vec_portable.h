@@ -10,6 +10,7 @@
  *   DOTS(acc, w, x)  acc + sum of 4 (s8 w_byte * s8 x_byte) per lane, minus I8_BIAS * (x bytes sum)
  *   DOT16(acc, a, b) acc + lo16(a)*lo16(b) + hi16(a)*hi16(b) per lane (int16 pairs)
  *   XSET(p)          the 4 activation bytes at p broadcast to every lane (kernels.h)
+ *   H2F, BF2F(p)     LANES f16 / bf16 values at p as floats (exact)
  *   RB, RB_Q4K       rows per register-blocked pass (Q4_K keeps more registers a row)
  *   HI_X16           1: Q4_K's high nibble is used in place (x16), its scale / 16
  */
@@ -152,6 +153,13 @@ static inline vi vu8to32(const void *p) {
 #define FLOAD(p) vfload(p)
 #define FSTORE(p, v) vfstore(p, v)
 #define H2F(p) vh2f(p)
+static inline vf vbf2f(const void *p) {
+    vf r;
+    const uint16_t *h = (const uint16_t *)p;
+    for (int l = 0; l < 16; ++l) r.v[l] = sk_bits_f((uint32_t)h[l] << 16);
+    return r;
+}
+#define BF2F(p) vbf2f(p)
 #define U82F(p) vu82f(p)
 #define I82F(p) vi82f(p)
 #define U8TO32(p) vu8to32(p)
