@@ -200,9 +200,7 @@ KINDS = ("attn", "attn_v", "ffn", "ffn_down", "embd", "output")
 MIXED = {"attn": R.Q4_K, "ffn": R.Q4_K, "embd": R.Q8_0, "attn_v": R.BF16, "ffn_down": R.F16, "output": R.F32}
 
 
-@pytest.mark.parametrize(
-    "ty", [R.Q5_1, R.IQ4_NL, R.Q2_K, R.Q3_K, R.Q5_K, R.IQ4_XS, R.F32, R.F16, R.BF16, "mixed"], ids=lambda t: PN.TYPES.get(t, t)
-)
+@pytest.mark.parametrize("ty", [R.Q5_1, R.IQ4_NL, R.Q2_K, R.Q3_K, R.Q5_K, R.IQ4_XS, R.F32, R.F16, R.BF16, "mixed"], ids=lambda t: PN.TYPES.get(t, t))
 def test_a_decoder_of_one_block_type_steps_exactly(tmp_path, ty):
     """Each block type added through the block-type tables as every matrix of a decoder
     (attention, FFN, the token embeddings and the LM head), and a decoder mixing float and
