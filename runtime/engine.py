@@ -27,7 +27,7 @@ from .chunks import PREFILL_CHUNK
 from .config import GenerationConfig, resolve_config
 from .constraints import ConstrainedAcceptor, GrammarTokenizer, check_logit_bias
 from .decode import Plan, Round, decode
-from .errors import BackendError, InputError
+from .errors import BackendError, EngineError, InputError
 from .flops import flop_coefficients
 from .generation import Generation, GenerationResult
 from .integrity import Verification
@@ -100,6 +100,20 @@ class Stream:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ClosedModel:
+    """What a closed :class:`Engine` holds in place of each model: any use raises
+    :class:`EngineError` in one line. A backend's buffers are freed by ``close()``; a call
+    reaching them after it would read freed memory (onnxruntime's I/O binding segfaults)."""
+
+    __slots__ = ("role",)
+
+    def __init__(self, role: str):
+        self.role = role
+
+    def __getattr__(self, name: str):
+        raise EngineError(f"this Engine is closed: its {self.role} model was freed by close(); load a new Engine, or fork() one that is open")
 
 
 def _say_tuned_elsewhere(manifest: Manifest, folder: Path) -> str | None:
@@ -228,9 +242,14 @@ class Engine:
         return new
 
     def close(self) -> None:
-        """Free the models' buffers (device memory on GPU backends); unusable after."""
+        """Free the models' buffers (device memory on GPU backends); unusable after: every
+        later use (a generation, a cost measurement, a fork) raises :class:`EngineError` in one
+        line, on every backend (idempotent)."""
+        if isinstance(self.target, ClosedModel):
+            return
         self.target.close()
         self.draft.close()
+        self.target, self.draft = ClosedModel("target"), ClosedModel("draft")
 
     # ---- validation ------------------------------------------------------------------
     def resolve(self, config: GenerationConfig) -> GenerationConfig:

@@ -349,6 +349,22 @@ def test_cli_stop_repeatable_and_stream_stats(engine, noisy_pair):
 
 
 # ---- stream lifetime / one-at-a-time ---------------------------------------------------------
+def test_a_closed_engine_on_onnxruntime_refuses_every_call_in_one_line(engine):
+    """Engine.close() frees the models' buffers on every backend: a generation, a cost
+    measurement or a fork after it raises EngineError (on onnxruntime the I/O binding kept
+    pointers into the freed buffers: a generation after close() segfaulted)."""
+    from specrt.runtime.costs import measure_costs
+
+    assert engine.backend == "ort-cpu"
+    e = engine.fork()
+    e.close()
+    e.close()  # idempotent
+    for call in (lambda: e.generate("def add(a, b):", GenerationConfig(max_new_tokens=4)), lambda: measure_costs(e, [1, 2], 10, reps=1), e.fork):
+        with pytest.raises(EngineError, match="this Engine is closed: its (target|draft) model was freed by close"):
+            call()
+    assert engine.generate("def add(a, b):", GenerationConfig(max_new_tokens=4)).tokens  # the parent's own buffers live on
+
+
 def test_stream_close_frees_the_engine_and_same_thread_reentry_is_refused(engine):
     cfg = GenerationConfig(max_new_tokens=30, k_max=4)
     want = engine.generate("def add(a, b):", cfg)

@@ -56,7 +56,10 @@ def folder(smol_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(folder):
-    return Engine(folder)
+    # named: which backend an unnamed load takes is the export's timing of both on this
+    # machine (test_a_measured_slower_machine_keeps_the_onnx_graph), and a loaded machine may
+    # time the ONNX graph faster
+    return Engine(folder, backend="kernels")
 
 
 def test_the_export_writes_checked_panels_and_their_timing(engine):
@@ -71,6 +74,9 @@ def test_the_export_writes_checked_panels_and_their_timing(engine):
 
 def test_the_engine_runs_the_target_on_the_kernels(engine):
     assert engine.backend == "kernels" and engine.width_exact and engine.min_q == 1
+    t = engine.manifest.extra["kernels"]["target"]["measured"][0]
+    if t["kernels_ms"] < t["ort_ms"]:  # an unnamed load takes the faster path the export timed
+        assert Engine(engine.folder).backend == "kernels"
     assert type(engine.target).__name__ == "KernelModel" and type(engine.draft).__name__ == "KernelModel"
     d = engine.manifest.extra["kernels"]["draft"]
     assert d["file"] in engine.manifest.files and d["requantized"]["type"] == "Q4_0"
@@ -133,9 +139,9 @@ def test_greedy_rounds_read_reduced_heads_and_equal_full_rows(engine, monkeypatc
 
 def test_a_repeated_prompt_reuses_rows_and_equals_its_cold_run(folder):
     """Any layout is exact on the kernels: the second request reuses every row a call can."""
-    e = Engine(folder)
+    e = Engine(folder, backend="kernels")
     cfg = GenerationConfig(max_new_tokens=24, logprobs=0)
-    cold = Engine(folder, prefix_cache=False).generate(PROMPTS[1], cfg)
+    cold = Engine(folder, prefix_cache=False, backend="kernels").generate(PROMPTS[1], cfg)
     first = e.generate(PROMPTS[1], cfg)
     again = e.generate(PROMPTS[1], cfg)
     assert first.tokens == again.tokens == cold.tokens
@@ -270,8 +276,8 @@ def test_batched_serving_on_the_kernels_equals_each_request_alone(folder, policy
     from specrt.runtime.constraints import Constraint
     from specrt.runtime.serve.batching import BatchPool
 
-    e = Engine(folder)
-    cold = Engine(folder, prefix_cache=False)
+    e = Engine(folder, backend="kernels")
+    cold = Engine(folder, prefix_cache=False, backend="kernels")
     prompts = PROMPTS + ["def add(a, b):\n", "A JSON object with a count:"]
     schema = {"type": "object", "properties": {"count": {"type": "integer"}}, "required": ["count"], "additionalProperties": False}
     cfgs = [
@@ -330,7 +336,7 @@ def test_two_threads_on_one_engine_with_adaptive_k_equal_serial_runs(folder, tmp
     import threading
 
     copy = _without_recorded_costs(folder, tmp_path)
-    serial = Engine(copy)
+    serial = Engine(copy, backend="kernels")
     long_prompt = ""
     for i in range(100):  # past the 256 rows the measurement writes, inside the 512-row context with its 48 new tokens
         long_prompt += f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n"
@@ -344,7 +350,7 @@ def test_two_threads_on_one_engine_with_adaptive_k_equal_serial_runs(folder, tmp
     alone = serial.generate(long_prompt, cfg_a)
     want_a = (alone.tokens, [lp.logprob for lp in alone.logprobs])
     want_b = serial.generate(PROMPTS[0], cfg_b).tokens
-    shared = Engine(copy)
+    shared = Engine(copy, backend="kernels")
     assert shared._adaptive is None
     got: dict = {}
     started = threading.Event()
