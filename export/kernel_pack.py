@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.runtime.kernels.weights import QK_NORM_ARCHS, QK_NORMS
+
 __all__ = [
     "KERNEL_RECORD_VERSION",
     "ROPE_NEOX_ARCHS",
@@ -36,7 +38,7 @@ __all__ = [
 ]
 
 KERNEL_RECORD_VERSION = 1
-ROPE_NEOX_ARCHS = {"qwen2": True, "llama": False}  # llama.cpp's rope type of each architecture (llama_model_rope_type)
+ROPE_NEOX_ARCHS = {"qwen2": True, "qwen3": True, "llama": False}  # llama.cpp's rope type of each architecture (llama_model_rope_type)
 ALIGN = 4096  # every tensor starts on a page
 DRAFT_REQUANT = 2  # Q4_0: the draft's weight matrices on the kernels (4.5 bits a weight, any K divisible by 32)
 DRAFT_HEAD = 65536  # ids kept in the draft's LM head (FR-Spec); 0 keeps them all
@@ -108,6 +110,9 @@ def plan_tensors(reader) -> tuple[dict, dict, str | None]:
         for b in BIASES:
             if f"blk.{i}.{b}" in byname:
                 want[f"blk.{i}.{b}"] = f"blk.{i}.{b}"
+        if dims["arch"] in QK_NORM_ARCHS:  # required: a layer without them would run as another model
+            for n in QK_NORMS:
+                want[f"blk.{i}.{n}"] = f"blk.{i}.{n}.weight"
     tensors = {}
     for key, name in want.items():
         t = byname.get(name)

@@ -114,8 +114,8 @@ DIMS = dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512,
 
 
 def write_gguf(path: Path, arch: str = "qwen2", seed: int = 0, types: dict | None = None, dims: dict | None = None, strings: dict | None = None) -> Path:
-    """A decoder of ``arch`` (``qwen2``: q/k/v biases, NEOX RoPE; ``llama``: NORM RoPE, no
-    biases) with random weights, written with gguf-py. ``types`` maps tensor kinds
+    """A decoder of ``arch`` (``qwen2``: q/k/v biases, NEOX RoPE; ``qwen3``: per-head q/k
+    RMSNorm, NEOX RoPE, no biases; ``llama``: NORM RoPE, no biases) with random weights, written with gguf-py. ``types`` maps tensor kinds
     (``attn``, ``attn_v``, ``ffn``, ``ffn_down``, ``embd``, ``output``) to ggml types; the
     defaults mix Q4_K, Q6_K, Q8_0 and Q4_1 as llama.cpp's Q4_K_M does. ``strings``: more
     string metadata (``{key: value}``, the key without the architecture prefix)."""
@@ -133,6 +133,9 @@ def write_gguf(path: Path, arch: str = "qwen2", seed: int = 0, types: dict | Non
     w.add_head_count_kv(d["n_head_kv"])
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
+    if d["head_dim"] != d["n_embd"] // d["n_head"]:  # llama.cpp's default is n_embd / n_head
+        w.add_key_length(d["head_dim"])
+        w.add_value_length(d["head_dim"])
     for key, value in (strings or {}).items():
         w.add_string(f"{arch}.{key}", value)
     E, F, V, qd, kd = d["n_embd"], d["n_ff"], d["n_vocab"], d["n_head"] * d["head_dim"], d["n_head_kv"] * d["head_dim"]
@@ -160,6 +163,9 @@ def write_gguf(path: Path, arch: str = "qwen2", seed: int = 0, types: dict | Non
         if arch == "qwen2":
             for name, n in (("attn_q.bias", qd), ("attn_k.bias", kd), ("attn_v.bias", kd)):
                 f32(p + name, 0.1 * rng.standard_normal(n))
+        if arch == "qwen3":  # per-head RMSNorm of q and k before RoPE
+            for name in ("attn_q_norm.weight", "attn_k_norm.weight"):
+                f32(p + name, 1 + 0.3 * rng.standard_normal(d["head_dim"]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -179,7 +185,8 @@ def reference_step(gguf_path: Path, tokens: list[int], rope_neox: bool) -> np.nd
     arch = r.fields["general.architecture"].contents()
     g = lambda k: r.fields[f"{arch}.{k}"].contents()  # noqa: E731
     L, E, H, KV = g("block_count"), g("embedding_length"), g("attention.head_count"), g("attention.head_count_kv")
-    hd, eps = E // H, g("attention.layer_norm_rms_epsilon")
+    hd = r.fields[f"{arch}.attention.key_length"].contents() if f"{arch}.attention.key_length" in r.fields else E // H
+    eps = g("attention.layer_norm_rms_epsilon")
 
     def W(name):
         x = T[name]
@@ -218,8 +225,11 @@ def reference_step(gguf_path: Path, tokens: list[int], rope_neox: bool) -> np.nd
         q, k, v = (mm(xn, p + f"attn_{c}.weight") for c in "qkv")
         if p + "attn_q.bias" in T:
             q, k, v = q + W(p + "attn_q.bias")[0], k + W(p + "attn_k.bias")[0], v + W(p + "attn_v.bias")[0]
-        q = rope(q.reshape(n, H, hd))
-        k = rope(k.reshape(n, KV, hd)).astype(np.float16).astype(np.float64)
+        q, k = q.reshape(n, H, hd), k.reshape(n, KV, hd)
+        if p + "attn_q_norm.weight" in T:  # qwen3: each head RMS-normalized before RoPE
+            q, k = norm(q, p + "attn_q_norm.weight"), norm(k, p + "attn_k_norm.weight")
+        q = rope(q)
+        k = rope(k).astype(np.float16).astype(np.float64)
         v = v.reshape(n, KV, hd).astype(np.float16).astype(np.float64)
         rep = H // KV
         k, v = np.repeat(k, rep, 1), np.repeat(v, rep, 1)

@@ -132,7 +132,7 @@ def test_matmul_rows_do_not_depend_on_width_threads_or_isa(tensors, ty):
 # ---------------------------------------------------------------- the decoder step
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
 def tiny(request, tmp_path_factory):
     """(gguf path, panels record, weights factory) of a random 2-layer decoder."""
     from specrt.export.kernel_pack import write_panels
@@ -141,7 +141,7 @@ def tiny(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"kern_{request.param}")
     g = R.write_gguf(out / "m.gguf", request.param)
     rec = write_panels(g, out, "target", log=lambda *_: None)
-    assert rec is not None and rec["rope_neox"] == (request.param == "qwen2")
+    assert rec is not None and rec["rope_neox"] == (request.param in ("qwen2", "qwen3"))
     K.start_team(2)
     return g, rec, lambda ctx=256, q=64: KernelWeights(out / "target.panels", rec, ctx, q)
 
@@ -461,6 +461,52 @@ def test_real_file_logits_match_pytorch(smol, tmp_path_factory):
     got = model(KernelWeights(out / "target.panels", rec, 256, 64)).run(ids[0].tolist(), 0)[:, : ref.shape[1]]
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05  # 8-bit activations, as llama.cpp
     assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+
+
+def test_qwen3_logits_match_pytorch(tmp_path):
+    """qwen3 (per-head q/k RMSNorm before RoPE, head_dim 128 != n_embd / n_head): the kernels'
+    logits against transformers' Qwen3ForCausalLM in float32 on the same dequantized weights
+    (GGUF names mapped to Hugging Face's; NEOX RoPE, so no q/k permutation)."""
+    torch = pytest.importorskip("torch")
+    import gguf
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from specrt.export.kernel_pack import write_panels
+    from specrt.runtime.kernels.weights import KernelWeights
+
+    d = {**R.DIMS, "head_dim": 128}
+    g = R.write_gguf(tmp_path / "q3.gguf", "qwen3", dims=d)
+    rec = write_panels(g, tmp_path, "target", log=lambda *_: None)
+    assert rec is not None and rec["dims"]["head_dim"] == 128 and "blk.1.attn_k_norm" in rec["tensors"]
+    cfg = Qwen3Config(
+        vocab_size=d["n_vocab"], hidden_size=d["n_embd"], intermediate_size=d["n_ff"], num_hidden_layers=d["n_layer"],
+        num_attention_heads=d["n_head"], num_key_value_heads=d["n_head_kv"], head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
+    )  # fmt: skip
+    hf = Qwen3ForCausalLM(cfg).float().eval()
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+             "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # fmt: skip
+    state = {}
+    for t in gguf.GGUFReader(str(g)).tensors:
+        ty, shape = int(t.tensor_type), [int(s) for s in reversed(t.shape) if len(t.shape) > 1] or [int(t.shape[0])]
+        w = np.array(t.data, np.float32).reshape(shape) if ty == 0 else R.dequant(np.asarray(t.data).view(np.uint8), ty, *shape)
+        parts = t.name.split(".")
+        key = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}.get(parts[0])
+        state[(key or f"model.layers.{parts[1]}.{names[parts[2]]}") + ".weight"] = torch.from_numpy(np.ascontiguousarray(w))
+    missing = hf.load_state_dict(state, strict=False)
+    assert not missing.missing_keys and not missing.unexpected_keys, missing
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].numpy().astype(np.float64)
+    got = model(KernelWeights(tmp_path / "target.panels", rec, 256, 64)).run(PROMPT, 0)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.02  # 8-bit activations, as llama.cpp
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+    # without the q/k norms it is another model: the check sees it
+    bare = {k: v for k, v in rec["tensors"].items() if "_norm" not in k or k.endswith(("attn_norm", "ffn_norm")) or k == "output_norm"}
+    assert set(rec["tensors"]) - set(bare) == {f"blk.{i}.attn_{c}_norm" for i in range(2) for c in "qk"}
+    from specrt.runtime.kernels.weights import check_record
+
+    assert "attn_q_norm is missing" in check_record({**rec, "tensors": bare}, (tmp_path / "target.panels").stat().st_size)
 
 
 def test_a_trimmed_draft_head_gives_the_full_heads_logits_at_its_ids(tiny, tmp_path):

@@ -42,7 +42,7 @@ __all__ = [
     "check_rc",
 ]
 
-ABI = 4  # sk.h's SK_ABI: the structs below and the entry points bound in _load
+ABI = 5  # sk.h's SK_ABI: the structs below and the entry points bound in _load
 ISAS = ("portable", "avx2", "avx512vnni")  # ids 0, 1, 2 (sk.h; the library's sk_isa_name agrees: tests)
 MAX_THREADS = 64  # sk.h's SK_MAX_THREADS: the most threads of the team (the library's sk_max_threads agrees)
 HERE = Path(__file__).resolve().parent
@@ -65,9 +65,12 @@ class SkMat(ctypes.Structure):
 
 
 class SkLayer(ctypes.Structure):
-    """sk.h ``sk_layer``: a decoder layer's seven matrices, norms and optional biases."""
+    """sk.h ``sk_layer``: a decoder layer's seven matrices, norms, optional biases and optional
+    per-head q/k norms (qwen3)."""
 
-    _fields_ = [(n, SkMat) for n in ("wq", "wk", "wv", "wo", "wgate", "wup", "wdown")] + [(n, c_void_p) for n in ("attn_norm", "ffn_norm", "bq", "bk", "bv")]
+    _fields_ = [(n, SkMat) for n in ("wq", "wk", "wv", "wo", "wgate", "wup", "wdown")] + [
+        (n, c_void_p) for n in ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm")
+    ]
 
 
 class SkModel(ctypes.Structure):

@@ -30,9 +30,13 @@ import numpy as np
 from . import SkLayer, SkMat, SkModel, library, status
 from .panels import BLOCK, TYPES, panel_bytes, supported
 
-__all__ = ["KernelWeights", "rope_tables", "check_record", "LAYER_KEYS", "RecordError"]
+__all__ = ["KernelWeights", "rope_tables", "check_record", "LAYER_KEYS", "QK_NORM_ARCHS", "QK_NORMS", "RecordError"]
 
 LAYER_KEYS = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output", "wgate": "ffn_gate", "wup": "ffn_up", "wdown": "ffn_down"}
+# architectures whose layers RMS-normalize each head of q and k before RoPE (llama.cpp's
+# attn_q_norm / attn_k_norm, [head_dim] each): every layer of theirs must have both
+QK_NORM_ARCHS = ("qwen3",)
+QK_NORMS = ("attn_q_norm", "attn_k_norm")
 _F32, _I32 = 0, 26  # ggml type ids of the 1-D tensors (norms, biases, rope_freqs) and the head's ids
 _MAX_LAYERS = 512  # the C's SK_MAX_LAYERS
 _DIMS = ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab")
@@ -97,8 +101,8 @@ def check_record(record: dict, size: int) -> str | None:
             f"blk.{i}.attn_norm": ("v", E),
             f"blk.{i}.ffn_norm": ("v", E),
         }
-        for b, n in (("attn_q.bias", nh * hd), ("attn_k.bias", nkv * hd), ("attn_v.bias", nkv * hd)):
-            if f"blk.{i}.{b}" in t:
+        for b, n in (("attn_q.bias", nh * hd), ("attn_k.bias", nkv * hd), ("attn_v.bias", nkv * hd), ("attn_q_norm", hd), ("attn_k_norm", hd)):
+            if f"blk.{i}.{b}" in t or (b in QK_NORMS and d.get("arch") in QK_NORM_ARCHS):
                 want[f"blk.{i}.{b}"] = ("v", n)
     if "rope_freqs" in t:
         want["rope_freqs"] = ("v", hd // 2)
@@ -201,7 +205,7 @@ class KernelWeights:
                 setattr(L, field, self._mat(t[f"blk.{i}.{key}"]))
             L.attn_norm = self._ptr(t[f"blk.{i}.attn_norm"])
             L.ffn_norm = self._ptr(t[f"blk.{i}.ffn_norm"])
-            for field, key in (("bq", "attn_q.bias"), ("bk", "attn_k.bias"), ("bv", "attn_v.bias")):
+            for field, key in (("bq", "attn_q.bias"), ("bk", "attn_k.bias"), ("bv", "attn_v.bias"), ("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):
                 setattr(L, field, self._ptr(t[f"blk.{i}.{key}"]) if f"blk.{i}.{key}" in t else None)
         m = self.model = SkModel()
         for k in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff"):

@@ -152,6 +152,7 @@ static void qkv_post(const sk_model *m, const sk_kv *const *kvs, const int32_t *
             float *v = s->q + ((size_t)r * nh + h) * hd;
             if (L->bq)
                 for (int d = 0; d < hd; ++d) v[d] = v[d] + L->bq[h * hd + d];
+            if (L->q_norm) rmsnorm(v, L->q_norm, hd, m->norm_eps, v); /* in place: each out[i] reads x[i] only after the sum */
             rope(v, cs, sn, hd, m->rope_neox);
         } else {
             const int g = h - nh;
@@ -160,6 +161,7 @@ static void qkv_post(const sk_model *m, const sk_kv *const *kvs, const int32_t *
                 for (int d = 0; d < hd; ++d) kk[d] = kk[d] + L->bk[g * hd + d];
             if (L->bv)
                 for (int d = 0; d < hd; ++d) vv[d] = vv[d] + L->bv[g * hd + d];
+            if (L->k_norm) rmsnorm(kk, L->k_norm, hd, m->norm_eps, kk);
             rope(kk, cs, sn, hd, m->rope_neox);
             uint16_t *kt = kv->k + (size_t)l * ctx * nkv * hd + (((size_t)(pos / 16) * nkv + g) * hd) * 16 + (pos & 15);
             uint16_t *vr = kv->v + (size_t)l * ctx * nkv * hd + ((size_t)pos * nkv + g) * hd;

@@ -15,7 +15,7 @@
 #define SPECRT_SK_H
 #include <stdint.h>
 
-#define SK_ABI 4
+#define SK_ABI 5
 #define SK_P 16 /* output columns per panel (one zmm of int32 lanes) */
 #define SK_MAX_THREADS 64
 
@@ -60,9 +60,10 @@ typedef struct {
     sk_mat wq, wk, wv, wo, wgate, wup, wdown;
     const float *attn_norm, *ffn_norm; /* [n_embd] */
     const float *bq, *bk, *bv;         /* biases or NULL */
+    const float *q_norm, *k_norm;      /* per-head RMSNorm of q and k before RoPE [head_dim] (qwen3) or NULL */
 } sk_layer;
 
-/* a decoder (llama / qwen2 / mistral families) over panel weights */
+/* a decoder (llama / qwen2 / qwen3 / mistral families) over panel weights */
 typedef struct {
     int32_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, max_ctx;
     int32_t rope_neox, max_q, pad0, pad1;
