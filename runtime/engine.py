@@ -242,14 +242,10 @@ class Engine:
         return new
 
     def close(self) -> None:
-        """Free the models' buffers (device memory on GPU backends); unusable after: every
-        later use (a generation, a cost measurement, a fork) raises :class:`EngineError` in one
-        line, on every backend (idempotent)."""
-        if isinstance(self.target, ClosedModel):
-            return
-        self.target.close()
-        self.draft.close()
-        self.target, self.draft = ClosedModel("target"), ClosedModel("draft")
+        """Free the models' buffers; any later use raises :class:`EngineError` (idempotent)."""
+        if not isinstance(self.target, ClosedModel):
+            self.target.close(), self.draft.close()
+            self.target, self.draft = ClosedModel("target"), ClosedModel("draft")
 
     # ---- validation ------------------------------------------------------------------
     def resolve(self, config: GenerationConfig) -> GenerationConfig:
