@@ -51,6 +51,7 @@ from .errors import EngineError
 
 __all__ = [
     "sha256_file",
+    "file_sha256",
     "check_present",
     "Verification",
     "DigestCache",
@@ -151,6 +152,14 @@ class DigestCache:
             rec = self._entries.get(_key(ident))
         return rec is not None and rec["sha256"] == digest
 
+    def digest(self, ident: tuple) -> str | None:
+        """The digest recorded for the identity ``ident``, or None."""
+        with self._lock:
+            if not self._loaded:
+                self._load()
+            rec = self._entries.get(_key(ident))
+        return None if rec is None else rec["sha256"]
+
     def record(self, ident: tuple, digest: str, path: str | Path) -> None:
         """Record that the file of identity ``ident`` (at ``path``) has ``digest``."""
         with self._lock:
@@ -224,6 +233,23 @@ def digest_cache() -> DigestCache | None:
         return None
     with _CACHES_LOCK:
         return _CACHES.setdefault(str(p), DigestCache(p))
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file, from the digest cache (:func:`digest_cache`) when its identity
+    (:func:`file_identity`) has one recorded, else hashed and recorded (a warm start of
+    ``specrt serve --target X.gguf`` reads none of the GGUF's bytes)."""
+    cache = digest_cache()
+    ident = file_identity(os.stat(path))
+    if cache is not None:
+        known = cache.digest(ident)
+        if known is not None:
+            return known
+    digest, stable, _ = _hash_file(path)
+    if cache is not None and stable is not None:
+        cache.record(stable, digest, path)
+        cache.save()
+    return digest
 
 
 def check_present(folder: Path, files: Mapping[str, object], hint: str) -> None:

@@ -30,6 +30,12 @@ Graph forms (one per model, so a pair may mix them):
   :mod:`specrt.runtime.backends.ort_gqa`). Precisions int8, int4 (weights; fp32 for models
   the builder does not cover, see :mod:`specrt.export.builder`).
 
+* ``kernels``: no graph. The model runs on specrt's CPU kernels from its panels file
+  (``file``: ``target.panels``/``draft.panels``, described by ``extra["kernels"][role]``,
+  :mod:`specrt.export.kernel_pack`); no inputs or outputs; precision ``gguf`` (the GGUF
+  file's own blocks). Written by ``specrt serve|generate|bench --target X.gguf``
+  (:mod:`specrt.export.gguf_engine`): such a folder runs on the ``kernels`` backend only.
+
 Loading validates the whole manifest (:func:`load_manifest`): its structure and types
 against the dataclasses below with pydantic (strict JSON types: ``"1024"`` is not an
 integer), then ranges and cross-field rules; the graphs are checked against it when the
@@ -60,7 +66,9 @@ __all__ = [
     "KV_LAYOUT",
     "GRAPH_STANDARD",
     "GRAPH_BUILDER",
+    "GRAPH_KERNELS",
     "GRAPH_FORMS",
+    "KERNEL_PRECISION",
     "PRECISIONS",
     "REEXPORT_HINT",
     "sha256_file",
@@ -82,8 +90,10 @@ MANIFEST = "manifest.json"
 KV_LAYOUT = "BLHD"  # [batch=1, position, kv_head, head_dim], sequence-major (standard graphs)
 GRAPH_STANDARD = "standard"  # specrt's IO-bound graph (new KV rows out), BLHD KV
 GRAPH_BUILDER = "builder"  # onnxruntime-genai model builder graph (GQA, past/present shared), BNSH KV
-GRAPH_FORMS = (GRAPH_STANDARD, GRAPH_BUILDER)
+GRAPH_KERNELS = "kernels"  # no graph: specrt's CPU kernels over the panels file (extra.kernels[role])
+GRAPH_FORMS = (GRAPH_STANDARD, GRAPH_BUILDER, GRAPH_KERNELS)
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")  # specrt export --precision
+KERNEL_PRECISION = "gguf"  # a kernels entry: the GGUF file's own blocks
 REEXPORT_HINT = "re-run `specrt export --draft DRAFT_DIR --target TARGET_DIR --out {folder}` (or `make export`)"
 K_LIMIT = 64  # largest k_max the exporter writes (specrt export --k-max 1..64)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -188,7 +198,9 @@ class ModelEntry:
     @staticmethod
     def io_names(n_layers: int, graph: str = GRAPH_STANDARD) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The ONNX input and output names for ``n_layers`` layers of a graph form (one
-        declaration per form; see the module docstring)."""
+        declaration per form; see the module docstring; none for ``kernels``)."""
+        if graph == GRAPH_KERNELS:
+            return (), ()
         if graph == GRAPH_BUILDER:
             ins, outs = ["input_ids", "attention_mask"], ["logits"]
             for i in range(n_layers):
@@ -249,6 +261,11 @@ class Manifest:
         """The ids that end a generation (draft, target and baseline alike):
         ``eos_token_ids`` and ``eos_token_id``."""
         return frozenset((self.eos_token_id, *self.eos_token_ids))
+
+    def kernels_only(self) -> bool:
+        """Whether the folder has no graphs: both models on specrt's kernels only
+        (:data:`GRAPH_KERNELS`)."""
+        return self.target.graph == GRAPH_KERNELS
 
     def min_q(self) -> int:
         """Narrowest target call the decode loop may make: the target's measured
@@ -468,14 +485,19 @@ def _check_entry(role: str, e: ModelEntry, k_max: int, bad) -> None:
         raise bad(f"{role}.sha256", e.sha256, "64 lowercase hex digits")
     if e.graph not in GRAPH_FORMS:
         raise bad(f"{role}.graph", e.graph, f"one of {', '.join(GRAPH_FORMS)} (a newer specrt wrote this engine, or it was edited)")
-    if e.precision not in PRECISIONS:
+    if e.graph == GRAPH_KERNELS:
+        if e.precision != KERNEL_PRECISION:
+            raise bad(f"{role}.precision", e.precision, f'"{KERNEL_PRECISION}" for a kernels entry')
+    elif e.precision not in PRECISIONS:
         raise bad(f"{role}.precision", e.precision, f"one of {', '.join(PRECISIONS)}")
     if e.data_file and not _inside(e.data_file):
         raise bad(f"{role}.data_file", e.data_file, "a file name inside the engine folder")
     if e.exact_min_q is not None and not 1 <= e.exact_min_q <= k_max + 1:
         raise bad(f"{role}.exact_min_q", e.exact_min_q, f"null or an integer in 1..k_max+1 = {k_max + 1}")
     ins, outs = ModelEntry.io_names(e.n_layers, e.graph)
-    if e.graph == GRAPH_BUILDER:
+    if e.graph == GRAPH_KERNELS:
+        want_in = want_out = "none (a kernels entry has no graph)"
+    elif e.graph == GRAPH_BUILDER:
         want_in = f"input_ids, attention_mask, past_key_values.i.key/value for i in 0..{e.n_layers - 1}"
         want_out = f"logits, present.i.key/value for i in 0..{e.n_layers - 1}"
     else:
@@ -580,6 +602,15 @@ def validate_manifest(raw: dict, folder: str | Path) -> Manifest:
 
     for role, e in (("draft", manifest.draft), ("target", manifest.target)):
         _check_entry(role, e, manifest.k_max, bad)
+        rec = (manifest.extra.get("kernels") or {}).get(role) if isinstance(manifest.extra.get("kernels"), dict) else None
+        if e.graph == GRAPH_KERNELS and (not isinstance(rec, dict) or rec.get("file") != e.file):
+            raise bad(
+                f"extra.kernels.{role}",
+                rec if rec is None else rec.get("file"),
+                f"the kernels record of the {role}'s panels file {e.file!r} (its graph is kernels)",
+            )
+    if (manifest.target.graph == GRAPH_KERNELS) != (manifest.draft.graph == GRAPH_KERNELS):
+        raise bad("draft.graph", manifest.draft.graph, "kernels, as the target's (a kernels folder runs both models on the kernels)")
     if manifest.kv_layout != KV_LAYOUT:
         raise bad("kv_layout", manifest.kv_layout, f'"{KV_LAYOUT}"')
     if manifest.kv_dtype != "float32":

@@ -126,6 +126,53 @@ def _strategy_options(f, multiple: bool = False):
     )(f)
 
 
+def _gguf_options(f):
+    """``--target``/``--draft`` GGUF files in place of ``--engines``: the engine folder for the
+    kernels is built on first use, or reused, in the cache (:func:`specrt.export.gguf_engine.engine_for`;
+    no torch, no ONNX). ``--max-ctx``/``--engine-cache`` choose its context and where it lives.
+    The command gets ``engines`` (the folder) and, where it has one and none was given,
+    ``model_name`` (the target file's stem)."""
+
+    @functools.wraps(f)
+    def wrapper(*a, target=None, draft=None, max_ctx=None, engine_cache=None, **kw):
+        if target is None:
+            if draft is not None or max_ctx is not None:
+                raise InputError("--draft and --max-ctx build an engine from GGUF files: give --target X.gguf too (or --engines FOLDER alone)", "target")
+            return f(*a, **kw)
+        from .export.gguf_engine import DEFAULT_MAX_CTX, engine_for
+
+        kw["engines"] = str(engine_for(target, draft, engine_cache, max_ctx or DEFAULT_MAX_CTX, log=lambda s: click.echo(s, err=True)))
+        if "model_name" in kw and kw["model_name"] is None:
+            kw["model_name"] = Path(target).stem
+        return f(*a, **kw)
+
+    for opt in reversed(
+        [
+            click.option(
+                "--target",
+                type=click.Path(exists=True, dir_okay=False),
+                default=None,
+                help="target model as a GGUF file, in place of --engines (engine built on first use, then cached)",
+            ),
+            click.option(
+                "--draft",
+                type=click.Path(exists=True, dir_okay=False),
+                default=None,
+                help="with --target: draft model as a GGUF file of the same vocabulary (default: n-gram drafting)",
+            ),
+            click.option("--max-ctx", type=click.IntRange(2, 1 << 20), default=None, help="with --target: context size in tokens (KV rows; default 4096)"),
+            click.option(
+                "--engine-cache",
+                type=click.Path(file_okay=False),
+                default=None,
+                help="with --target: where built engines are kept (default: $SPECRT_ENGINE_CACHE, else $XDG_CACHE_HOME/specrt/engines)",
+            ),
+        ]
+    ):
+        wrapper = opt(wrapper)
+    return wrapper
+
+
 def _engine(path: str, threads: int | None, spinning: bool, backend: str | None = None):
     """An Engine with the CLI's thread settings."""
     from .runtime.engine import Engine
@@ -429,6 +476,7 @@ def plans(ctx, engines, precision, workspace_gb, prefill_q, past_pad, opt_level,
 @_threads_option
 @_backend_option
 @_clean_errors
+@_gguf_options
 def generate(
     engines,
     prompt,
@@ -538,6 +586,7 @@ def generate(
 @_threads_option
 @_backend_option
 @_clean_errors
+@_gguf_options
 def bench(
     engines,
     prompts_file,
@@ -973,6 +1022,7 @@ def _print_tune_report(result: dict, out: Path) -> None:
 @_threads_option
 @_backend_option
 @_clean_errors
+@_gguf_options
 def serve(
     engines,
     host,

@@ -113,12 +113,34 @@ def matmul_ref(x: np.ndarray, w: np.ndarray, ggml_type: int) -> np.ndarray:
 DIMS = dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_vocab=512)
 
 
-def write_gguf(path: Path, arch: str = "qwen2", seed: int = 0, types: dict | None = None, dims: dict | None = None, strings: dict | None = None) -> Path:
+def byte_vocab(n: int, tag: str = "") -> dict:
+    """Tokenizer metadata of a byte-level BPE vocabulary of ``n`` ids for :func:`write_gguf`:
+    the 256 byte symbols, merges of the pairs of the first 8 letters (their tokens follow),
+    ``<|endoftext|>`` (a CONTROL token, BOS and EOS) and filler tokens named ``<tag fill i>``
+    (a different ``tag`` makes a different vocabulary of the same size)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet())
+    letters = list("abcdefgh")
+    merges = [f"{a} {b}" for a in letters for b in letters]
+    tokens = alphabet + [m.replace(" ", "") for m in merges] + ["<|endoftext|>"]
+    eot = len(tokens) - 1
+    tokens += [f"<{tag}fill {i}>" for i in range(n - len(tokens))]
+    types = [1] * len(tokens)
+    types[eot] = 3
+    return {"model": "gpt2", "pre": "qwen2", "tokens": tokens, "types": types, "merges": merges, "eos": eot, "bos": eot}
+
+
+def write_gguf(
+    path: Path, arch: str = "qwen2", seed: int = 0, types: dict | None = None, dims: dict | None = None, strings: dict | None = None, vocab: dict | None = None
+) -> Path:
     """A decoder of ``arch`` (``qwen2``: q/k/v biases, NEOX RoPE; ``qwen3``: per-head q/k
     RMSNorm, NEOX RoPE, no biases; ``llama``: NORM RoPE, no biases) with random weights, written with gguf-py. ``types`` maps tensor kinds
     (``attn``, ``attn_v``, ``ffn``, ``ffn_down``, ``embd``, ``output``) to ggml types; the
     defaults mix Q4_K, Q6_K, Q8_0 and Q4_1 as llama.cpp's Q4_K_M does. ``strings``: more
-    string metadata (``{key: value}``, the key without the architecture prefix)."""
+    string metadata (``{key: value}``, the key without the architecture prefix). ``vocab``:
+    tokenizer metadata (:func:`byte_vocab`), written as llama.cpp's ``tokenizer.ggml.*``
+    keys with a chat template."""
     import gguf
 
     d = {**DIMS, **(dims or {})}
@@ -138,6 +160,18 @@ def write_gguf(path: Path, arch: str = "qwen2", seed: int = 0, types: dict | Non
         w.add_value_length(d["head_dim"])
     for key, value in (strings or {}).items():
         w.add_string(f"{arch}.{key}", value)
+    if vocab is not None:
+        w.add_tokenizer_model(vocab["model"])
+        w.add_tokenizer_pre(vocab["pre"])
+        w.add_token_list(vocab["tokens"])
+        w.add_token_types(vocab["types"])
+        w.add_token_merges(vocab["merges"])
+        w.add_bos_token_id(vocab["bos"])
+        w.add_eos_token_id(vocab["eos"])
+        w.add_add_bos_token(False)
+        w.add_chat_template(
+            "{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|endoftext|>assistant\n{% endif %}"
+        )
     E, F, V, qd, kd = d["n_embd"], d["n_ff"], d["n_vocab"], d["n_head"] * d["head_dim"], d["n_head_kv"] * d["head_dim"]
 
     def add(name, ty, n, k, scale=0.05):

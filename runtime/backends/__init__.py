@@ -84,6 +84,9 @@ def backend_status(manifest: Manifest | None = None) -> dict[str, str | None]:
     from .ort_cuda import ort_cuda_available
 
     status: dict[str, str | None] = {"ort-cpu": None, "kernels": kernels_unavailable(manifest)}
+    if manifest is not None and manifest.kernels_only():
+        why = "the engine folder holds kernel panels only, no ONNX graph (built from GGUF files for the CPU); `specrt export --draft D --target T --out E` writes the graphs"
+        return {**status, "ort-cpu": why, "ort-cuda": why, "tensorrt": why}
     gpu = gpu_present()
     status["ort-cuda"] = ort_cuda_available() or (None if gpu else "no NVIDIA GPU is visible on this machine")
     if not _module_present("tensorrt"):
@@ -100,11 +103,13 @@ def backend_status(manifest: Manifest | None = None) -> dict[str, str | None]:
 
 
 def kernels_unavailable(manifest: Manifest | None) -> str | None:
-    """Why the kernels cannot run (for ``manifest``'s target when given), or None."""
+    """Why the kernels cannot run (for ``manifest``'s target when given), or None. A CPU with
+    neither AVX2 nor AVX-512 VNNI runs the portable C path only for a folder with no graph
+    (:meth:`~specrt.runtime.manifest.Manifest.kernels_only`); else onnxruntime is faster."""
     from ..kernels import cpu_isa, status
 
     why = status()
-    if why is None and cpu_isa() == "portable":
+    if why is None and cpu_isa() == "portable" and not (manifest is not None and manifest.kernels_only()):
         why = "this CPU has neither AVX2 (with FMA and F16C) nor AVX-512 VNNI: the kernels' portable C path is slower than onnxruntime"
     if why is None and manifest is not None and not (manifest.extra.get(KERNELS_KEY) or {}).get("target"):
         why = "the engine folder has no kernel panels for its target (they are written by `specrt export` from a GGUF target)"

@@ -339,9 +339,17 @@ def pack(raw: np.ndarray, ggml_type: int, n: int, k: int) -> np.ndarray:
     why = supported(ggml_type, n, k)
     if why:
         raise ValueError(why)
-    parts = _BY_ID[ggml_type].pack(_blocks(raw, ggml_type, n, k))
-    npan, nb = n // P, k // BLOCK[ggml_type]
-    # each part [np, nb, ...]: per (panel, block) its bytes, then the parts one after the other
-    out = np.concatenate([np.ascontiguousarray(x).reshape(npan, nb, -1) for x in parts], axis=-1)
-    assert out.shape[-1] == PANEL_BLOCK_BYTES[ggml_type], (TYPES[ggml_type], out.shape)
+    blocks = _blocks(raw, ggml_type, n, k)
+    nb = k // BLOCK[ggml_type]
+    out = np.empty((n // P, nb, PANEL_BLOCK_BYTES[ggml_type]), dtype=np.uint8)
+    # panel-major: a run of whole panels packs alone, so a big tensor goes a few MB of rows at
+    # a time (the packers' integer temporaries of a whole 151,936-row head took 1 GB)
+    step = max(1, (1 << 22) // (k * P))  # panels at a time
+    for p0 in range(0, n // P, step):
+        parts = _BY_ID[ggml_type].pack(blocks[p0 : p0 + step])
+        npan = len(blocks[p0 : p0 + step])
+        # each part [np, nb, ...]: per (panel, block) its bytes, then the parts one after the other
+        chunk = np.concatenate([np.ascontiguousarray(x).reshape(npan, nb, -1) for x in parts], axis=-1)
+        assert chunk.shape[-1] == PANEL_BLOCK_BYTES[ggml_type], (TYPES[ggml_type], chunk.shape)
+        out[p0 : p0 + npan] = chunk
     return out.reshape(-1)

@@ -1,0 +1,469 @@
+"""GGUF files -> an engine folder for specrt's CPU kernels, in about a minute: no torch, no
+transformers model code, no ONNX graph.
+
+``specrt serve|generate|bench --target T.gguf [--draft D.gguf]`` run GGUF files directly:
+:func:`engine_for` returns a folder in the user's cache (``$SPECRT_ENGINE_CACHE``, else
+``$XDG_CACHE_HOME/specrt/engines``, else ``~/.cache/specrt/engines``) keyed by the files'
+SHA-256, the context size, k_max and this builder's version, building it on first use
+(:func:`build_engine`) and reusing it after (the files' digests come from the digest cache,
+:mod:`specrt.runtime.integrity`, so a warm start reads no GGUF byte).
+
+The folder holds:
+
+* ``manifest.json``: both models of graph form ``kernels`` (:data:`~specrt.runtime.manifest.GRAPH_KERNELS`),
+  precision ``gguf`` (the file's own blocks), the dims from the GGUF metadata;
+* ``tokenizer.json`` and ``chat_template.jinja``: from the target GGUF's own metadata
+  (:mod:`specrt.export.gguf_tokenizer`);
+* ``target.panels``: the target's blocks in the kernels' layout, each tensor checked against
+  ``gguf.dequantize`` bit for bit (:func:`specrt.export.kernel_pack.write_panels`);
+* ``draft.panels``: the draft's matrices quantized again to Q4_0 with its LM head cut to the
+  most frequent ids (:func:`specrt.export.kernel_pack.draft_panels`'s recipe). Without a
+  draft GGUF the target's panels serve as the draft model's and the default drafter is
+  n-gram lookup in the prompt and output (``defaults.drafter = "ngram"``).
+
+Every refusal (not a GGUF file, an architecture or block type the kernels do not run, draft
+and target vocabularies that differ, the kernels not built here) is one line, raised before
+any panel is written.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specrt.runtime.errors import ExportError, PairError, UnsupportedModelError
+
+__all__ = ["ENGINE_BUILD_VERSION", "CACHE_ENV", "DEFAULT_MAX_CTX", "DEFAULT_K_MAX", "GgufInput", "default_cache", "read_input", "build_engine", "engine_for"]
+
+ENGINE_BUILD_VERSION = 1  # bump when the folder written for the same files changes
+CACHE_ENV = "SPECRT_ENGINE_CACHE"
+DEFAULT_MAX_CTX = 4096  # KV rows (llama-server's default context per slot)
+DEFAULT_K_MAX = 8
+
+
+def default_cache() -> Path:
+    """``$SPECRT_ENGINE_CACHE``, else ``$XDG_CACHE_HOME/specrt/engines``, else
+    ``~/.cache/specrt/engines``."""
+    env = os.environ.get(CACHE_ENV, "").strip()
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specrt" / "engines"
+
+
+@dataclass(frozen=True)
+class GgufInput:
+    """One GGUF file, opened and checked for the kernels (:func:`read_input`).
+
+    Attributes:
+        path: the file; reader: its ``gguf.GGUFReader``; dims: the decoder's dims
+            (:func:`specrt.export.kernel_pack.plan_tensors`); tensors: name -> reader tensor
+            of what a step reads; meta: its tokenizer metadata
+            (:func:`specrt.export.gguf_tokenizer.read_tokenizer_meta`).
+    """
+
+    path: Path
+    reader: object
+    dims: dict
+    tensors: dict
+    meta: dict
+
+
+def read_input(path: str | Path, role: str) -> GgufInput:
+    """Open a GGUF file and check that the kernels run it (metadata only; no block is read).
+
+    Raises:
+        ExportError: not a GGUF file, or one the gguf package cannot read.
+        UnsupportedModelError: an architecture, a block type or a shape the kernels do not
+            run (one line naming the file and the reason).
+    """
+    import gguf
+
+    from .gguf_import import is_gguf
+    from .gguf_tokenizer import read_tokenizer_meta
+    from .kernel_pack import plan_tensors
+
+    p = Path(path)
+    if not p.is_file() or not is_gguf(p):
+        raise ExportError(f"--{role} {p}: not a GGUF file (a .gguf file made by llama.cpp is needed)", role)
+    try:
+        reader = gguf.GGUFReader(str(p))
+    except Exception as e:  # noqa: BLE001 - the gguf package raises many kinds; one line for the user
+        raise ExportError(f"--{role} {p}: the gguf package cannot read it ({type(e).__name__}: {e})", role) from None
+    dims, tensors, why = plan_tensors(reader)
+    if why:
+        raise UnsupportedModelError(f"--{role} {p.name}: specrt's kernels do not run it: {why}", role)
+    meta = read_tokenizer_meta(p, reader)
+    for key in [k for k, f in reader.fields.items() if len(f.data) > 1024]:
+        del reader.fields[key]  # the parsed vocabulary arrays: 490 MB of small numpy views for Qwen2.5's, read once into meta
+    return GgufInput(p, reader, dims, tensors, meta)
+
+
+def _counts(inp: GgufInput) -> tuple[int, int]:
+    """``(params, matmul_params)``: weights of every tensor a step reads, and of the decoder
+    layers' matrices (norms, biases, embedding and head excluded)."""
+    params = matmul = 0
+    for key, t in inp.tensors.items():
+        n = int(np.prod([int(x) for x in t.shape]))
+        if key == "output" and inp.tensors.get("token_embd") is t:
+            continue  # a tied head is the embedding's rows, counted once
+        params += n
+        if key.startswith("blk.") and len(t.shape) == 2 and int(t.shape[1]) > 1:
+            matmul += n
+    return params, matmul
+
+
+def _entry(rec: dict, counts: tuple[int, int], source: str, files: dict, vocab_hash: str, note: str, out: Path):
+    """The manifest's :class:`~specrt.runtime.manifest.ModelEntry` of panels ``rec``
+    (``counts``: :func:`_counts`; its file recorded in ``files`` here)."""
+    from specrt.runtime.manifest import GRAPH_KERNELS, KERNEL_PRECISION, FileRecord, ModelEntry
+
+    d = rec["dims"]
+    params, matmul = counts
+    files[rec["file"]] = FileRecord.of(out / rec["file"])
+    return ModelEntry(
+        file=rec["file"],
+        sha256=files[rec["file"]].sha256,
+        family=d["arch"],
+        n_layers=d["n_layer"],
+        n_heads=d["n_head"],
+        n_kv_heads=d["n_head_kv"],
+        head_dim=d["head_dim"],
+        hidden=d["n_embd"],
+        vocab_size=int(d["n_vocab"]),
+        params=params,
+        matmul_params=matmul,
+        source=source,
+        vocab_hash=vocab_hash,
+        graph=GRAPH_KERNELS,
+        precision=KERNEL_PRECISION,
+        note=note,
+    )
+
+
+def _draft_ids(tokenizer_json: Path, vocab: int, first: tuple[int, ...], cache: Path | None, vocab_hash: str) -> np.ndarray | None:
+    """The draft's LM-head ids (FR-Spec, :func:`specrt.export.kernel_pack.ranked_ids`, the
+    :data:`~specrt.export.kernel_pack.DRAFT_HEAD` most frequent), cached per vocabulary
+    (the ranking tokenizes the stdlib: 15 s for Qwen2.5's vocabulary on a Zen 3 core)."""
+    from .kernel_pack import DRAFT_HEAD, ranked_ids
+
+    if not DRAFT_HEAD or DRAFT_HEAD >= vocab:
+        return None
+    f = None if cache is None else cache / "ranks" / f"{vocab_hash[:32]}-{vocab}-{'_'.join(map(str, first))}-py{platform.python_version()}.npy"
+    if f is not None and f.is_file():
+        try:
+            ranks = np.load(f)
+            if ranks.dtype == np.int32 and ranks.shape == (vocab,):
+                return np.sort(ranks[: DRAFT_HEAD // 16 * 16])
+        except (OSError, ValueError):
+            pass
+    ranks = ranked_ids(tokenizer_json, vocab, first)
+    if f is not None:
+        from specrt.runtime.fileio import replaced
+
+        f.parent.mkdir(parents=True, exist_ok=True)
+        with replaced(f) as tmp, open(tmp, "wb") as fh:
+            np.save(fh, ranks)
+    return np.sort(ranks[: DRAFT_HEAD // 16 * 16])
+
+
+def _draft_job(conn, draft: str, out: str, cache: str | None) -> None:
+    """The draft's half of a build, in its own process (the target's runs at the same time on
+    the other core): open and check the file, send its vocabulary hash (``("vocab", hash)``),
+    rank its ids (FR-Spec head) and write ``draft.panels``; then ``("done", record)``. Any
+    error is sent as ``("error", class name, message)``."""
+    from specrt.runtime import errors
+
+    from .gguf_import import end_of_generation_ids
+    from .gguf_tokenizer import tokenizer_from_gguf
+    from .kernel_pack import DRAFT_REQUANT, write_panels
+
+    try:
+        d_in = read_input(draft, "draft")
+        tok = tokenizer_from_gguf(d_in.path, d_in.meta)
+        conn.send(("vocab", tok.vocab_hash))
+        tj = Path(out) / ".draft_tokenizer.json"
+        tok.tokenizer.save(str(tj))
+        m = d_in.meta
+        first = (
+            tok.eos if tok.eos is not None else 0,
+            *end_of_generation_ids(m["tokenizer.ggml.tokens"], tok.eos, m.get("tokenizer.ggml.eot_token_id"), m.get("tokenizer.ggml.eom_token_id")),
+        )
+        ids = _draft_ids(tj, int(d_in.tensors["token_embd"].shape[1]), first, None if cache is None else Path(cache), tok.vocab_hash)
+        tj.unlink()
+        rec = write_panels(d_in.path, Path(out), "draft", lambda s: conn.send(("log", s)), requant=DRAFT_REQUANT, head_ids=ids, reader=d_in.reader)
+        params = _counts(d_in)
+        conn.send(("done", rec, params) if rec is not None else ("error", "UnsupportedModelError", f"--draft {d_in.path.name}: no panels written"))
+    except errors.SpecRTError as e:
+        conn.send(("error", type(e).__name__, str(e)))
+    except Exception as e:  # noqa: BLE001 - reported in one line by the parent
+        conn.send(("error", "ExportError", f"--draft {draft}: {type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+
+
+class _DraftBuild:
+    """The draft's build in a spawned process (:func:`_draft_job`), read through a pipe."""
+
+    def __init__(self, draft: Path, out: Path, cache: Path | None, log):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # no fork of a process that may hold threads
+        self.conn, child = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_draft_job, args=(child, str(draft), str(out), None if cache is None else str(cache)), daemon=True)
+        self.proc.start()
+        child.close()
+        self.log = log
+
+    def _next(self, want: str):
+        from specrt.runtime import errors
+
+        while True:
+            try:
+                msg = self.conn.recv()
+            except EOFError:
+                raise ExportError(f"the draft's build process ended without a result (exit code {self.proc.exitcode})", "draft") from None
+            if msg[0] == "log":
+                self.log(msg[1])
+            elif msg[0] == "error":
+                raise getattr(errors, msg[1], ExportError)(msg[2], "draft")
+            elif msg[0] == want:
+                return msg[1:]
+
+    def vocab_hash(self) -> str:
+        return self._next("vocab")[0]
+
+    def result(self) -> tuple[dict, tuple[int, int]]:
+        rec, params = self._next("done")
+        self.proc.join()
+        return rec, params
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
+
+
+def build_engine(
+    target: str | Path,
+    draft: str | Path | None,
+    out: str | Path,
+    max_ctx: int = DEFAULT_MAX_CTX,
+    k_max: int = DEFAULT_K_MAX,
+    log=print,
+    cache: Path | None = None,
+):
+    """Write an engine folder for the kernels from GGUF files (see the module docstring).
+    The draft is built in a second process beside the target (2 cores: a cold build of
+    Qwen2.5-Coder 1.5B + 0.5B takes the target's time); its vocabulary is checked against
+    the target's before the target's panels are written.
+
+    Args:
+        target, draft: GGUF files (``draft`` None: n-gram drafting over the target's panels).
+        out: the folder to write (created; files in it are replaced).
+        max_ctx: KV rows (k_max+2..the target's ``context_length``); k_max: most candidates
+            per verification pass (1..64).
+        cache: where the draft's id ranking is kept between builds (None: not kept).
+
+    Returns:
+        the written :class:`~specrt.runtime.manifest.Manifest`.
+
+    Raises:
+        ExportError, UnsupportedModelError: see :func:`read_input`; the kernels library is
+            not built here.
+        PairError: the draft's vocabulary differs from the target's.
+        InputError: max_ctx or k_max out of range.
+    """
+    from specrt.runtime import kernels
+    from specrt.runtime.errors import InputError
+
+    t0 = time.time()
+    if kernels.status() is not None:
+        raise ExportError(f"specrt's kernels are not available here: {kernels.status()}", "backend")
+    if not 1 <= k_max <= 64:
+        raise InputError(f"k_max={k_max}; allowed: 1..64", "k_max")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    job = None
+    if draft is not None:
+        from .gguf_import import is_gguf
+
+        if not (Path(draft).is_file() and is_gguf(draft)):
+            raise ExportError(f"--draft {draft}: not a GGUF file (a .gguf file made by llama.cpp is needed)", "draft")
+        job = _DraftBuild(Path(draft), out, cache, log)
+    try:
+        return _build(target, draft, job, out, max_ctx, k_max, log, t0)
+    finally:
+        if job is not None:
+            job.stop()
+
+
+def _build(target, draft, job: _DraftBuild | None, out: Path, max_ctx: int, k_max: int, log, t0: float):
+    """:func:`build_engine`'s target half and the manifest (``job``: the draft's process)."""
+    from specrt.runtime.errors import InputError
+    from specrt.runtime.fileio import write_text
+    from specrt.runtime.manifest import FORMAT_VERSION, KERNEL_PRECISION, FileRecord, Manifest
+
+    from .gguf_import import end_of_generation_ids
+    from .gguf_tokenizer import tokenizer_from_gguf
+    from .kernel_pack import write_panels
+
+    t_in = read_input(target, "target")
+    ctx_key = f"{t_in.dims['arch']}.context_length"
+    ctx_len = int(t_in.reader.fields[ctx_key].contents()) if ctx_key in t_in.reader.fields else 1 << 20
+    if not k_max + 2 <= max_ctx <= ctx_len:
+        raise InputError(f"max_ctx={max_ctx}; allowed: {k_max + 2}..{ctx_len} (the target's context length)", "max_ctx")
+    tok = tokenizer_from_gguf(t_in.path, t_in.meta)
+    rows = int(t_in.tensors["token_embd"].shape[1])
+    if tok.n_tokens > rows:
+        raise UnsupportedModelError(f"--target {t_in.path.name}: its vocabulary has {tok.n_tokens} tokens but its embedding {rows} rows", "target")
+    if job is not None and job.vocab_hash() != tok.vocab_hash:
+        raise PairError(
+            f"--draft {Path(draft).name} and --target {t_in.path.name} have different vocabularies (tokens, merges or split rules); "
+            "the draft must propose ids the target reads: give a draft of the target's model family",
+            "draft",
+        )
+    log(f"building a kernels engine for {t_in.path.name}" + (f" + draft {Path(draft).name}" if job else " (n-gram drafting)") + f" in {out}")
+    files: dict = {}
+    tok.tokenizer.save(str(out / "tokenizer.json.tmp"))
+    os.replace(out / "tokenizer.json.tmp", out / "tokenizer.json")
+    files["tokenizer.json"] = FileRecord.of(out / "tokenizer.json")
+    if tok.chat_template:
+        write_text(out / "chat_template.jinja", tok.chat_template)
+        files["chat_template.jinja"] = FileRecord.of(out / "chat_template.jinja")
+    m = t_in.meta
+    eos = tok.eos if tok.eos is not None else 0
+    eog = end_of_generation_ids(m["tokenizer.ggml.tokens"], tok.eos, m.get("tokenizer.ggml.eot_token_id"), m.get("tokenizer.ggml.eom_token_id"))
+    recs = {"target": write_panels(t_in.path, out, "target", log, reader=t_in.reader)}
+    if recs["target"] is None:
+        raise UnsupportedModelError(f"--target {t_in.path.name}: no panels written (see the line above)", "target")
+    target_entry = _entry(recs["target"], _counts(t_in), t_in.path.name, files, tok.vocab_hash, "the GGUF file's own blocks on specrt's kernels", out)
+    draft_entry = target_entry
+    recs["draft"] = recs["target"]
+    if job is not None:
+        recs["draft"], counts = job.result()
+        note = f"quantized again to Q4_0, LM head cut to {recs['draft'].get('head', {}).get('ids', 'all')} ids"
+        draft_entry = _entry(recs["draft"], counts, Path(draft).name, files, tok.vocab_hash, note, out)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    import gguf
+    import tokenizers
+
+    from specrt import __version__
+
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        name=out.name,
+        draft=draft_entry,
+        target=target_entry,
+        tokenizer_file="tokenizer.json",
+        tokenizer_sha256=files["tokenizer.json"].sha256,
+        vocab_size=tok.n_tokens,
+        eos_token_id=eos,
+        eos_token_ids=tuple(i for i in eog if i < tok.n_tokens),
+        bos_token_id=tok.bos,
+        add_bos=tok.add_bos,
+        pad_token_id=tok.pad,
+        chat_template_file="chat_template.jinja" if tok.chat_template else None,
+        chat_template_sha256=files["chat_template.jinja"].sha256 if tok.chat_template else None,
+        max_ctx=max_ctx,
+        k_min=1,
+        k_max=k_max,
+        defaults={"k_max": k_max, "threshold": 0.0, "strategy": "full", **({} if job is not None else {"drafter": "ngram"})},
+        tools={"python": platform.python_version(), "specrt": __version__, "gguf": getattr(gguf, "__version__", ""), "tokenizers": tokenizers.__version__},
+        extra={
+            "kernels": recs,
+            "gguf": {r: {"file": Path(p).name, "bytes": Path(p).stat().st_size} for r, p in (("target", target), ("draft", draft)) if p is not None},
+            "build": {
+                "version": ENGINE_BUILD_VERSION,
+                "seconds": round(time.time() - t0, 1),
+                "peak_rss_mib": {"target": round(peak), "draft": round(peak_children) if job is not None else None},
+                "tokenizer": f"{tok.kind}/{tok.pre} from the GGUF metadata",
+            },
+        },
+        precision=KERNEL_PRECISION,
+        files=files,
+    )
+    manifest.write(out)
+    log(
+        f"wrote {out / 'manifest.json'} ({time.time() - t0:.0f} s; peak RSS {peak:,.0f} MiB"
+        + (f", the draft's process {peak_children:,.0f} MiB)" if job else ")")
+    )
+    return manifest
+
+
+def _key(target_sha: str, draft_sha: str | None, max_ctx: int, k_max: int) -> str:
+    """The cache folder's name for these files and settings."""
+    import hashlib
+
+    from specrt import __version__
+
+    h = hashlib.sha256(f"{target_sha}|{draft_sha or '-'}|{max_ctx}|{k_max}|{ENGINE_BUILD_VERSION}|{__version__}".encode()).hexdigest()
+    return h[:24]
+
+
+def engine_for(
+    target: str | Path, draft: str | Path | None = None, cache: str | Path | None = None, max_ctx: int = DEFAULT_MAX_CTX, k_max: int = DEFAULT_K_MAX, log=print
+) -> Path:
+    """The engine folder of these GGUF files in the cache: reused when built before (its
+    manifest loads and names these files' SHA-256), else built (:func:`build_engine`) in a
+    temporary folder beside it and renamed into place, so a half-built folder is never used
+    and two processes building at once both end with one complete folder.
+
+    Args:
+        target, draft: GGUF files; cache: the cache folder (None: :func:`default_cache`);
+            max_ctx, k_max: as :func:`build_engine`.
+
+    Returns:
+        the folder (``<cache>/<key>``).
+
+    Raises:
+        as :func:`build_engine`.
+    """
+    from specrt.runtime.errors import EngineError
+    from specrt.runtime.integrity import file_sha256
+    from specrt.runtime.manifest import load_manifest
+
+    from .gguf_import import is_gguf
+
+    for role, p in (("target", target), ("draft", draft)):
+        if p is not None and not (Path(p).is_file() and is_gguf(p)):
+            raise ExportError(f"--{role} {p}: not a GGUF file (a .gguf file made by llama.cpp is needed)", role)
+    root = Path(cache).expanduser() if cache is not None else default_cache()
+    shas = [file_sha256(target), None if draft is None else file_sha256(draft)]
+    folder = root / _key(shas[0], shas[1], max_ctx, k_max)
+    if (folder / "manifest.json").is_file():
+        try:
+            m = load_manifest(folder, verify_hashes=False)
+            if (m.extra.get("build") or {}).get("version") == ENGINE_BUILD_VERSION:
+                return folder
+        except EngineError:
+            pass
+        log(f"{folder}: incomplete or stale; building it again")
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{folder.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        m = build_engine(target, draft, tmp, max_ctx, k_max, log, cache=root)
+        extra = dict(m.extra)
+        extra["gguf"] = {r: {**extra["gguf"][r], "sha256": s} for r, s in zip(("target", "draft"), shas) if r in extra["gguf"]}
+        from dataclasses import replace
+
+        replace(m, name=folder.name, extra=extra).write(tmp)
+        if folder.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a stale or broken one (checked above)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not (folder / "manifest.json").is_file():  # another process's rename won: use its folder
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

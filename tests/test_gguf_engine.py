@@ -1,0 +1,189 @@
+"""GGUF files served directly (issue 52, item 1): ``specrt generate|bench|serve --target
+T.gguf [--draft D.gguf]`` build an engine folder for the kernels from the files' own blocks
+and metadata, with no torch, no transformers and no ONNX graph, cache it by the files'
+SHA-256 and reuse it.
+
+Oracles: greedy speculative output == the target alone on the same folder (the draft is
+another model, so candidates are rejected); the folder's target panels == those the ONNX
+export writes from the same file (:mod:`specrt.export.kernel_pack`, checked there against
+``gguf.dequantize``); the tokenizer against llama.cpp's own test cases
+(tests/test_real_vocabs.py converts every vocabulary with the same code) and, for
+SentencePiece merges, against transformers' ``generate_merges``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from kernel_ref import byte_vocab, write_gguf
+
+from specrt import Engine, GenerationConfig
+from specrt.runtime import kernels as K
+from specrt.runtime.errors import BackendError, EngineError, ExportError, PairError, UnsupportedModelError
+
+if K.status() is not None:
+    pytest.skip(f"kernels not available: {K.status()}", allow_module_level=True)
+
+from specrt.cli import cli  # noqa: E402
+from specrt.export.gguf_engine import build_engine, engine_for  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["abcabc", "ponmlk jih", "hello abc def"]
+# a child that cannot import torch, transformers or onnx: the build and the run need none
+NO_TORCH = (
+    "import sys\n"
+    "for m in ('torch', 'transformers', 'onnx', 'onnxscript', 'optimum', 'safetensors'):\n"
+    "    sys.modules[m] = None\n"
+    "from specrt.cli import main\n"
+    "sys.argv = ['specrt'] + sys.argv[1:]\n"
+    "main()\n"
+)
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    """A tiny qwen2 target and draft (other weights, same vocabulary), and a draft of another
+    vocabulary of the same size."""
+    root = tmp_path_factory.mktemp("gguf_engine")
+    v = byte_vocab(512)
+    return {
+        "target": write_gguf(root / "target.gguf", "qwen2", seed=1, vocab=v),
+        "draft": write_gguf(root / "draft.gguf", "qwen2", seed=2, types={"attn": 8, "ffn": 8, "attn_v": 8, "ffn_down": 8}, vocab=v),
+        "other": write_gguf(root / "other.gguf", "qwen2", seed=3, vocab=byte_vocab(512, tag="x")),
+        "novocab": write_gguf(root / "novocab.gguf", "qwen2", seed=4),
+    }
+
+
+def _run(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, env={**os.environ, **env}, cwd=ROOT, timeout=600)
+
+
+def test_generate_from_gguf_files_without_torch_builds_once_and_reuses(ggufs, tmp_path):
+    cache = tmp_path / "cache"
+    args = ["generate", "--target", str(ggufs["target"]), "--draft", str(ggufs["draft"]), "--prompt", PROMPTS[0], "--max-new-tokens", "24", "--max-ctx", "256"]
+    first = _run(args, {"SPECRT_ENGINE_CACHE": str(cache)})
+    assert first.returncode == 0, first.stderr
+    assert "building a kernels engine" in first.stderr
+    (folder,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["chat_template.jinja", "draft.panels", "manifest.json", "target.panels", "tokenizer.json"], names  # no ONNX graph
+    stamp = (folder / "target.panels").stat().st_mtime_ns
+    second = _run(args, {"SPECRT_ENGINE_CACHE": str(cache)})
+    assert second.returncode == 0, second.stderr
+    assert "building" not in second.stderr and second.stdout == first.stdout
+    assert (folder / "target.panels").stat().st_mtime_ns == stamp
+    stats = json.loads(second.stderr.strip().splitlines()[-1])
+    assert 1 <= stats["new_tokens"] <= 24 and stats["proposed"] > 0
+    # the same text as the target alone on that folder
+    e = Engine(folder)
+    assert e.backend == "kernels" and e.manifest.kernels_only()
+    want = e.generate(PROMPTS[0], GenerationConfig(max_new_tokens=24, speculative=False))
+    assert first.stdout.rstrip("\n") == want.text
+
+
+def test_speculative_equals_the_target_alone_on_a_built_folder(ggufs, tmp_path):
+    m = build_engine(ggufs["target"], ggufs["draft"], tmp_path / "e", max_ctx=256, log=lambda *_: None)
+    assert m.target.graph == m.draft.graph == "kernels" and m.target.precision == "gguf"
+    assert m.draft.file == "draft.panels" and m.extra["kernels"]["draft"]["requantized"]["type"] == "Q4_0"
+    e = Engine(tmp_path / "e")
+    rejected = 0
+    for p in PROMPTS:
+        base = e.generate(p, GenerationConfig(max_new_tokens=40, speculative=False))
+        for k in (1, 4, 8):
+            out = e.generate(p, GenerationConfig(max_new_tokens=40, k_max=k))
+            assert out.tokens == base.tokens, (p, k)
+            rejected += out.stats.proposed - out.stats.accepted
+    assert rejected > 0  # the draft is another model: the check is not vacuous
+
+
+def test_target_panels_equal_the_exports(ggufs, tmp_path):
+    """The folder's target panels are those ``specrt export`` writes from the same file."""
+    from specrt.export.kernel_pack import write_panels
+
+    build_engine(ggufs["target"], None, tmp_path / "a", max_ctx=64, log=lambda *_: None)
+    (tmp_path / "b").mkdir()
+    write_panels(ggufs["target"], tmp_path / "b", "target", log=lambda *_: None)
+    assert (tmp_path / "a" / "target.panels").read_bytes() == (tmp_path / "b" / "target.panels").read_bytes()
+
+
+def test_without_a_draft_ngram_drafting_gives_the_target_output(ggufs, tmp_path):
+    m = build_engine(ggufs["target"], None, tmp_path / "e", max_ctx=256, log=lambda *_: None)
+    assert m.defaults["drafter"] == "ngram" and m.draft == m.target
+    e = Engine(tmp_path / "e")
+    for p in PROMPTS:
+        assert e.generate(p, GenerationConfig(max_new_tokens=30)).tokens == e.generate(p, GenerationConfig(max_new_tokens=30, speculative=False)).tokens
+
+
+def test_tokenizer_and_template_come_from_the_gguf(ggufs, tmp_path):
+    from tokenizers import Tokenizer
+
+    m = build_engine(ggufs["target"], None, tmp_path / "e", max_ctx=64, log=lambda *_: None)
+    tok = Tokenizer.from_file(str(tmp_path / "e" / "tokenizer.json"))
+    v = byte_vocab(512)
+    assert tok.encode("ab").ids == [v["tokens"].index("ab")] and tok.encode("az").ids == [v["tokens"].index("a"), v["tokens"].index("z")]
+    assert tok.encode("ab<|endoftext|>").ids == [v["tokens"].index("ab"), v["eos"]]
+    assert m.eos_token_id == v["eos"] and m.bos_token_id == v["eos"] and m.add_bos is False
+    assert "assistant" in (tmp_path / "e" / "chat_template.jinja").read_text()
+    assert m.vocab_size == 512 and m.target.vocab_size == 512
+
+
+def test_refusals_are_one_line_before_any_panel_is_written(ggufs, tmp_path):
+    cache = tmp_path / "cache"
+    with pytest.raises(PairError, match="different vocabularies") as e:
+        engine_for(ggufs["target"], ggufs["other"], cache, 64, log=lambda *_: None)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UnsupportedModelError, match="no vocabulary"):
+        engine_for(ggufs["novocab"], None, cache, 64, log=lambda *_: None)
+    gemma = write_gguf(tmp_path / "g.gguf", "gemma2", vocab=byte_vocab(512))
+    with pytest.raises(UnsupportedModelError, match=r"--target g.gguf: specrt's kernels do not run it: architecture 'gemma2'"):
+        engine_for(gemma, None, cache, 64, log=lambda *_: None)
+    with pytest.raises(ExportError, match="not a GGUF file"):
+        engine_for(ROOT / "README.md", None, cache, 64, log=lambda *_: None)
+    assert not any(cache.rglob("*.panels"))
+    res = CliRunner().invoke(cli, ["generate", "--target", str(ggufs["target"]), "--draft", str(ggufs["other"]), "--prompt", "x", "--engine-cache", str(cache)])
+    assert res.exit_code == 1 and res.output.count("\n") == 1 and "different vocabularies" in res.output
+    res = CliRunner().invoke(cli, ["generate", "--draft", str(ggufs["draft"]), "--prompt", "x"])
+    assert res.exit_code == 1 and "give --target X.gguf too" in res.output
+
+
+def test_a_kernels_folder_refuses_the_onnx_backends_in_one_line(ggufs, tmp_path):
+    build_engine(ggufs["target"], None, tmp_path / "e", max_ctx=64, log=lambda *_: None)
+    with pytest.raises(BackendError, match="kernel panels only, no ONNX graph") as e:
+        Engine(tmp_path / "e", backend="ort-cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_a_kernels_entry_without_its_record_is_refused(ggufs, tmp_path):
+    build_engine(ggufs["target"], ggufs["draft"], tmp_path / "e", max_ctx=64, log=lambda *_: None)
+    path = tmp_path / "e" / "manifest.json"
+    raw = json.loads(path.read_text())
+    del raw["extra"]["kernels"]["draft"]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match=r"extra\.kernels\.draft"):
+        Engine(tmp_path / "e")
+
+
+def test_a_stale_cache_folder_is_built_again(ggufs, tmp_path):
+    cache = tmp_path / "cache"
+    folder = engine_for(ggufs["target"], None, cache, 64, log=lambda *_: None)
+    (folder / "manifest.json").write_text("{")  # a half-written manifest
+    lines: list[str] = []
+    again = engine_for(ggufs["target"], None, cache, 64, log=lines.append)
+    assert again == folder and any("building it again" in x for x in lines)
+    assert Engine(folder).generate(PROMPTS[1], GenerationConfig(max_new_tokens=8)).stats.new_tokens == 8
+
+
+def test_spm_merges_equal_transformers(real_vocabs):
+    """SentencePiece-BPE merges from the scores: the same list as transformers' derivation."""
+    gm = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    from specrt.export.gguf_tokenizer import read_tokenizer_meta, spm_merges
+
+    m = read_tokenizer_meta(real_vocabs / "ggml-vocab-llama-spm.gguf")
+    toks, scores = m["tokenizer.ggml.tokens"], m["tokenizer.ggml.scores"]
+    assert spm_merges(toks, scores) == gm.generate_merges({t: i for i, t in enumerate(toks)}, dict(zip(toks, scores)))
