@@ -305,11 +305,34 @@ def build_engine(
             job.stop()
 
 
+def _write_tokenizer(tok, out: Path) -> dict:
+    """Write ``tokenizer.json`` and ``chat_template.jinja`` (when the GGUF has one) of a
+    :class:`~specrt.export.gguf_tokenizer.GgufTokenizer`; returns their file records."""
+    from specrt.runtime.fileio import write_text
+    from specrt.runtime.manifest import FileRecord
+
+    tok.tokenizer.save(str(out / "tokenizer.json.tmp"))
+    os.replace(out / "tokenizer.json.tmp", out / "tokenizer.json")
+    files = {"tokenizer.json": FileRecord.of(out / "tokenizer.json")}
+    if tok.chat_template:
+        write_text(out / "chat_template.jinja", tok.chat_template)
+        files["chat_template.jinja"] = FileRecord.of(out / "chat_template.jinja")
+    return files
+
+
+def _version() -> str:
+    """specrt's installed version ("" when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specrt")
+    except PackageNotFoundError:
+        return ""
+
+
 def _build(target, draft, job: _DraftBuild | None, out: Path, max_ctx: int, k_max: int, log, t0: float):
     """:func:`build_engine`'s target half and the manifest (``job``: the draft's process)."""
     from specrt.runtime.errors import InputError
-    from specrt.runtime.fileio import write_text
-    from specrt.runtime.manifest import FORMAT_VERSION, KERNEL_PRECISION, FileRecord, Manifest
 
     from .gguf_import import end_of_generation_ids
     from .gguf_tokenizer import tokenizer_from_gguf
@@ -331,13 +354,7 @@ def _build(target, draft, job: _DraftBuild | None, out: Path, max_ctx: int, k_ma
             "draft",
         )
     log(f"building a kernels engine for {t_in.path.name}" + (f" + draft {Path(draft).name}" if job else " (n-gram drafting)") + f" in {out}")
-    files: dict = {}
-    tok.tokenizer.save(str(out / "tokenizer.json.tmp"))
-    os.replace(out / "tokenizer.json.tmp", out / "tokenizer.json")
-    files["tokenizer.json"] = FileRecord.of(out / "tokenizer.json")
-    if tok.chat_template:
-        write_text(out / "chat_template.jinja", tok.chat_template)
-        files["chat_template.jinja"] = FileRecord.of(out / "chat_template.jinja")
+    files = _write_tokenizer(tok, out)
     m = t_in.meta
     eos = tok.eos if tok.eos is not None else 0
     eog = end_of_generation_ids(m["tokenizer.ggml.tokens"], tok.eos, m.get("tokenizer.ggml.eot_token_id"), m.get("tokenizer.ggml.eom_token_id"))
@@ -351,18 +368,27 @@ def _build(target, draft, job: _DraftBuild | None, out: Path, max_ctx: int, k_ma
         recs["draft"], counts = job.result()
         note = f"quantized again to Q4_0, LM head cut to {recs['draft'].get('head', {}).get('ids', 'all')} ids"
         draft_entry = _entry(recs["draft"], counts, Path(draft).name, files, tok.vocab_hash, note, out)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    peak_children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return _write_manifest(
+        out, tok, {"target": target_entry, "draft": draft_entry}, recs, files, (eos, eog), (max_ctx, k_max), {"target": target, "draft": draft}, t0, log
+    )
+
+
+def _write_manifest(out: Path, tok, entries: dict, recs: dict, files: dict, ends: tuple, sizes: tuple, inputs: dict, t0: float, log):
+    """Write the kernels folder's manifest (``ends``: ``(eos, end-of-generation ids)``;
+    ``sizes``: ``(max_ctx, k_max)``; ``inputs``: role -> GGUF path or None) and return it."""
     import gguf
     import tokenizers
 
-    from specrt import __version__
+    from specrt.runtime.manifest import FORMAT_VERSION, KERNEL_PRECISION, Manifest
 
+    (eos, eog), (max_ctx, k_max), has_draft = ends, sizes, inputs["draft"] is not None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         name=out.name,
-        draft=draft_entry,
-        target=target_entry,
+        draft=entries["draft"],
+        target=entries["target"],
         tokenizer_file="tokenizer.json",
         tokenizer_sha256=files["tokenizer.json"].sha256,
         vocab_size=tok.n_tokens,
@@ -376,15 +402,15 @@ def _build(target, draft, job: _DraftBuild | None, out: Path, max_ctx: int, k_ma
         max_ctx=max_ctx,
         k_min=1,
         k_max=k_max,
-        defaults={"k_max": k_max, "threshold": 0.0, "strategy": "full", **({} if job is not None else {"drafter": "ngram"})},
-        tools={"python": platform.python_version(), "specrt": __version__, "gguf": getattr(gguf, "__version__", ""), "tokenizers": tokenizers.__version__},
+        defaults={"k_max": k_max, "threshold": 0.0, "strategy": "full", **({} if has_draft else {"drafter": "ngram"})},
+        tools={"python": platform.python_version(), "specrt": _version(), "gguf": getattr(gguf, "__version__", ""), "tokenizers": tokenizers.__version__},
         extra={
             "kernels": recs,
-            "gguf": {r: {"file": Path(p).name, "bytes": Path(p).stat().st_size} for r, p in (("target", target), ("draft", draft)) if p is not None},
+            "gguf": {r: {"file": Path(p).name, "bytes": Path(p).stat().st_size} for r, p in inputs.items() if p is not None},
             "build": {
                 "version": ENGINE_BUILD_VERSION,
                 "seconds": round(time.time() - t0, 1),
-                "peak_rss_mib": {"target": round(peak), "draft": round(peak_children) if job is not None else None},
+                "peak_rss_mib": {"target": round(peak), "draft": round(peak_children) if has_draft else None},
                 "tokenizer": f"{tok.kind}/{tok.pre} from the GGUF metadata",
             },
         },
@@ -394,7 +420,7 @@ def _build(target, draft, job: _DraftBuild | None, out: Path, max_ctx: int, k_ma
     manifest.write(out)
     log(
         f"wrote {out / 'manifest.json'} ({time.time() - t0:.0f} s; peak RSS {peak:,.0f} MiB"
-        + (f", the draft's process {peak_children:,.0f} MiB)" if job else ")")
+        + (f", the draft's process {peak_children:,.0f} MiB)" if has_draft else ")")
     )
     return manifest
 
@@ -403,9 +429,7 @@ def _key(target_sha: str, draft_sha: str | None, max_ctx: int, k_max: int) -> st
     """The cache folder's name for these files and settings."""
     import hashlib
 
-    from specrt import __version__
-
-    h = hashlib.sha256(f"{target_sha}|{draft_sha or '-'}|{max_ctx}|{k_max}|{ENGINE_BUILD_VERSION}|{__version__}".encode()).hexdigest()
+    h = hashlib.sha256(f"{target_sha}|{draft_sha or '-'}|{max_ctx}|{k_max}|{ENGINE_BUILD_VERSION}|{_version()}".encode()).hexdigest()
     return h[:24]
 
 

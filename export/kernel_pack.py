@@ -201,6 +201,17 @@ def _tensor_blob(key: str, t, requant: int | None, head_ids: np.ndarray | None) 
     return ty, n, k, blob
 
 
+def _checked_head(head_ids, vocab: int) -> np.ndarray:
+    """``head_ids`` as int32, checked: a positive multiple of 16 ids in ``0..vocab-1``,
+    ascending, each once (else ValueError)."""
+    head_ids = np.asarray(head_ids, dtype=np.int32)
+    if len(head_ids) % 16 or len(head_ids) == 0 or head_ids.min() < 0 or head_ids.max() >= vocab or (np.diff(head_ids) <= 0).any():
+        raise ValueError(
+            f"head_ids: {len(head_ids)} ids in [{head_ids.min()}, {head_ids.max()}]; need a positive multiple of 16 ids in 0..{vocab - 1}, ascending, each once"
+        )
+    return head_ids
+
+
 def _drop_pages(reader, t) -> None:
     """Unmap the pages of tensor ``t`` from this process (the file stays in the page cache):
     a build then holds one tensor of the GGUF in its resident set at a time, not the file."""
@@ -255,11 +266,7 @@ def write_panels(
         return None
     vocab = int(tensors["token_embd"].shape[1])
     if head_ids is not None:
-        head_ids = np.asarray(head_ids, dtype=np.int32)
-        if len(head_ids) % 16 or len(head_ids) == 0 or head_ids.min() < 0 or head_ids.max() >= vocab or (np.diff(head_ids) <= 0).any():
-            raise ValueError(
-                f"head_ids: {len(head_ids)} ids in [{head_ids.min()}, {head_ids.max()}]; need a positive multiple of 16 ids in 0..{vocab - 1}, ascending, each once"
-            )
+        head_ids = _checked_head(head_ids, vocab)
     from specrt.runtime.fileio import replaced
 
     path = Path(out) / f"{role}.panels"

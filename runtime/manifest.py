@@ -510,6 +510,19 @@ def _check_entry(role: str, e: ModelEntry, k_max: int, bad) -> None:
         raise bad(f"{role}.outputs", list(e.outputs), f"the outputs of a {e.graph} graph of n_layers={e.n_layers} layers: {want_out}")
 
 
+def _check_kernel_entries(m: Manifest, bad) -> None:
+    """A ``kernels`` entry has its panels' record (``extra.kernels[role]`` naming its file),
+    and the draft is one when the target is (a kernels folder runs both on the kernels)."""
+    kernels = m.extra.get("kernels") if isinstance(m.extra.get("kernels"), dict) else {}
+    for role, e in (("draft", m.draft), ("target", m.target)):
+        rec = kernels.get(role)
+        if e.graph == GRAPH_KERNELS and (not isinstance(rec, dict) or rec.get("file") != e.file):
+            where = rec.get("file") if isinstance(rec, dict) else rec
+            raise bad(f"extra.kernels.{role}", where, f"the kernels record of the {role}'s panels file {e.file!r} (its graph is kernels)")
+    if (m.target.graph == GRAPH_KERNELS) != (m.draft.graph == GRAPH_KERNELS):
+        raise bad("draft.graph", m.draft.graph, f"the {m.target.graph} graph form, as the target's (a kernels folder runs both models on the kernels)")
+
+
 def _check_tokens(m: Manifest, bad, path: Path, hint: str) -> None:
     """The tokenizer checks of :func:`validate_manifest`: vocab sizes and hashes of the
     pair, and every special token id inside the vocabulary."""
@@ -602,15 +615,7 @@ def validate_manifest(raw: dict, folder: str | Path) -> Manifest:
 
     for role, e in (("draft", manifest.draft), ("target", manifest.target)):
         _check_entry(role, e, manifest.k_max, bad)
-        rec = (manifest.extra.get("kernels") or {}).get(role) if isinstance(manifest.extra.get("kernels"), dict) else None
-        if e.graph == GRAPH_KERNELS and (not isinstance(rec, dict) or rec.get("file") != e.file):
-            raise bad(
-                f"extra.kernels.{role}",
-                rec if rec is None else rec.get("file"),
-                f"the kernels record of the {role}'s panels file {e.file!r} (its graph is kernels)",
-            )
-    if (manifest.target.graph == GRAPH_KERNELS) != (manifest.draft.graph == GRAPH_KERNELS):
-        raise bad("draft.graph", manifest.draft.graph, "kernels, as the target's (a kernels folder runs both models on the kernels)")
+    _check_kernel_entries(manifest, bad)
     if manifest.kv_layout != KV_LAYOUT:
         raise bad("kv_layout", manifest.kv_layout, f'"{KV_LAYOUT}"')
     if manifest.kv_dtype != "float32":

@@ -268,9 +268,9 @@ def _defaults_file(path: str, k_max: int) -> tuple[dict, dict | None]:
 @click.option(
     "--precision",
     type=click.Choice(PRECISIONS),
-    default="fp32",
-    show_default=True,
-    help="fp32/fp16/bf16: specrt's standard graphs (fp16/bf16 compute for GPUs; bf16 does not run on onnxruntime's CPU provider); "
+    default=None,
+    help="default: fp32, or for a GGUF draft and target no graph at all (the engine folder for specrt's CPU kernels, as "
+    "`specrt serve --target` builds it: no torch, no ONNX). fp32/fp16/bf16: specrt's standard graphs (fp16/bf16 compute for GPUs; bf16 does not run on onnxruntime's CPU provider); "
     "int8/int4: weight-only quantized, fused graphs from onnxruntime-genai's model builder (the fast CPU flavors, docs/guide/engines.md)",
 )
 @click.option(
@@ -355,7 +355,13 @@ def export(
     gguf_cache,
 ):
     """Export a draft/target pair to ONNX engines (one --precision flavor) with parity and
-    width-exactness checks and a manifest."""
+    width-exactness checks and a manifest; a GGUF pair without --precision: the kernels'
+    engine folder only (panels, tokenizer and chat template from the files)."""
+    if precision is None and draft_precision is None and _both_gguf(draft, target):
+        _export_kernels_folder(draft, target, out, k_max, max_ctx, lazy_head, quality, external_data, block_size, accuracy_level)
+        _write_chosen_defaults(defaults_file, k_max, out)
+        return
+    precision = precision or "fp32"
     quant = None
     integer = [p for p in (precision, draft_precision) if p in ("int8", "int4")]
     if integer:
@@ -405,10 +411,47 @@ def export(
     except SpecRTError as e:
         raise click.ClickException(str(e)) from None
     if chosen:
-        from .runtime.manifest import write_defaults
+        _write_chosen_defaults(defaults_file, k_max, out, (chosen, tuned_on))
 
-        source = {"defaults_from": {"file": Path(defaults_file).name, "machine": tuned_on}}
-        click.echo(f"defaults {write_defaults(out, chosen, source)} (from {defaults_file})", err=True)
+
+def _both_gguf(draft: str, target: str) -> bool:
+    """Whether both inputs are GGUF files."""
+    from .export.gguf_import import is_gguf
+
+    return Path(draft).is_file() and Path(target).is_file() and is_gguf(draft) and is_gguf(target)
+
+
+def _export_kernels_folder(draft, target, out, k_max, max_ctx, lazy_head, quality, external_data, block_size, accuracy_level) -> None:
+    """``specrt export`` of a GGUF pair without --precision: the kernels' folder
+    (:func:`specrt.export.gguf_engine.build_engine`); the graph options are refused in one line."""
+    graph_only = {
+        "--lazy-head": lazy_head,
+        "--quality": quality,
+        "--external-data": external_data,
+        "--block-size": block_size,
+        "--accuracy-level": accuracy_level,
+    }
+    given = [k for k, v in graph_only.items() if v]
+    if given:
+        raise click.ClickException(f"{given[0]} applies to ONNX graphs: add --precision (fp32|fp16|bf16|int8|int4) to write them beside the kernels' panels")
+    from .export.gguf_engine import build_engine
+
+    try:
+        build_engine(target, draft, out, max_ctx=max_ctx, k_max=k_max, log=lambda m: click.echo(m, err=True))
+    except SpecRTError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _write_chosen_defaults(defaults_file, k_max: int, out, chosen: tuple | None = None) -> None:
+    """Write ``--defaults`` into the exported manifest (``chosen``: its parsed
+    ``(defaults, machine)`` when already read)."""
+    if not defaults_file:
+        return
+    from .runtime.manifest import write_defaults
+
+    defaults, tuned_on = chosen or _defaults_file(defaults_file, k_max)
+    source = {"defaults_from": {"file": Path(defaults_file).name, "machine": tuned_on}}
+    click.echo(f"defaults {write_defaults(out, defaults, source)} (from {defaults_file})", err=True)
 
 
 @cli.command()

@@ -187,3 +187,17 @@ def test_spm_merges_equal_transformers(real_vocabs):
     m = read_tokenizer_meta(real_vocabs / "ggml-vocab-llama-spm.gguf")
     toks, scores = m["tokenizer.ggml.tokens"], m["tokenizer.ggml.scores"]
     assert spm_merges(toks, scores) == gm.generate_merges({t: i for i, t in enumerate(toks)}, dict(zip(toks, scores)))
+
+
+def test_export_of_a_gguf_pair_without_precision_writes_the_kernels_folder(ggufs, tmp_path):
+    out = tmp_path / "e"
+    args = ["export", "--draft", str(ggufs["draft"]), "--target", str(ggufs["target"]), "--out", str(out), "--max-ctx", "128", "--k-max", "4"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    assert not list(out.glob("*.onnx*")) and (out / "draft.panels").is_file()
+    e = Engine(out)
+    assert e.manifest.kernels_only() and e.manifest.max_ctx == 128 and e.manifest.k_max == 4
+    p = PROMPTS[2]
+    assert e.generate(p, GenerationConfig(max_new_tokens=20)).tokens == e.generate(p, GenerationConfig(max_new_tokens=20, speculative=False)).tokens
+    res = CliRunner().invoke(cli, [*args, "--lazy-head"])
+    assert res.exit_code == 1 and "--lazy-head applies to ONNX graphs: add --precision" in res.output
