@@ -56,6 +56,7 @@ SPLITS: dict[str, list[str] | None] = {
     "smollm": _STARCODER,
     "refact": _STARCODER,
     "codeshell": _STARCODER,
+    "command-r": _STARCODER,
 }
 NFC = {"qwen2"}  # Qwen2's tokenizer.json normalizes NFC; the GGUF does not say so
 IGNORE_MERGES = {"llama-bpe", "llama3"}

@@ -201,3 +201,59 @@ def test_export_of_a_gguf_pair_without_precision_writes_the_kernels_folder(ggufs
     assert e.generate(p, GenerationConfig(max_new_tokens=20)).tokens == e.generate(p, GenerationConfig(max_new_tokens=20, speculative=False)).tokens
     res = CliRunner().invoke(cli, [*args, "--lazy-head"])
     assert res.exit_code == 1 and "--lazy-head applies to ONNX graphs: add --precision" in res.output
+
+
+def test_serve_and_bench_take_gguf_files(ggufs, tmp_path, monkeypatch):
+    """``serve --target``: the cached folder, the model id the target file's stem (unless
+    --model-name); ``bench --target``: runs on it."""
+    import specrt.runtime.serve.server as server
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda cfg: seen.append(cfg))
+    cache = tmp_path / "cache"
+    base = ["serve", "--target", str(ggufs["target"]), "--engine-cache", str(cache), "--max-ctx", "128"]
+    for extra, name in (([], "target"), (["--model-name", "m"], "m")):
+        res = CliRunner().invoke(cli, [*base, *extra])
+        assert res.exit_code == 0, res.output
+        assert seen[-1].model_name == name and Path(seen[-1].engines).parent == cache
+    assert len({cfg.engines for cfg in seen}) == 1  # built once, then reused
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n")
+    out = tmp_path / "b.json"
+    res = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--target",
+            str(ggufs["target"]),
+            "--engine-cache",
+            str(cache),
+            "--max-ctx",
+            "128",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(out),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert out.is_file()
+
+
+@pytest.mark.parametrize("name", ["refact", "mpt", "command-r"])
+def test_more_vocabularies_match_llama_cpp(real_vocabs, name):
+    """Split rules llama.cpp shares between families (STARCODER's for refact and command-r,
+    GPT-2's for mpt): every test case of llama.cpp's encodes to its ids (the eight
+    vocabularies of tests/test_real_vocabs.py are checked there)."""
+    from real_vocabs import read_cases
+
+    from specrt.export.gguf_tokenizer import tokenizer_from_gguf
+
+    path = real_vocabs / f"ggml-vocab-{name}.gguf"
+    tok = tokenizer_from_gguf(path).tokenizer
+    cases = read_cases(path)
+    assert len(cases) > 40
+    for text, ids in cases:
+        assert tok.encode(text, add_special_tokens=False).ids == list(ids), text
