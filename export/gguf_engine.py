@@ -402,7 +402,10 @@ def _write_manifest(out: Path, tok, entries: dict, recs: dict, files: dict, ends
         max_ctx=max_ctx,
         k_min=1,
         k_max=k_max,
-        defaults={"k_max": k_max, "threshold": 0.0, "strategy": "full", **({} if has_draft else {"drafter": "ngram"})},
+        # adaptive k: on a 2-core Zen 3 (AVX2) with the real pair
+        # fixed k=8 ran 0.86-0.96x target-only where adaptive ran 1.00-1.02x
+        # (docs/bench/gguf_start/bench_defaults_zen3_2026-12-06.json); `specrt tune` re-tunes per machine
+        defaults={"k_max": k_max, "threshold": 0.3, "adaptive": True, "strategy": "full", **({} if has_draft else {"drafter": "ngram"})},
         tools={"python": platform.python_version(), "specrt": _version(), "gguf": getattr(gguf, "__version__", ""), "tokenizers": tokenizers.__version__},
         extra={
             "kernels": recs,

@@ -66,7 +66,22 @@ def _run(args: list[str], env: dict) -> subprocess.CompletedProcess:
 
 def test_generate_from_gguf_files_without_torch_builds_once_and_reuses(ggufs, tmp_path):
     cache = tmp_path / "cache"
-    args = ["generate", "--target", str(ggufs["target"]), "--draft", str(ggufs["draft"]), "--prompt", PROMPTS[0], "--max-new-tokens", "24", "--max-ctx", "256"]
+    args = [
+        "generate",
+        "--target",
+        str(ggufs["target"]),
+        "--draft",
+        str(ggufs["draft"]),
+        "--prompt",
+        PROMPTS[0],
+        "--max-new-tokens",
+        "24",
+        "--max-ctx",
+        "256",
+        "--no-adaptive",
+        "--threshold",
+        "0",
+    ]
     first = _run(args, {"SPECRT_ENGINE_CACHE": str(cache)})
     assert first.returncode == 0, first.stderr
     assert "building a kernels engine" in first.stderr
@@ -96,7 +111,7 @@ def test_speculative_equals_the_target_alone_on_a_built_folder(ggufs, tmp_path):
     for p in PROMPTS:
         base = e.generate(p, GenerationConfig(max_new_tokens=40, speculative=False))
         for k in (1, 4, 8):
-            out = e.generate(p, GenerationConfig(max_new_tokens=40, k_max=k))
+            out = e.generate(p, GenerationConfig(max_new_tokens=40, k_max=k, adaptive=False, threshold=0.0))
             assert out.tokens == base.tokens, (p, k)
             rejected += out.stats.proposed - out.stats.accepted
     assert rejected > 0  # the draft is another model: the check is not vacuous
