@@ -16,6 +16,7 @@ BENCHES = {
     "soak_prefix": "prefix-cache soak: random multi-turn chats on several workers; nothing lost, RSS bounded",
     "ceiling": "the most speculation and batching can give on this CPU, from measured per-call costs",
     "reduced_heads": "the kernels' reduced LM heads (argmax verification, a draft step's top-1) against full heads",
+    "serve_start": "cold and warm start of specrt serve --target T.gguf [--draft D.gguf] to the first token, build time and RSS",
 }
 
 
