@@ -436,6 +436,19 @@ def _key(target_sha: str, draft_sha: str | None, max_ctx: int, k_max: int) -> st
     return h[:24]
 
 
+def _usable(folder: Path) -> bool:
+    """Whether ``folder`` holds a complete engine of this build version (its manifest loads)."""
+    from specrt.runtime.errors import EngineError
+    from specrt.runtime.manifest import load_manifest
+
+    if not (folder / "manifest.json").is_file():
+        return False
+    try:
+        return (load_manifest(folder, verify_hashes=False).extra.get("build") or {}).get("version") == ENGINE_BUILD_VERSION
+    except EngineError:
+        return False
+
+
 def engine_for(
     target: str | Path, draft: str | Path | None = None, cache: str | Path | None = None, max_ctx: int = DEFAULT_MAX_CTX, k_max: int = DEFAULT_K_MAX, log=print
 ) -> Path:
@@ -454,9 +467,7 @@ def engine_for(
     Raises:
         as :func:`build_engine`.
     """
-    from specrt.runtime.errors import EngineError
     from specrt.runtime.integrity import file_sha256
-    from specrt.runtime.manifest import load_manifest
 
     from .gguf_import import is_gguf
 
@@ -466,13 +477,9 @@ def engine_for(
     root = Path(cache).expanduser() if cache is not None else default_cache()
     shas = [file_sha256(target), None if draft is None else file_sha256(draft)]
     folder = root / _key(shas[0], shas[1], max_ctx, k_max)
-    if (folder / "manifest.json").is_file():
-        try:
-            m = load_manifest(folder, verify_hashes=False)
-            if (m.extra.get("build") or {}).get("version") == ENGINE_BUILD_VERSION:
-                return folder
-        except EngineError:
-            pass
+    if _usable(folder):
+        return folder
+    if folder.exists():
         log(f"{folder}: incomplete or stale; building it again")
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{folder.name}.{os.getpid()}.tmp"
@@ -484,8 +491,10 @@ def engine_for(
         from dataclasses import replace
 
         replace(m, name=folder.name, extra=extra).write(tmp)
+        if _usable(folder):  # another process built it meanwhile: keep the folder it may be serving from
+            return folder
         if folder.exists():
-            shutil.rmtree(folder, ignore_errors=True)  # a stale or broken one (checked above)
+            shutil.rmtree(folder, ignore_errors=True)  # a stale or broken one
         try:
             os.rename(tmp, folder)
         except OSError:
