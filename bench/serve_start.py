@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
         cache, digests = root / "engines", root / "digests.json"
         runs = [{"kind": "cold", **one_start(args, cache, digests, root / "cold.log")}]
         runs += [{"kind": "warm", **one_start(args, cache, digests, root / f"warm{i}.log")} for i in range(args.warm)]
-        (folder,) = [p for p in cache.iterdir() if not p.name.startswith(".") and p.name != "ranks"]
+        (folder,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "ranks"]
         m = json.loads((folder / "manifest.json").read_text())
         gguf_bytes = sum(Path(p).stat().st_size for p in (args.target, args.draft) if p)
         folder_bytes = sum(p.stat().st_size for p in folder.iterdir())

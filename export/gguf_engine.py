@@ -33,6 +33,7 @@ import platform
 import resource
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from specrt.runtime.errors import ExportError, PairError, UnsupportedModelError
 
 __all__ = ["ENGINE_BUILD_VERSION", "CACHE_ENV", "DEFAULT_MAX_CTX", "DEFAULT_K_MAX", "GgufInput", "default_cache", "read_input", "build_engine", "engine_for"]
 
-ENGINE_BUILD_VERSION = 1  # bump when the folder written for the same files changes
+ENGINE_BUILD_VERSION = 2  # bump when the folder written for the same files changes (2: adaptive-k defaults)
 CACHE_ENV = "SPECRT_ENGINE_CACHE"
 DEFAULT_MAX_CTX = 4096  # KV rows (llama-server's default context per slot)
 DEFAULT_K_MAX = 8
@@ -185,6 +186,7 @@ def _draft_job(conn, draft: str, out: str, cache: str | None) -> None:
     from .gguf_tokenizer import tokenizer_from_gguf
     from .kernel_pack import DRAFT_REQUANT, write_panels
 
+    _die_with_parent()
     try:
         d_in = read_input(draft, "draft")
         tok = tokenizer_from_gguf(d_in.path, d_in.meta)
@@ -203,10 +205,24 @@ def _draft_job(conn, draft: str, out: str, cache: str | None) -> None:
         conn.send(("done", rec, params) if rec is not None else ("error", "UnsupportedModelError", f"--draft {d_in.path.name}: no panels written"))
     except errors.SpecRTError as e:
         conn.send(("error", type(e).__name__, str(e)))
+    except KeyboardInterrupt:
+        pass  # the parent reports the interruption
     except Exception as e:  # noqa: BLE001 - reported in one line by the parent
         conn.send(("error", "ExportError", f"--draft {draft}: {type(e).__name__}: {e}"))
     finally:
         conn.close()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``), so a
+    killed build leaves no draft build running; elsewhere nothing."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 class _DraftBuild:
@@ -229,6 +245,7 @@ class _DraftBuild:
             try:
                 msg = self.conn.recv()
             except EOFError:
+                self.proc.join(5)
                 raise ExportError(f"the draft's build process ended without a result (exit code {self.proc.exitcode})", "draft") from None
             if msg[0] == "log":
                 self.log(msg[1])
@@ -268,8 +285,9 @@ def build_engine(
     Args:
         target, draft: GGUF files (``draft`` None: n-gram drafting over the target's panels).
         out: the folder to write (created; files in it are replaced).
-        max_ctx: KV rows (k_max+2..the target's ``context_length``); k_max: most candidates
-            per verification pass (1..64).
+        max_ctx: KV rows (k_max+2..the target's ``context_length``; None: the smaller of
+            :data:`DEFAULT_MAX_CTX` and that length); k_max: most candidates per
+            verification pass (1..64).
         cache: where the draft's id ranking is kept between builds (None: not kept).
 
     Returns:
@@ -341,6 +359,7 @@ def _build(target, draft, job: _DraftBuild | None, out: Path, max_ctx: int, k_ma
     t_in = read_input(target, "target")
     ctx_key = f"{t_in.dims['arch']}.context_length"
     ctx_len = int(t_in.reader.fields[ctx_key].contents()) if ctx_key in t_in.reader.fields else 1 << 20
+    max_ctx = max_ctx or min(DEFAULT_MAX_CTX, ctx_len)
     if not k_max + 2 <= max_ctx <= ctx_len:
         raise InputError(f"max_ctx={max_ctx}; allowed: {k_max + 2}..{ctx_len} (the target's context length)", "max_ctx")
     tok = tokenizer_from_gguf(t_in.path, t_in.meta)
@@ -428,11 +447,11 @@ def _write_manifest(out: Path, tok, entries: dict, recs: dict, files: dict, ends
     return manifest
 
 
-def _key(target_sha: str, draft_sha: str | None, max_ctx: int, k_max: int) -> str:
+def _key(target_sha: str, draft_sha: str | None, max_ctx: int | None, k_max: int) -> str:
     """The cache folder's name for these files and settings."""
     import hashlib
 
-    h = hashlib.sha256(f"{target_sha}|{draft_sha or '-'}|{max_ctx}|{k_max}|{ENGINE_BUILD_VERSION}|{_version()}".encode()).hexdigest()
+    h = hashlib.sha256(f"{target_sha}|{draft_sha or '-'}|{max_ctx or 'auto'}|{k_max}|{ENGINE_BUILD_VERSION}|{_version()}".encode()).hexdigest()
     return h[:24]
 
 
@@ -450,22 +469,29 @@ def _usable(folder: Path) -> bool:
 
 
 def engine_for(
-    target: str | Path, draft: str | Path | None = None, cache: str | Path | None = None, max_ctx: int = DEFAULT_MAX_CTX, k_max: int = DEFAULT_K_MAX, log=print
+    target: str | Path, draft: str | Path | None = None, cache: str | Path | None = None, max_ctx: int | None = None, k_max: int = DEFAULT_K_MAX, log=print
 ) -> Path:
     """The engine folder of these GGUF files in the cache: reused when built before (its
-    manifest loads and names these files' SHA-256), else built (:func:`build_engine`) in a
-    temporary folder beside it and renamed into place, so a half-built folder is never used
-    and two processes building at once both end with one complete folder.
+    manifest loads and is of this build version), else built (:func:`build_engine`).
+
+    A build holds an exclusive lock on ``<cache>/<key>.lock`` (a second process asking for
+    the same folder waits, then reuses it), writes into a fresh temporary folder beside the
+    final one (``tempfile.mkdtemp``; those a killed build left are removed under the lock),
+    checks it loads, and renames it into place; a stale folder is renamed aside before it is
+    removed. So a half-built folder is never used and a folder another process serves from
+    is never deleted under it. SIGTERM during a build ends it through the same cleanup.
 
     Args:
         target, draft: GGUF files; cache: the cache folder (None: :func:`default_cache`);
-            max_ctx, k_max: as :func:`build_engine`.
+            max_ctx: KV rows (None: the smaller of :data:`DEFAULT_MAX_CTX` and the target's
+            context length); k_max: as :func:`build_engine`.
 
     Returns:
         the folder (``<cache>/<key>``).
 
     Raises:
-        as :func:`build_engine`.
+        as :func:`build_engine`; ExportError (one line) for a cache folder that cannot be
+            made or written (a file in its place, no space, no permission).
     """
     from specrt.runtime.integrity import file_sha256
 
@@ -479,27 +505,78 @@ def engine_for(
     folder = root / _key(shas[0], shas[1], max_ctx, k_max)
     if _usable(folder):
         return folder
-    if folder.exists():
-        log(f"{folder}: incomplete or stale; building it again")
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{folder.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        m = build_engine(target, draft, tmp, max_ctx, k_max, log, cache=root)
+        with _build_lock(root, folder.name), _sigterm_exits():
+            if _usable(folder):  # another process built it while this one waited
+                return folder
+            if folder.exists():
+                log(f"{folder}: incomplete or stale; building it again")
+            _build_into(folder, target, draft, shas, max_ctx, k_max, log)
+    except OSError as e:
+        raise ExportError(
+            f"engine cache {root}: {e.strerror or e} ({e.filename or root}); choose another with --engine-cache DIR or $SPECRT_ENGINE_CACHE", "engine_cache"
+        ) from None
+    return folder
+
+
+@contextmanager
+def _build_lock(root: Path, key: str):
+    """An exclusive ``flock`` on ``<root>/<key>.lock`` for one build; the temporary folders of
+    builds of ``key`` that were killed are removed once it is held."""
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{key}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            for old in root.glob(f".{key}.*"):
+                shutil.rmtree(old, ignore_errors=True)  # a killed build's (the lock says none runs)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _sigterm_exits():
+    """SIGTERM raises SystemExit while a build runs (main thread only), so its ``finally``
+    blocks remove the temporary folder and stop the draft's process."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _build_into(folder: Path, target, draft, shas: list, max_ctx: int | None, k_max: int, log) -> None:
+    """Build in a fresh temporary folder beside ``folder``, check it loads, rename it into
+    place (a stale ``folder`` renamed aside first, then removed)."""
+    import tempfile
+    from dataclasses import replace
+
+    from specrt.runtime.manifest import load_manifest
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        m = build_engine(target, draft, tmp, max_ctx, k_max, log, cache=folder.parent)
         extra = dict(m.extra)
         extra["gguf"] = {r: {**extra["gguf"][r], "sha256": s} for r, s in zip(("target", "draft"), shas) if r in extra["gguf"]}
-        from dataclasses import replace
-
         replace(m, name=folder.name, extra=extra).write(tmp)
-        if _usable(folder):  # another process built it meanwhile: keep the folder it may be serving from
-            return folder
+        load_manifest(tmp, verify_hashes=False)  # the folder as the runtime reads it (its digests were just computed)
         if folder.exists():
-            shutil.rmtree(folder, ignore_errors=True)  # a stale or broken one
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not (folder / "manifest.json").is_file():  # another process's rename won: use its folder
-                raise
+            aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+            os.rename(folder, aside / "stale")
+        os.rename(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+        for old in folder.parent.glob(f".{folder.name}.*"):
+            shutil.rmtree(old, ignore_errors=True)

@@ -136,7 +136,7 @@ def _byte_level_bpe(m: dict, name: str):
     return tok
 
 
-def _sentencepiece_bpe(m: dict):
+def _sentencepiece_bpe(m: dict, name: str):
     """SentencePiece-BPE (Llama-2, Phi-3): merges from the scores (:func:`spm_merges`), byte
     fallback, sentencepiece's dummy prefix as a normalizer (Llama-2's own tokenizer.json)."""
     from tokenizers import Tokenizer, decoders, models, normalizers
@@ -145,11 +145,15 @@ def _sentencepiece_bpe(m: dict):
     types = list(m.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     vocab = {t: i for i, t in enumerate(tokens)}
     unk = m.get("tokenizer.ggml.unknown_token_id")
+    if unk is not None and not 0 <= int(unk) < len(tokens):
+        raise UnsupportedModelError(f"{name}: tokenizer.ggml.unknown_token_id={unk} is outside its {len(tokens)} tokens", "tokenizer")
+    if not m.get("tokenizer.ggml.scores"):
+        raise UnsupportedModelError(f"{name}: a SentencePiece vocabulary without tokenizer.ggml.scores (its merges come from the scores)", "tokenizer")
     tok = Tokenizer(
         models.BPE(
             vocab=vocab,
             merges=spm_merges(tokens, list(m["tokenizer.ggml.scores"])),
-            unk_token=tokens[unk] if unk is not None else None,
+            unk_token=tokens[int(unk)] if unk is not None else None,
             byte_fallback=True,
             fuse_unk=True,
         )
@@ -229,7 +233,7 @@ def tokenizer_from_gguf(path: str | Path, meta: dict | None = None) -> GgufToken
     if kind == "gpt2":
         tok = _byte_level_bpe(m, name)
     elif kind == "llama":
-        tok = _sentencepiece_bpe(m)
+        tok = _sentencepiece_bpe(m, name)
     else:
         raise UnsupportedModelError(f"{name}: tokenizer.ggml.model={kind!r}; specrt converts gpt2 (byte-level BPE) and llama (SentencePiece-BPE)", "tokenizer")
     ids = {}

@@ -50,10 +50,14 @@ def kernels_choice(manifest: Manifest) -> tuple[bool, str | None]:
 
 
 def choose_backend(name: str | None, manifest: Manifest) -> str | None:
-    """``name`` when given; else ``kernels`` where :func:`kernels_choice` takes them, else
-    None (the default backend), logging the note once."""
+    """``name`` when given; else ``kernels`` for a folder with no graph
+    (:meth:`~specrt.runtime.manifest.Manifest.kernels_only`: where they cannot run, the load
+    says why in one line) or where :func:`kernels_choice` takes them, else None (the
+    default backend), logging the note once."""
     if name is not None:
         return name
+    if manifest.kernels_only():  # no graph to fall back to: the kernels, or their reason why not
+        return "kernels"
     use, note = kernels_choice(manifest)
     if note and note not in _SAID:
         _SAID.add(note)

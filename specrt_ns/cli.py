@@ -136,12 +136,16 @@ def _gguf_options(f):
     @functools.wraps(f)
     def wrapper(*a, target=None, draft=None, max_ctx=None, engine_cache=None, **kw):
         if target is None:
-            if draft is not None or max_ctx is not None:
-                raise InputError("--draft and --max-ctx build an engine from GGUF files: give --target X.gguf too (or --engines FOLDER alone)", "target")
+            if draft is not None or max_ctx is not None or engine_cache is not None:
+                raise InputError(
+                    "--draft, --max-ctx and --engine-cache build an engine from GGUF files: give --target X.gguf too (or --engines FOLDER alone)", "target"
+                )
             return f(*a, **kw)
-        from .export.gguf_engine import DEFAULT_MAX_CTX, engine_for
+        if click.get_current_context().get_parameter_source("engines") is not click.core.ParameterSource.DEFAULT:
+            raise InputError("--engines and --target both name the model: give one (--target builds and caches the engine folder of a GGUF file)", "target")
+        from .export.gguf_engine import engine_for
 
-        kw["engines"] = str(engine_for(target, draft, engine_cache, max_ctx or DEFAULT_MAX_CTX, log=lambda s: click.echo(s, err=True)))
+        kw["engines"] = str(engine_for(target, draft, engine_cache, max_ctx, log=lambda s: click.echo(s, err=True)))
         if "model_name" in kw and kw["model_name"] is None:
             kw["model_name"] = Path(target).stem
         return f(*a, **kw)
@@ -160,7 +164,12 @@ def _gguf_options(f):
                 default=None,
                 help="with --target: draft model as a GGUF file of the same vocabulary (default: n-gram drafting)",
             ),
-            click.option("--max-ctx", type=click.IntRange(2, 1 << 20), default=None, help="with --target: context size in tokens (KV rows; default 4096)"),
+            click.option(
+                "--max-ctx",
+                type=click.IntRange(2, 1 << 20),
+                default=None,
+                help="with --target: context size in tokens (KV rows; default: 4096, or the model's context length if shorter)",
+            ),
             click.option(
                 "--engine-cache",
                 type=click.Path(file_okay=False),
@@ -358,6 +367,10 @@ def export(
     width-exactness checks and a manifest; a GGUF pair without --precision: the kernels'
     engine folder only (panels, tokenizer and chat template from the files)."""
     if precision is None and draft_precision is None and _both_gguf(draft, target):
+        if not kernels:
+            raise click.ClickException(
+                "--no-kernels: a GGUF pair without --precision is exported as the kernels' folder only; add --precision for the ONNX graphs"
+            )
         _export_kernels_folder(draft, target, out, k_max, max_ctx, lazy_head, quality, external_data, block_size, accuracy_level)
         _write_chosen_defaults(defaults_file, k_max, out)
         return

@@ -148,7 +148,7 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(d["n_layer"])
-    w.add_context_length(4096)
+    w.add_context_length(d.get("n_ctx", 4096))
     w.add_embedding_length(d["n_embd"])
     w.add_feed_forward_length(d["n_ff"])
     w.add_head_count(d["n_head"])

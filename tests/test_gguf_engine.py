@@ -25,7 +25,7 @@ from kernel_ref import byte_vocab, write_gguf
 
 from specrt import Engine, GenerationConfig
 from specrt.runtime import kernels as K
-from specrt.runtime.errors import BackendError, EngineError, ExportError, PairError, UnsupportedModelError
+from specrt.runtime.errors import BackendError, EngineError, ExportError, InputError, PairError, UnsupportedModelError
 
 if K.status() is not None:
     pytest.skip(f"kernels not available: {K.status()}", allow_module_level=True)
@@ -85,7 +85,7 @@ def test_generate_from_gguf_files_without_torch_builds_once_and_reuses(ggufs, tm
     first = _run(args, {"SPECRT_ENGINE_CACHE": str(cache)})
     assert first.returncode == 0, first.stderr
     assert "building a kernels engine" in first.stderr
-    (folder,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    (folder,) = [p for p in cache.iterdir() if p.is_dir() and p.name != "ranks"]
     names = sorted(p.name for p in folder.iterdir())
     assert names == ["chat_template.jinja", "draft.panels", "manifest.json", "target.panels", "tokenizer.json"], names  # no ONNX graph
     stamp = (folder / "target.panels").stat().st_mtime_ns
@@ -160,7 +160,7 @@ def test_refusals_are_one_line_before_any_panel_is_written(ggufs, tmp_path):
         engine_for(gemma, None, cache, 64, log=lambda *_: None)
     with pytest.raises(ExportError, match="not a GGUF file"):
         engine_for(ROOT / "README.md", None, cache, 64, log=lambda *_: None)
-    assert not any(cache.rglob("*.panels"))
+    assert not [p for p in cache.rglob("*") if p.suffix != ".lock"]  # no folder, panels or temporary left behind
     res = CliRunner().invoke(cli, ["generate", "--target", str(ggufs["target"]), "--draft", str(ggufs["other"]), "--prompt", "x", "--engine-cache", str(cache)])
     assert res.exit_code == 1 and res.output.count("\n") == 1 and "different vocabularies" in res.output
     res = CliRunner().invoke(cli, ["generate", "--draft", str(ggufs["draft"]), "--prompt", "x"])
@@ -272,3 +272,35 @@ def test_more_vocabularies_match_llama_cpp(real_vocabs, name):
     assert len(cases) > 40
     for text, ids in cases:
         assert tok.encode(text, add_special_tokens=False).ids == list(ids), text
+
+
+def test_cli_refusals_of_the_gguf_options(ggufs, tmp_path):
+    """One line each: a cache that is a file, --engines beside --target, --engine-cache alone,
+    --no-kernels on a GGUF export without --precision."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    run = lambda *args: CliRunner().invoke(cli, list(args))  # noqa: E731
+    res = run("generate", "--target", str(ggufs["target"]), "--engine-cache", str(blocker / "c"), "--prompt", "x")
+    assert res.exit_code == 1 and res.output.count("\n") == 1 and "engine cache" in res.output and "--engine-cache DIR" in res.output
+    res = run("generate", "--engines", str(tmp_path), "--target", str(ggufs["target"]), "--prompt", "x")
+    assert res.exit_code == 1 and "--engines and --target both name the model" in res.output
+    res = run("generate", "--engine-cache", str(tmp_path), "--prompt", "x")
+    assert res.exit_code == 1 and "give --target X.gguf too" in res.output
+    res = run("export", "--draft", str(ggufs["draft"]), "--target", str(ggufs["target"]), "--out", str(tmp_path / "e"), "--no-kernels")
+    assert res.exit_code == 1 and "--no-kernels" in res.output and not (tmp_path / "e").exists()
+
+
+def test_the_default_context_is_the_models_when_shorter(tmp_path):
+    short = write_gguf(tmp_path / "short.gguf", "qwen2", seed=5, dims={"n_ctx": 512}, vocab=byte_vocab(512))
+    folder = engine_for(short, None, tmp_path / "cache", log=lambda *_: None)
+    assert Engine(folder).manifest.max_ctx == 512
+    with pytest.raises(InputError, match=r"max_ctx=4096; allowed: 10\.\.512"):
+        engine_for(short, None, tmp_path / "cache", 4096, log=lambda *_: None)
+
+
+def test_a_kernels_folder_where_the_kernels_cannot_run_says_why(ggufs, tmp_path, monkeypatch):
+    build_engine(ggufs["target"], None, tmp_path / "e", max_ctx=64, log=lambda *_: None)
+    monkeypatch.setattr(K, "status", lambda: "specrt's kernels were not built at install (test)")
+    with pytest.raises(BackendError, match="backend 'kernels' is unavailable here: specrt's kernels were not built at install") as e:
+        Engine(tmp_path / "e")
+    assert "\n" not in str(e.value)
