@@ -557,6 +557,27 @@ def _sigterm_exits():
         signal.signal(signal.SIGTERM, old)
 
 
+def _call_costs(folder: Path, log) -> dict:
+    """``extra["tune"]`` with the per-call costs adaptive k decides with
+    (:meth:`specrt.runtime.engine.Engine.adaptive_costs`), measured here once as the Engine
+    would at its first adaptive request (5 interleaved repetitions, 256 rows of past; about
+    10 s for the real pair on 2 Zen 3 cores): every later start on this kind of machine
+    reuses them (:func:`specrt.runtime.costs.recorded_call_costs`)."""
+    from specrt.runtime.costs import measure_costs
+    from specrt.runtime.engine import Engine
+    from specrt.runtime.machine import this_machine
+
+    t0 = time.time()
+    eng = Engine(folder, verify_hashes=False, backend="kernels", prefix_cache=False)
+    try:
+        m = eng.manifest
+        costs = measure_costs(eng, range(1, m.k_max + 2), min(256, m.max_ctx - m.k_max - 2), reps=5)
+    finally:
+        eng.close()
+    log(f"  per-call costs for adaptive k measured ({time.time() - t0:.0f} s)")
+    return {"costs": {**costs.to_json(), "backend": "kernels"}, "machine": this_machine().to_json(), "source": "measured at build (specrt tune re-measures)"}
+
+
 def _build_into(folder: Path, target, draft, shas: list, max_ctx: int | None, k_max: int, log) -> None:
     """Build in a fresh temporary folder beside ``folder``, check it loads, rename it into
     place (a stale ``folder`` renamed aside first, then removed)."""
@@ -570,6 +591,7 @@ def _build_into(folder: Path, target, draft, shas: list, max_ctx: int | None, k_
         m = build_engine(target, draft, tmp, max_ctx, k_max, log, cache=folder.parent)
         extra = dict(m.extra)
         extra["gguf"] = {r: {**extra["gguf"][r], "sha256": s} for r, s in zip(("target", "draft"), shas) if r in extra["gguf"]}
+        extra["tune"] = _call_costs(tmp, log)
         replace(m, name=folder.name, extra=extra).write(tmp)
         load_manifest(tmp, verify_hashes=False)  # the folder as the runtime reads it (its digests were just computed)
         if folder.exists():
