@@ -44,6 +44,36 @@ def tensors():
     return out
 
 
+@pytest.mark.parametrize("ty", [R.Q8_0, R.Q4_K, R.Q6_K, R.F16], ids=lambda t: PN.TYPES[t])
+def test_a_tensor_packed_in_several_chunks_holds_the_gguf_values(ty):
+    """``pack`` goes a few MB of panels at a time: a [2048, 4096] tensor takes two chunks, and
+    its panels read back as gguf.dequantize of the blocks in every row of both."""
+    n, k = 2048, 4096
+    assert n // PN.P > (1 << 22) // (k * PN.P)  # more than one chunk
+    raw = R.random_tensor(np.random.default_rng(3), ty, n, k)
+    np.testing.assert_array_equal(bits(K.dequant(ty, n, k, PN.pack(raw, ty, n, k))), bits(R.dequant(raw, ty, n, k)))
+
+
+def test_requantization_in_row_chunks_equals_the_whole_tensor():
+    """The draft's requantization (``kernel_pack._blocks``) goes by row chunks: the blocks of a
+    two-chunk tensor equal gguf-py's quantization of the whole dequantized tensor, rows kept too."""
+    from types import SimpleNamespace
+
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from specrt.export.kernel_pack import _blocks
+
+    n, k = 2048, 4096
+    raw = R.random_tensor(np.random.default_rng(4), R.Q8_0, n, k)
+    t = SimpleNamespace(tensor_type=gguf.GGMLQuantizationType(R.Q8_0), shape=[k, n], data=raw)
+    whole = quantize(dequantize(np.asarray(raw).view(np.uint8).reshape(n, -1), t.tensor_type).reshape(n, k), gguf.GGMLQuantizationType(R.Q4_0)).reshape(n, -1)
+    ty, n2, k2, got = _blocks(t, R.Q4_0, None)
+    assert (ty, n2, k2) == (R.Q4_0, n, k) and np.array_equal(got, whole)
+    rows = np.arange(0, n, 3)
+    assert np.array_equal(_blocks(t, R.Q4_0, rows)[3], whole[rows])
+
+
 def test_isa_paths_named():
     assert K.cpu_isa() in K.ISAS and ISAS[0] == "portable"
     with pytest.raises(ValueError, match="choose one of"):
