@@ -37,7 +37,6 @@ Prints the table and writes JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import random
@@ -48,38 +47,11 @@ from pathlib import Path
 
 from specrt.bench.common import GGUF_CACHE, command, say_machine, write_json
 from specrt.bench.compare import Worker, build_ortgenai, venv_python
-from specrt.bench.servers import free_port, start, start_llama_servers, stop_all
+from specrt.bench.servers import free_port, start, start_llama_servers, stop_all, stream
 from specrt.runtime.machine import machine_record
 
 ROOT = Path(__file__).resolve().parents[1]
 FLUSH = "The quick brown fox jumps over the lazy dog. " * 4  # an unrelated prompt: each server's cache starts cold
-
-
-def stream(port: int, path: str, body: dict, timeout: float) -> dict:
-    """POST a streamed completion; ``{"ttft", "seconds", "text", "usage"}`` (times in s)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    t0 = time.perf_counter()
-    ttft, text, usage, extra = None, [], {}, {}
-    try:
-        conn.request("POST", path, json.dumps(dict(body, stream=True)), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            piece = ev["choices"][0].get("text", "") if ev.get("choices") else ""
-            if piece and ttft is None:
-                ttft = time.perf_counter() - t0
-            text.append(piece)
-            usage = ev.get("usage") or usage
-            extra = ev.get("timings") or extra
-    finally:
-        conn.close()
-    dt = time.perf_counter() - t0
-    return dict(ttft=ttft if ttft is not None else dt, seconds=dt, text="".join(text), usage=usage, timings=extra)
 
 
 def requests_of(conv: dict, template) -> list[str]:

@@ -13,7 +13,6 @@ machine that has not read them adds the disk's time to read 1.6 GB.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import shutil
@@ -26,36 +25,22 @@ from pathlib import Path
 from specrt.runtime.machine import this_machine
 
 from .common import command, emit, say_machine
-from .servers import HOST, free_port, stop_all, wait_up
+from .servers import free_port, stop_all, stream, wait_up
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
 
 def first_token(port: int, model: str, max_tokens: int = 32) -> tuple[float, float, str]:
     """``(seconds to the first streamed content, seconds to the end, text)`` of one greedy
-    chat request to ``model``.
+    chat request to ``model`` (:func:`~specrt.bench.servers.stream`).
 
     Raises:
-        RuntimeError: the server sent no content (its answer in the message)."""
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    t0 = time.perf_counter()
-    conn = http.client.HTTPConnection(HOST, port, timeout=600)
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    first, text = None, []
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        piece = json.loads(line[6:])["choices"][0]["delta"].get("content")
-        if piece:
-            first = first if first is not None else time.perf_counter() - t0
-            text.append(piece)
-    if first is None:
+        RuntimeError: the server answered other than 200, or sent no content."""
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "temperature": 0}
+    r = stream(port, "/v1/chat/completions", body, 600)
+    if not r["text"]:
         raise RuntimeError("the stream held no content")
-    return first, time.perf_counter() - t0, "".join(text)
+    return r["ttft"], r["seconds"], r["text"]
 
 
 def one_start(args, cache: Path, digests: Path, log: Path) -> dict:

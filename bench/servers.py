@@ -96,6 +96,40 @@ def post(port: int, body: dict, timeout: float, path: str = "/v1/chat/completion
         conn.close()
 
 
+def stream(port: int, path: str, body: dict, timeout: float) -> dict:
+    """POST a streamed completion or chat completion; ``{"ttft", "seconds", "text", "usage",
+    "timings"}`` (times in s; ``ttft`` is the first non-empty piece's, or the whole time when
+    none came; a piece is a completion's ``text`` or a chat chunk's ``delta.content``).
+
+    Raises:
+        RuntimeError: the server answered other than 200 (its first 300 bytes in the message).
+    """
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    t0 = time.perf_counter()
+    ttft, text, usage, extra = None, [], {}, {}
+    try:
+        conn.request("POST", path, json.dumps(dict(body, stream=True)), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            choice = ev["choices"][0] if ev.get("choices") else {}
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(piece)
+            usage = ev.get("usage") or usage
+            extra = ev.get("timings") or extra
+    finally:
+        conn.close()
+    dt = time.perf_counter() - t0
+    return dict(ttft=ttft if ttft is not None else dt, seconds=dt, text="".join(text), usage=usage, timings=extra)
+
+
 def read_metrics(port: int, timeout: float = 30) -> dict[str, float]:
     """The server's ``/metrics`` as {sample name with its labels, ``model_name`` left out: value}.
 

@@ -77,6 +77,16 @@ class GgufInput:
     meta: dict
 
 
+def _check_gguf(path, role: str) -> Path:
+    """``path`` as a Path when it is a GGUF file (its magic read), else a one-line ExportError."""
+    from .gguf_import import is_gguf
+
+    p = Path(path)
+    if not (p.is_file() and is_gguf(p)):
+        raise ExportError(f"--{role} {p}: not a GGUF file (a .gguf file made by llama.cpp is needed)", role)
+    return p
+
+
 def read_input(path: str | Path, role: str) -> GgufInput:
     """Open a GGUF file and check that the kernels run it (metadata only; no block is read).
 
@@ -87,13 +97,10 @@ def read_input(path: str | Path, role: str) -> GgufInput:
     """
     import gguf
 
-    from .gguf_import import is_gguf
     from .gguf_tokenizer import read_tokenizer_meta
     from .kernel_pack import plan_tensors
 
-    p = Path(path)
-    if not p.is_file() or not is_gguf(p):
-        raise ExportError(f"--{role} {p}: not a GGUF file (a .gguf file made by llama.cpp is needed)", role)
+    p = _check_gguf(path, role)
     try:
         reader = gguf.GGUFReader(str(p))
     except Exception as e:  # noqa: BLE001 - the gguf package raises many kinds; one line for the user
@@ -152,7 +159,7 @@ def _entry(rec: dict, counts: tuple[int, int], source: str, files: dict, vocab_h
 def _draft_ids(tokenizer_json: Path, vocab: int, first: tuple[int, ...], cache: Path | None, vocab_hash: str) -> np.ndarray | None:
     """The draft's LM-head ids (FR-Spec, :func:`specrt.export.kernel_pack.ranked_ids`, the
     :data:`~specrt.export.kernel_pack.DRAFT_HEAD` most frequent), cached per vocabulary
-    (the ranking tokenizes the stdlib: 15 s for Qwen2.5's vocabulary on a Zen 3 core)."""
+    (the ranking tokenizes the stdlib: 15 s for Qwen2.5's vocabulary on an AMD EPYC Zen 3 core, AVX2)."""
     from .kernel_pack import DRAFT_HEAD, ranked_ids
 
     if not DRAFT_HEAD or DRAFT_HEAD >= vocab:
@@ -182,7 +189,6 @@ def _draft_job(conn, draft: str, out: str, cache: str | None) -> None:
     error is sent as ``("error", class name, message)``."""
     from specrt.runtime import errors
 
-    from .gguf_import import end_of_generation_ids
     from .gguf_tokenizer import tokenizer_from_gguf
     from .kernel_pack import DRAFT_REQUANT, write_panels
 
@@ -193,11 +199,7 @@ def _draft_job(conn, draft: str, out: str, cache: str | None) -> None:
         conn.send(("vocab", tok.vocab_hash))
         tj = Path(out) / ".draft_tokenizer.json"
         tok.tokenizer.save(str(tj))
-        m = d_in.meta
-        first = (
-            tok.eos if tok.eos is not None else 0,
-            *end_of_generation_ids(m["tokenizer.ggml.tokens"], tok.eos, m.get("tokenizer.ggml.eot_token_id"), m.get("tokenizer.ggml.eom_token_id")),
-        )
+        first = (tok.eos if tok.eos is not None else 0, *tok.end_ids)
         ids = _draft_ids(tj, int(d_in.tensors["token_embd"].shape[1]), first, None if cache is None else Path(cache), tok.vocab_hash)
         tj.unlink()
         rec = write_panels(d_in.path, Path(out), "draft", lambda s: conn.send(("log", s)), requant=DRAFT_REQUANT, head_ids=ids, reader=d_in.reader)
@@ -311,10 +313,7 @@ def build_engine(
     out.mkdir(parents=True, exist_ok=True)
     job = None
     if draft is not None:
-        from .gguf_import import is_gguf
-
-        if not (Path(draft).is_file() and is_gguf(draft)):
-            raise ExportError(f"--draft {draft}: not a GGUF file (a .gguf file made by llama.cpp is needed)", "draft")
+        _check_gguf(draft, "draft")
         job = _DraftBuild(Path(draft), out, cache, log)
     try:
         return _build(target, draft, job, out, max_ctx, k_max, log, t0)
@@ -352,7 +351,6 @@ def _build(target, draft, job: _DraftBuild | None, out: Path, max_ctx: int, k_ma
     """:func:`build_engine`'s target half and the manifest (``job``: the draft's process)."""
     from specrt.runtime.errors import InputError
 
-    from .gguf_import import end_of_generation_ids
     from .gguf_tokenizer import tokenizer_from_gguf
     from .kernel_pack import write_panels
 
@@ -374,9 +372,7 @@ def _build(target, draft, job: _DraftBuild | None, out: Path, max_ctx: int, k_ma
         )
     log(f"building a kernels engine for {t_in.path.name}" + (f" + draft {Path(draft).name}" if job else " (n-gram drafting)") + f" in {out}")
     files = _write_tokenizer(tok, out)
-    m = t_in.meta
-    eos = tok.eos if tok.eos is not None else 0
-    eog = end_of_generation_ids(m["tokenizer.ggml.tokens"], tok.eos, m.get("tokenizer.ggml.eot_token_id"), m.get("tokenizer.ggml.eom_token_id"))
+    eos, eog = (tok.eos if tok.eos is not None else 0), tok.end_ids
     recs = {"target": write_panels(t_in.path, out, "target", log, reader=t_in.reader)}
     if recs["target"] is None:
         raise UnsupportedModelError(f"--target {t_in.path.name}: no panels written (see the line above)", "target")
@@ -495,11 +491,9 @@ def engine_for(
     """
     from specrt.runtime.integrity import file_sha256
 
-    from .gguf_import import is_gguf
-
     for role, p in (("target", target), ("draft", draft)):
-        if p is not None and not (Path(p).is_file() and is_gguf(p)):
-            raise ExportError(f"--{role} {p}: not a GGUF file (a .gguf file made by llama.cpp is needed)", role)
+        if p is not None:
+            _check_gguf(p, role)
     root = Path(cache).expanduser() if cache is not None else default_cache()
     shas = [file_sha256(target), None if draft is None else file_sha256(draft)]
     folder = root / _key(shas[0], shas[1], max_ctx, k_max)
@@ -561,7 +555,7 @@ def _call_costs(folder: Path, log) -> dict:
     """``extra["tune"]`` with the per-call costs adaptive k decides with
     (:meth:`specrt.runtime.engine.Engine.adaptive_costs`), measured here once as the Engine
     would at its first adaptive request (5 interleaved repetitions, 256 rows of past; about
-    10 s for the real pair on 2 Zen 3 cores): every later start on this kind of machine
+    10 s for the real pair on 2 AMD EPYC Zen 3 cores, AVX2): every later start on this kind of machine
     reuses them (:func:`specrt.runtime.costs.recorded_call_costs`)."""
     from specrt.runtime.costs import measure_costs
     from specrt.runtime.engine import Engine

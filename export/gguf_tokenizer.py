@@ -187,6 +187,8 @@ class GgufTokenizer:
             flags; llama.cpp's default where absent: BOS for SentencePiece and Llama-3).
         chat_template: ``tokenizer.chat_template`` text, or None.
         vocab_hash: :func:`tokens_hash` of the metadata.
+        end_ids: every id llama.cpp ends generation on for this vocabulary
+            (:func:`specrt.export.gguf_import.end_of_generation_ids`).
     """
 
     tokenizer: object
@@ -201,6 +203,7 @@ class GgufTokenizer:
     add_eos: bool
     chat_template: str | None
     vocab_hash: str
+    end_ids: tuple[int, ...] = ()
 
 
 def _post_processor(tok, tokens: list[str], bos: int | None, add_bos: bool, eos: int | None, add_eos: bool) -> None:
@@ -224,6 +227,8 @@ def tokenizer_from_gguf(path: str | Path, meta: dict | None = None) -> GgufToken
         UnsupportedModelError: no vocabulary, a tokenizer kind other than ``gpt2``/``llama``,
             an unknown ``pre``, or a special token id outside the vocabulary (one line).
     """
+    from .gguf_import import end_of_generation_ids
+
     name = Path(path).name
     m = read_tokenizer_meta(path) if meta is None else meta
     kind, pre = m.get("tokenizer.ggml.model"), m.get("tokenizer.ggml.pre", "default")
@@ -260,4 +265,5 @@ def tokenizer_from_gguf(path: str | Path, meta: dict | None = None) -> GgufToken
         add_eos=add_eos,
         chat_template=m.get("tokenizer.chat_template"),
         vocab_hash=tokens_hash(m),
+        end_ids=end_of_generation_ids(tokens, ids["eos"], m.get("tokenizer.ggml.eot_token_id"), m.get("tokenizer.ggml.eom_token_id")),
     )

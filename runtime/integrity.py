@@ -146,11 +146,7 @@ class DigestCache:
 
     def matches(self, ident: tuple, digest: str) -> bool:
         """Whether ``digest`` is recorded for the identity ``ident``."""
-        with self._lock:
-            if not self._loaded:
-                self._load()
-            rec = self._entries.get(_key(ident))
-        return rec is not None and rec["sha256"] == digest
+        return self.digest(ident) == digest
 
     def digest(self, ident: tuple) -> str | None:
         """The digest recorded for the identity ``ident``, or None."""
