@@ -281,12 +281,16 @@ class ExportOptions:
             file 97.6% against 91.8% requantized, for an 18% slower step, docs/guide/real-pair.md);
             ``requantize``: every layer quantized again from the dequantized weights. The
             draft is always requantized (its speed matters, its exactness does not).
-        kernels: with a GGUF target exported int8/int4 (the file's own blocks), also write its panels for specrt's CPU kernels
-            (``target.panels``, ``extra["kernels"]``: :mod:`specrt.export.kernel_pack`, each
-            tensor checked against ``gguf.dequantize``) and time the kernels' 1-row step
-            against the ONNX graph's on this machine; the runtime takes the kernels where they
-            run (:func:`specrt.runtime.backends.kernels_choice`). A file the kernels cannot run
-            writes no panels, with the reason.
+        kernels: with a target exported int8/int4, also write panels for specrt's CPU kernels
+            (``target.panels``, ``draft.panels``, ``extra["kernels"]``:
+            :mod:`specrt.export.kernel_pack`, each tensor checked against ``gguf.dequantize``)
+            and time the kernels' 1-row step against the ONNX graph's on this machine; the
+            runtime takes the kernels where they run
+            (:func:`specrt.runtime.target_path.kernels_choice`). A GGUF file gives its own
+            blocks; a checkpoint folder is quantized by specrt (Q4_0 or Q8_0 layers, Q8_0
+            embedding and head: :mod:`specrt.export.checkpoint_gguf`), and its quality on the
+            kernels joins the quality record. A model the kernels cannot run writes no panels,
+            with the reason.
         draft_precision: the draft's flavor when it differs from the target's (None: the
             same), e.g. an int4 draft for an fp32 target: with ``--draft`` and ``--target``
             the same checkpoint, the model's own int4 graph drafts for its exact one (a
@@ -453,28 +457,65 @@ def _export_pair(draft_dir: Path, target_dir: Path, out: Path, o: ExportOptions,
 
 
 def _kernel_records(target_src: Path, draft_src: Path, out: Path, entries: dict, o: ExportOptions, special: tuple, files: dict, meter, log) -> dict | None:
-    """``extra["kernels"]``: the target's panels (:func:`specrt.export.kernel_pack.panels_record`:
-    the file's own blocks, timed against the ONNX graph) for a GGUF target exported int8/int4,
-    and, with them, the draft's (:func:`~specrt.export.kernel_pack.draft_panels`) for a GGUF
-    draft; each file recorded in ``files``. None when the kernels do not apply."""
+    """``extra["kernels"]``: the target's panels (:func:`specrt.export.kernel_pack.panels_record`,
+    timed against the ONNX graph) for a target exported int8/int4, and, with them, the
+    draft's (:func:`~specrt.export.kernel_pack.draft_panels`); each file recorded in
+    ``files``. A GGUF input gives its own blocks; a Hugging Face folder is quantized by specrt
+    first (:mod:`specrt.export.checkpoint_gguf`: a scratch GGUF, deleted after packing). None
+    when the kernels do not apply."""
     from .kernel_pack import draft_panels, panels_record
 
-    if not (o.kernels and target_src.is_file()):
+    if not o.kernels:
         return None
     if o.precision not in ("int8", "int4"):
         log(
-            f"  kernels: no target panels for a {o.precision} target (they compute the GGUF's blocks with 8-bit activations, as llama.cpp; export --precision int4 for them)"
+            f"  kernels: no target panels for a {o.precision} target (they compute 4/8-bit blocks with 8-bit activations, as llama.cpp; export --precision int4 or int8 for them)"
         )
         return None
-    meter.phase("target: kernel panels")
-    recs = {"target": panels_record(target_src, out, entries["target"], o.max_ctx, log)}
-    if recs["target"] is not None and draft_src.is_file():
-        meter.phase("draft: kernel panels")
-        recs["draft"] = draft_panels(draft_src, out, out / "tokenizer.json", (special[0],), log=log)  # added tokens (end, chat, FIM) ranked first too
+    scratch = out / ".kernels_scratch"
+    try:
+        srcs = {
+            role: _kernel_source(role, src, scratch, o.precision_of(role) if role == "draft" else o.precision, log)
+            for role, src in (("target", target_src), ("draft", draft_src))
+        }
+        if srcs["target"] is None:
+            return None
+        meter.phase("target: kernel panels")
+        recs = {"target": panels_record(srcs["target"][0], out, entries["target"], o.max_ctx, log)}
+        if recs["target"] is not None and srcs["draft"] is not None:
+            meter.phase("draft: kernel panels")
+            recs["draft"] = draft_panels(
+                srcs["draft"][0], out, out / "tokenizer.json", (special[0],), log=log
+            )  # added tokens (end, chat, FIM) ranked first too
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     recs = {k: v for k, v in recs.items() if v is not None}
-    for rec in recs.values():
+    for role, rec in recs.items():
+        if srcs[role][1] is not None:
+            rec.pop("gguf", None)  # the scratch file's name: gone
+            rec["checkpoint"] = srcs[role][1]
         files[rec["file"]] = FileRecord.of(out / rec["file"])
     return recs or None
+
+
+def _kernel_source(role: str, src: Path, scratch: Path, precision: str, log) -> tuple[Path, dict | None] | None:
+    """``(GGUF file, checkpoint record or None)`` the kernels' panels of ``role`` are packed
+    from: a GGUF input itself, or a checkpoint folder written as a scratch GGUF quantized
+    for ``precision`` (int4 when the role's flavor is not an integer one); None (with the
+    reason logged) when the kernels cannot run the checkpoint."""
+    if src.is_file():
+        return src, None
+    from .checkpoint_gguf import checkpoint_unsupported, write_checkpoint_gguf
+
+    why = checkpoint_unsupported(src)
+    if why:
+        log(f"  kernels: no {role} panels: {why}")
+        return None
+    scratch.mkdir(parents=True, exist_ok=True)
+    path = scratch / f"{role}.gguf"
+    rec = write_checkpoint_gguf(src, path, precision if precision in ("int8", "int4") else "int4")
+    log(f"  kernels: {role} checkpoint quantized by specrt ({rec['types']['layers']} layers, {rec['types']['embd']} embedding and head)")
+    return path, {"folder": src.name, **rec}
 
 
 def _from_gguf(draft_dir: Path, target_dir: Path, o: ExportOptions, quants: dict, meter, log) -> tuple:

@@ -22,7 +22,7 @@ __all__ = ["Progress", "format_seconds", "quiet_third_party_logs", "NOISY_LOGGER
 # Loggers that emit one INFO record per graph node or initializer during an export
 # (counted on the default pair's int4 export: 219 "Replaced initializer", 138 quantizer,
 # ~100 optimizer/rewriter records); their warnings and errors still show.
-NOISY_LOGGERS = ("onnx_ir", "onnxscript", "onnxruntime.quantization")
+NOISY_LOGGERS = ("onnx_ir", "onnxscript", "onnxruntime.quantization", "gguf")  # gguf: the writer logs every scratch file (export.checkpoint_gguf)
 
 
 def format_seconds(s: float) -> str:

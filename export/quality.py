@@ -143,6 +143,27 @@ def _scored_sets(m, out: Path, cfg: QualityConfig, ref, rec: dict, log, progress
     return sets
 
 
+def _kernels_quality(m, out: Path, sets: dict, refs: dict, vocab: int, log) -> dict | None:
+    """The same sets scored by the target's kernel panels where specrt quantized them from the
+    checkpoint (``extra.kernels.target.checkpoint``: :mod:`specrt.export.checkpoint_gguf`), as
+    ``{set: figures, "holds"}``; None for panels of a GGUF file's own blocks (their quality
+    is the file's) or without panels."""
+    from specrt.runtime.backends import KERNELS_KEY, kernel_model
+
+    if "checkpoint" not in ((m.extra.get(KERNELS_KEY) or {}).get("target") or {}):
+        return None
+    model = kernel_model(out, m, "target", 64)
+    rec = {name: dict(compare(refs[name], score_model(model, seqs, firsts, vocab))) for name, (seqs, firsts, _) in sets.items()}
+    model.close()
+    rec["holds"] = holds(rec)
+    for name, s in rec.items():
+        if name != "holds":
+            log(
+                f"  quality vs fp32, target on specrt's kernels ({name}): top-1 agreement {s['top1_agreement']:.4f}, loss {s['loss']:.4f} vs {s['loss_reference']:.4f}"
+            )
+    return rec
+
+
 def export_quality(manifest, out: Path, target_dir: Path, cfg: QualityConfig, log=print, progress_every: float = 10.0) -> dict:
     """Score the exported target of ``out`` against the fp32 standard graph of ``target_dir``.
 
@@ -194,6 +215,9 @@ def export_quality(manifest, out: Path, target_dir: Path, cfg: QualityConfig, lo
     model.close()
     prog.done()
     rec["holds"] = holds(rec)
+    kern = _kernels_quality(m, out, sets, refs, vocab, log)
+    if kern is not None:
+        rec["kernels"] = kern
     rec["config"] = asdict(cfg)
     rec["seconds"] = round(time.perf_counter() - t0, 1)
     for k in ("heldout_stdlib", "humaneval"):

@@ -335,9 +335,10 @@ def _defaults_file(path: str, k_max: int) -> tuple[dict, dict | None]:
     "--kernels/--no-kernels",
     default=True,
     show_default=True,
-    help="GGUF target, int4/int8: also write its panels for specrt's own CPU kernels (target.panels: the file's blocks, "
-    "each tensor checked against gguf.dequantize; the runtime then runs the target on them where the CPU has AVX2 or "
-    "AVX-512 VNNI and they measured faster than the ONNX graph; docs/guide/kernels.md)",
+    help="int4/int8: also write panels for specrt's own CPU kernels (target.panels, draft.panels: a GGUF file's own blocks, "
+    "or a Hugging Face checkpoint quantized by specrt to Q4_0/Q8_0 blocks; each tensor checked against gguf.dequantize; "
+    "the runtime then runs the models on them where the CPU has AVX2 or AVX-512 VNNI and they measured faster than the "
+    "ONNX graph; docs/guide/kernels.md)",
 )
 @click.option(
     "--gguf-cache",
