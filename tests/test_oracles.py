@@ -24,7 +24,8 @@ one row wide. These tests compare with what shares no code with the decode loop:
 Engines: the toy model whose rows depend on the width of the call that computed them
 (tests/test_prefix.py ``WidthSensitive``; both layouts: exact at ``min_q``..``k_max + 1``
 only, and at every width to 256 but 129 and 200) and engines/default (the embedded int4
-pair: ``exact_min_q`` 2, 129-row calls avoided). Mutation runs: tests/mutations/oracles.json.
+pair) twice: on specrt's kernels, its default (every width exact, 1-row steps), and on its
+onnxruntime graph (``--backend ort-cpu``: ``exact_min_q`` 2, 129-row calls avoided). Mutation runs: tests/mutations/oracles.json.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from specrt.runtime.generation import Generation
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = REPO / "engines" / "default"
 PROMPTS = [json.loads(x)["prompt"] for x in (REPO / "data" / "humaneval_dev.jsonl").read_text().splitlines()[:4]]
-ENGINE_NAMES = ("default", "toy-any", "toy-aligned")
+ENGINE_NAMES = ("default", "default-ort", "toy-any", "toy-aligned")
 
 
 # ---- the harness: record the loop's rows, run a fresh model, compare -------------------
@@ -64,11 +65,15 @@ class Traced:
 
 @contextmanager
 def traced(engine: Engine):
-    """Record the target calls (``run``, and ``run_rows`` where the model has it) and the
-    round records of the generations run inside."""
+    """Record the target calls (``run``, and ``run_rows`` and ``run_argmax`` where the model
+    has them) and the round records of the generations run inside. A ``run_argmax`` call
+    (the kernels' greedy verification: no logits written) is followed by a ``run`` of the same
+    tokens at the same start, whose rows are recorded, and whose argmax must be the ids the
+    loop read (the kernels' rows do not depend on the call, so the KV rows it rewrites get
+    the same bits)."""
     t = Traced()
     model = engine.target
-    names = [n for n in ("run", "run_rows") if hasattr(model, n)]
+    names = [n for n in ("run", "run_rows", "run_argmax") if hasattr(model, n)]
     saved = {n: (n in vars(model), getattr(model, n)) for n in names}
     push = Generation.push
 
@@ -82,13 +87,20 @@ def traced(engine: Engine):
         t.calls.append((start, [int(x) for x in tokens], np.array(rows), lo))
         return rows
 
+    def run_argmax(tokens, start, n_valid):
+        ids = saved["run_argmax"][1](tokens, start, n_valid)
+        rows = np.array(saved["run"][1](tokens, start))
+        assert np.array_equal(rows[:, :n_valid].argmax(1), ids), (start, len(tokens))
+        t.calls.append((start, [int(x) for x in tokens], rows, 0))
+        return ids
+
     def record(gen, rec):
         t.gen = gen
         t.recs.append(rec)
         return push(gen, rec)
 
     for n in names:
-        setattr(model, n, {"run": run, "run_rows": run_rows}[n])
+        setattr(model, n, {"run": run, "run_rows": run_rows, "run_argmax": run_argmax}[n])
     Generation.push = record
     try:
         yield t
@@ -202,14 +214,16 @@ class Pair:
 @pytest.fixture(scope="module", params=ENGINE_NAMES)
 def pair(request):
     name = request.param
-    if name == "default":
+    if name.startswith("default"):
         if not (ENGINES / "manifest.json").is_file():
             pytest.skip("engines/default not exported: run `make export`")
-        warm, cold = Engine(ENGINES), Engine(ENGINES, prefix_cache=False)
+        backend = "ort-cpu" if name == "default-ort" else None
+        warm, cold = Engine(ENGINES, backend=backend), Engine(ENGINES, prefix_cache=False, backend=backend)
+        assert (warm.backend == "kernels") == (name == "default")
     else:
         warm, cold = toy_engine(True, any_layout=name == "toy-any"), toy_engine(False, any_layout=name == "toy-any")
     p = Pair(warm, cold, fresh_model(warm.target))
-    assert p.plan.any_layout == (name != "toy-aligned") and p.plan.min_q >= 2
+    assert p.plan.any_layout == (name != "toy-aligned") and (p.plan.min_q == 1 if name == "default" else p.plan.min_q >= 2)
     return p
 
 
@@ -419,7 +433,9 @@ def proposals(engine: Engine, prompt, cfg: GenerationConfig) -> Proposals:
 def engine():
     if not (ENGINES / "manifest.json").is_file():
         pytest.skip("engines/default not exported: run `make export`")
-    return Engine(ENGINES, prefix_cache=False)
+    # the onnxruntime graph: helpers.scripted replaces a model's run(), which the kernels'
+    # greedy loop does not call (it reads reduced rows: run_argmax, run_top1)
+    return Engine(ENGINES, prefix_cache=False, backend="ort-cpu")
 
 
 LINE = "the cat 1 sat on 2 the mat 3 and ran 4 far away\n"

@@ -122,8 +122,9 @@ def toy_engine(cache: bool, any_layout: bool = False) -> Engine:
     agrees with the target where the chains matter little). ``any_layout``: the target is
     exact at every width from ``min_q`` to 256 but :data:`TOY_INEXACT`, and the manifest
     says so (a ``wide`` record); else exact at ``min_q .. k_max + 1`` only and the manifest
-    has no ``wide`` record (aligned reuse)."""
-    e = Engine(ENGINES, prefix_cache=cache)
+    has no ``wide`` record (aligned reuse). The engine is loaded on its onnxruntime graph: the
+    toys stand in for a graph whose rows depend on the call's width (the kernels' do not)."""
+    e = Engine(ENGINES, prefix_cache=cache, backend="ort-cpu")
     m = e.manifest
     ex = {k: v for k, v in m.target.exactness.items() if k != "wide"}
     if any_layout:
@@ -334,8 +335,9 @@ def test_measure_wide_finds_every_inexact_width():
 
 def test_layout_avoid_reads_the_manifest():
     """Any layout only with a ``wide`` record reaching the prefill's widest call, starting
-    right above the decode loop's widths, and the widest call itself exact."""
-    e = Engine(ENGINES)
+    right above the decode loop's widths, and the widest call itself exact (the onnxruntime
+    graph's record: on the kernels every width is exact)."""
+    e = Engine(ENGINES, backend="ort-cpu")
     m = e.manifest
     assert e.plan(e.resolve(GenerationConfig())).any_layout
     assert not e.plan(e.resolve(GenerationConfig(exact_widths=False))).any_layout  # 1-row calls: aligned only
@@ -367,9 +369,15 @@ def test_chunks_avoid_the_given_widths():
 
 
 # ---- the shipped engines ----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pair():
-    return Engine(ENGINES), Engine(ENGINES, prefix_cache=False)
+@pytest.fixture(scope="module", params=["kernels", "ort-cpu"])
+def pair(request):
+    """(warm, cold) engines/default on the folder's default backend (specrt's kernels where
+    they run) or on its onnxruntime graph."""
+    backend = None if request.param == "kernels" else request.param
+    warm = Engine(ENGINES, backend=backend)
+    if warm.backend != request.param:
+        pytest.skip(f"engines/default runs on {warm.backend} here, not {request.param}")
+    return warm, Engine(ENGINES, prefix_cache=False, backend=backend)
 
 
 @pytest.fixture(scope="module")
@@ -412,6 +420,8 @@ def test_any_layout_hits_give_the_cold_runs_bits_on_the_shipped_engine(pair, his
     cuts 127 + 2 + 9: the product's calls, recorded). With a manifest whose record says 129
     is exact, the same rule calls 129 rows and the logprobs change."""
     warm, cold = pair
+    if warm.backend == "kernels":
+        pytest.skip("the kernels' rows do not depend on the call's width: no width to avoid")
     if 129 not in warm.manifest.target.exactness.get("wide", {}).get("inexact", []):  # the record, not the plan read from it
         pytest.skip("this engine's export measured 129-row calls exact")
     ids = warm.codec.encode("".join(history))

@@ -20,11 +20,20 @@ from specrt import Engine, GenerationConfig  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = REPO / "engines" / "default"
 PROMPTS = [json.loads(x)["prompt"] for x in (REPO / "data" / "humaneval_dev.jsonl").read_text().splitlines()[:5]]
+# the tests that read KV and logits buffers row by row run the onnxruntime graph (its layouts:
+# [slots, heads, max_ctx, head_dim], [rows, vocab]); the kernels' release of rows is
+# tests/test_kernels_engine.py's, and their routing test_slots.py's (the folder's default backend)
+ORT = "ort-cpu"
 
 
 @pytest.fixture(scope="module")
 def cold():
-    return Engine(ENGINES, prefix_cache=False)
+    return Engine(ENGINES, prefix_cache=False)  # the folder's default backend, as the servers below
+
+
+@pytest.fixture(scope="module")
+def cold_ort():
+    return Engine(ENGINES, prefix_cache=False, backend=ORT)
 
 
 # one worker, or the batch scheduler with two slots (policy speculate: exact) whose budget
@@ -109,7 +118,7 @@ def _scratch_logits_released(logits, narrow: int) -> None:
 
 
 @pytest.mark.parametrize("budget", [None, 1024])
-def test_worker_pool_routes_a_conversation_back_to_its_kv(cold, budget):
+def test_worker_pool_routes_a_conversation_back_to_its_kv(cold_ort, budget):
     """Two conversations take turns on a pool of two workers; each follow-up turn goes to the
     idle worker holding its history (the longest reusable prefix), so every one hits, and each
     output equals the cold Engine's. With a budget (512 tokens a worker), an idle worker's
@@ -119,7 +128,7 @@ def test_worker_pool_routes_a_conversation_back_to_its_kv(cold, budget):
 
     from specrt.runtime.serve.jobs import Job, WorkerPool
 
-    first = Engine(ENGINES)
+    first = Engine(ENGINES, backend=ORT)
     engines = [first, first.fork()]
     pool = WorkerPool(engines, prefix_cache_tokens=budget)
     try:
@@ -131,7 +140,7 @@ def test_worker_pool_routes_a_conversation_back_to_its_kv(cold, budget):
                 ev = Events()
                 pool.submit(Job(ids=first.prompt_ids(convs[c]), config=cfg, emit=ev))
                 r = ev.result()
-                assert r.tokens == cold.generate(convs[c], GenerationConfig(max_new_tokens=16)).tokens
+                assert r.tokens == cold_ort.generate(convs[c], GenerationConfig(max_new_tokens=16)).tokens
                 hits.append(r.stats.cached_tokens)
                 convs[c] += r.text + "\n# next\n"
                 deadline = time.time() + 60
@@ -173,7 +182,8 @@ def test_short_prefix_soak_loses_nothing_and_holds_memory(tmp_path, pool):
     assert rep["requests_lost"] == 0 and rep["requests_after_warmup"] >= 150 and rep["requests_sent"] >= 350
     assert rep["prefix_cache_hits"] >= 1 and rep["cached_tokens"] >= 256
     eng = Engine(ENGINES)
-    per_token = sum(sum(a.nbytes for a in m.keys + m.values) / m.max_ctx for m in (eng.draft, eng.target))
+    kv = lambda m: (m.k, m.v) if hasattr(m, "k") else (*m.keys, *m.values)  # noqa: E731  (kernels' buffers, or the graph's per layer)
+    per_token = sum(sum(a.nbytes for a in kv(m)) / m.max_ctx for m in (eng.draft, eng.target))
     assert rep["budget_kv_mib"] == round(1024 * per_token / 2**20, 1) > 0
     if "--in-flight" in pool:  # the bound on every resident KV row: budget + the running requests' limit
         assert rep["kv_bound_mib"] == round((1024 + 4096) * per_token / 2**20, 1)
@@ -184,7 +194,7 @@ def test_short_prefix_soak_loses_nothing_and_holds_memory(tmp_path, pool):
 
 
 @pytest.mark.parametrize("budget", [None, 1024])
-def test_batch_slots_route_conversations_back_to_their_kv(cold, budget):
+def test_batch_slots_route_conversations_back_to_their_kv(cold, cold_ort, budget):
     """Two conversations (one greedy, one sampled with a seed) send each turn together to
     the batch scheduler's two slots (policy speculate); as rows finish, the KV they leave
     moves to a free slot, and each follow-up turn is admitted on the slot holding its
@@ -197,7 +207,8 @@ def test_batch_slots_route_conversations_back_to_their_kv(cold, budget):
     from specrt.runtime.serve.batching import BatchPool
     from specrt.runtime.serve.jobs import Job
 
-    eng = Engine(ENGINES)
+    eng = Engine(ENGINES, backend=None if budget is None else ORT)  # with a budget it reads the graph's KV buffers row by row
+    cold = cold if budget is None else cold_ort
     pool = BatchPool(eng, 2, policy="speculate", costs=BatchCosts([0.0, 1e-3, 1e-3]), prefix_cache_tokens=budget)
     try:
         convs = [PROMPTS[0] + PROMPTS[1] + PROMPTS[2], PROMPTS[3] + PROMPTS[4] + PROMPTS[0]]
@@ -267,7 +278,7 @@ def test_prefill_logits_rows_go_back_once_read(monkeypatch, temperature):
     sampling) is the one of a run that releases nothing."""
     import specrt.runtime.generation as generation
 
-    eng = Engine(ENGINES, prefix_cache=False)
+    eng = Engine(ENGINES, prefix_cache=False, backend=ORT)
     prompt = PROMPTS[0] + PROMPTS[1] + PROMPTS[2]
     assert len(eng.prompt_ids(prompt)) > eng.target.max_q  # a full chunk writes every logits row
     cfg = GenerationConfig(max_new_tokens=24, temperature=temperature, seed=3)
@@ -275,7 +286,7 @@ def test_prefill_logits_rows_go_back_once_read(monkeypatch, temperature):
     for m in (eng.target, eng.draft):
         _scratch_logits_released(m.logits, eng.manifest.k_max + 1)
     monkeypatch.setattr(generation, "release_prefill_logits", lambda model, k_max: 0)
-    kept = Engine(ENGINES, prefix_cache=False)
+    kept = Engine(ENGINES, prefix_cache=False, backend=ORT)
     want = kept.generate(prompt, cfg)
     assert np.count_nonzero(kept.target.logits[0, eng.manifest.k_max + 2 :]) > 0  # the oracle released nothing
     assert r.tokens == want.tokens and r.stats.accepted_hist == want.stats.accepted_hist
