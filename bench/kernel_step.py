@@ -125,6 +125,8 @@ def main(argv=None) -> dict:
 
     say_machine()
     m = load_manifest(a.engines, verify_hashes=False)
+    if not (m.extra.get("gguf") or {}).get("target"):  # llama.cpp's side needs the target's GGUF file
+        raise SystemExit(f"kernel_step: {a.engines} was not exported from a GGUF target (no extra.gguf.target); it compares with llama.cpp on that file")
     gguf = str(Path(os.environ.get("SPECRT_GGUF_CACHE") or Path.home() / ".cache/specrt/gguf") / m.extra["gguf"]["target"]["file"])
     prefills = [int(x) for x in a.prefill.split(",") if x.strip()]
     tc = ThreadConfig(intra_op=a.threads)

@@ -4,7 +4,7 @@ An int8/int4 CPU export of a checkpoint folder (not a GGUF file) gets panels for
 kernels too (:func:`specrt.export.pipeline._kernel_records`): its weights are quantized here
 into llama.cpp's block types with gguf-py's quantizers (numpy ports of llama.cpp's reference
 ``quantize_row_q8_0_ref`` / ``quantize_row_q4_0_ref``), written as a GGUF file of the
-``llama``/``qwen2``/``qwen3`` layout llama.cpp's ``convert_hf_to_gguf.py`` writes (the
+``llama``/``qwen2``/``qwen3``/``phi3`` layout llama.cpp's ``convert_hf_to_gguf.py`` writes (the
 ``llama`` q/k rows permuted from Hugging Face's rotate-half order to GGUF's interleaved
 pairs), and then packed and checked exactly as a downloaded GGUF file is
 (:mod:`specrt.export.kernel_pack`). The file is a scratch input: the engine keeps only the
@@ -25,7 +25,7 @@ __all__ = ["CHECKPOINT_TYPES", "checkpoint_unsupported", "write_checkpoint_gguf"
 
 Q4_0, Q8_0 = 2, 8  # ggml type ids
 CHECKPOINT_TYPES = {"int8": {"layers": Q8_0, "embd": Q8_0}, "int4": {"layers": Q4_0, "embd": Q8_0}}
-_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> llama.cpp architecture
+_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}  # model_type -> llama.cpp architecture
 _LAYER = {  # Hugging Face name under model.layers.{i}. -> GGUF name under blk.{i}.
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -41,6 +41,8 @@ _LAYER = {  # Hugging Face name under model.layers.{i}. -> GGUF name under blk.{
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # phi3's fused projections, kept fused (split at pack time)
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 
 
@@ -68,10 +70,16 @@ def checkpoint_unsupported(model_dir: str | Path) -> str | None:
     _, kind = _rope(cfg)
     if kind != "default":
         return f"rope type {kind!r} (the kernels' checkpoint path takes plain RoPE)"
-    if cfg.get("sliding_window") and cfg.get("use_sliding_window", mt == "mistral"):
+    if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+        return f"partial rotary ({cfg['partial_rotary_factor']} of each head)"
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", mt in ("mistral", "phi3")):
         return f"sliding-window attention ({cfg['sliding_window']} positions)"
-    if mt == "llama" and cfg.get("attention_bias"):
-        return "llama with attention biases"
+    if mt in ("llama", "mistral", "qwen3", "phi3") and cfg.get("attention_bias"):
+        return f"{mt} with attention biases"
+    if cfg.get("mlp_bias"):
+        return "MLP biases"
+    if cfg.get("quantization_config"):
+        return f"a pre-quantized checkpoint ({(cfg['quantization_config'] or {}).get('quant_method', 'quantization_config')})"
     return None
 
 
@@ -83,23 +91,26 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _tensors(model_dir: Path):
-    """Every tensor of the checkpoint's safetensors files as float32, by name (lazily, one at a time)."""
+    """``(Hugging Face name, GGUF name, float32 array)`` of every weight the decoder reads, one
+    at a time (a name the layout does not need is skipped before its bytes are read). With a
+    ``model.safetensors.index.json`` only the files its ``weight_map`` names are read (a
+    folder may hold a second copy of the weights, e.g. Mistral's ``consolidated``). Read with
+    safetensors' torch framework: numpy has no bfloat16, the dtype of most checkpoints."""
     from safetensors import safe_open
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({Path(model_dir) / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors file (the kernels' checkpoint path reads safetensors)")
     for f in files:
-        with safe_open(str(f), framework="numpy") as s:
+        with safe_open(str(f), framework="pt") as s:
             for name in s.keys():
-                yield name, s.get_tensor(name)
-
-
-def _as_f32(a: np.ndarray) -> np.ndarray:
-    """A safetensors array as float32 (bfloat16 arrives as raw uint16 from the numpy framework)."""
-    if a.dtype == np.uint16:  # bf16 bits: the high half of a float32
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    return a.astype(np.float32)
+                gname = _gguf_name(name)
+                if gname is not None:
+                    yield name, gname, s.get_tensor(name).float().numpy()
 
 
 def write_checkpoint_gguf(model_dir: str | Path, path: str | Path, precision: str) -> dict:
@@ -136,7 +147,7 @@ def write_checkpoint_gguf(model_dir: str | Path, path: str | Path, precision: st
     head_dim = int(cfg.get("head_dim") or n_embd // n_head)
     theta, _ = _rope(cfg)
     types = CHECKPOINT_TYPES[precision]
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, use_temp_file=True)  # each tensor's blocks leave RAM as they are added
     w.add_block_count(int(cfg["num_hidden_layers"]))
     w.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
     w.add_embedding_length(n_embd)
@@ -147,11 +158,9 @@ def write_checkpoint_gguf(model_dir: str | Path, path: str | Path, precision: st
     w.add_value_length(head_dim)
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    for name, a in _tensors(model_dir):
-        gname = _gguf_name(name)
-        if gname is None or (gname == "output.weight" and cfg.get("tie_word_embeddings")):
+    for _, gname, a in _tensors(model_dir):
+        if gname == "output.weight" and cfg.get("tie_word_embeddings"):
             continue  # a tied head is the embedding's rows (plan_tensors takes token_embd then)
-        a = _as_f32(a)
         if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
             a = _permute(a, n_head if "attn_q" in gname else n_head_kv)
         ty = types["embd"] if gname in ("token_embd.weight", "output.weight") else types["layers"]
@@ -185,6 +194,6 @@ def _gguf_name(name: str) -> str | None:
         if rest.endswith("rotary_emb.inv_freq"):
             return None
         if rest not in _LAYER:
-            raise ValueError(f"checkpoint tensor {name}: not a tensor of the llama/qwen2/qwen3 layout the kernels run")
+            raise ValueError(f"checkpoint tensor {name}: not a tensor of the llama/qwen2/qwen3/phi3 layout the kernels run")
         return f"blk.{i}.{_LAYER[rest]}"
     return None

@@ -21,7 +21,7 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specrt.runtime.errors import PairError  # noqa: F401  (in the SpecRTError tree)
+from specrt.runtime.errors import ExportError, PairError  # noqa: F401  (in the SpecRTError tree)
 from specrt.runtime.manifest import FORMAT_VERSION, LAZY_HEAD_KEY, FileRecord, Manifest
 
 from .onnx_export import BODY_FILE, HEAD_FILE, export_model
@@ -472,24 +472,30 @@ def _kernel_records(target_src: Path, draft_src: Path, out: Path, entries: dict,
             f"  kernels: no target panels for a {o.precision} target (they compute 4/8-bit blocks with 8-bit activations, as llama.cpp; export --precision int4 or int8 for them)"
         )
         return None
-    scratch = out / ".kernels_scratch"
+    from specrt.runtime import kernels
+
+    if kernels.status() is not None:  # before any quantizing
+        log(f"  kernels: no panels ({kernels.status()})")
+        return None
+    scratch, recs, srcs = out / ".kernels_scratch", {}, {}
     try:
-        srcs = {
-            role: _kernel_source(role, src, scratch, o.precision_of(role) if role == "draft" else o.precision, log)
-            for role, src in (("target", target_src), ("draft", draft_src))
-        }
-        if srcs["target"] is None:
-            return None
         meter.phase("target: kernel panels")
-        recs = {"target": panels_record(srcs["target"][0], out, entries["target"], o.max_ctx, log)}
-        if recs["target"] is not None and srcs["draft"] is not None:
+        srcs["target"] = _kernel_source("target", target_src, scratch, o.precision, log)
+        recs["target"] = srcs["target"] and panels_record(srcs["target"][0], out, entries["target"], o.max_ctx, log)
+        if recs["target"]:
             meter.phase("draft: kernel panels")
-            recs["draft"] = draft_panels(
-                srcs["draft"][0], out, out / "tokenizer.json", (special[0],), log=log
-            )  # added tokens (end, chat, FIM) ranked first too
+            srcs["draft"] = _kernel_source("draft", draft_src, scratch, "int8", log)  # 8-bit scratch: draft_panels requantizes to Q4_0 once
+            recs["draft"] = srcs["draft"] and draft_panels(srcs["draft"][0], out, out / "tokenizer.json", (special[0],), log=log)  # added tokens first too
+    except (ValueError, TypeError, OSError) as e:  # an optional step: the graphs stand; ExportError (a layout bug) stays fatal
+        if isinstance(e, ExportError):
+            raise
+        log(f"  kernels: no panels: {e}")
+        for name in ("target.panels", "draft.panels"):
+            (out / name).unlink(missing_ok=True)
+        return None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    recs = {k: v for k, v in recs.items() if v is not None}
+    recs = {k: v for k, v in recs.items() if v}
     for role, rec in recs.items():
         if srcs[role][1] is not None:
             rec.pop("gguf", None)  # the scratch file's name: gone
@@ -501,8 +507,12 @@ def _kernel_records(target_src: Path, draft_src: Path, out: Path, entries: dict,
 def _kernel_source(role: str, src: Path, scratch: Path, precision: str, log) -> tuple[Path, dict | None] | None:
     """``(GGUF file, checkpoint record or None)`` the kernels' panels of ``role`` are packed
     from: a GGUF input itself, or a checkpoint folder written as a scratch GGUF quantized
-    for ``precision`` (int4 when the role's flavor is not an integer one); None (with the
-    reason logged) when the kernels cannot run the checkpoint."""
+    for ``precision`` (int4/int8); None (with the reason logged) when the kernels cannot run
+    the checkpoint.
+
+    Raises:
+        ValueError, TypeError, OSError: the checkpoint could not be read or written (the
+            caller logs it and writes no panels)."""
     if src.is_file():
         return src, None
     from .checkpoint_gguf import checkpoint_unsupported, write_checkpoint_gguf
@@ -513,7 +523,7 @@ def _kernel_source(role: str, src: Path, scratch: Path, precision: str, log) -> 
         return None
     scratch.mkdir(parents=True, exist_ok=True)
     path = scratch / f"{role}.gguf"
-    rec = write_checkpoint_gguf(src, path, precision if precision in ("int8", "int4") else "int4")
+    rec = write_checkpoint_gguf(src, path, precision)
     log(f"  kernels: {role} checkpoint quantized by specrt ({rec['types']['layers']} layers, {rec['types']['embd']} embedding and head)")
     return path, {"folder": src.name, **rec}
 

@@ -317,8 +317,9 @@ def estimate_disk(infos: list[InputInfo], out: str | Path, opts, gguf_folders: d
     precision), plus for int8/int4 the model builder's prequantized copy (the same again,
     deleted after both models), plus with a quality record the target's fp32 reference
     graph (4 bytes/param, deleted afterwards; only for targets up to 1.5 GB of fp32
-    weights, larger ones use PyTorch), less the bytes of the files already in it (which
-    the export replaces). A GGUF input not yet converted: its float32 folder (4
+    weights, larger ones use PyTorch), plus for int8/int4 with ``opts.kernels`` each model's
+    kernel panels and (a checkpoint folder's) scratch GGUF (1.07 bytes/param each: Q8_0),
+    less the bytes of the files already in it (which the export replaces). A GGUF input not yet converted: its float32 folder (4
     bytes/param). Sizes are estimates (the graph's other tensors and metadata are small).
 
     Args:
@@ -351,6 +352,11 @@ def estimate_disk(infos: list[InputInfo], out: str | Path, opts, gguf_folders: d
             add(out, 4 * info.params, "fp32 quality reference")
         if gguf_folders and info.role in gguf_folders:
             add(gguf_folders[info.role].parent, info.params * GGUF_FOLDER_BYTES_PER_PARAM, f"{info.role} float32 folder from GGUF")
+        if getattr(opts, "kernels", False) and opts.precision in ("int8", "int4"):
+            # kernel panels (8.5 bits a weight at most, Q8_0), and for a checkpoint folder the scratch GGUF they are packed from
+            add(out, info.params * 1.07, f"{info.role} kernel panels")
+            if not info.gguf:
+                add(out, info.params * 1.07, f"{info.role} scratch GGUF (deleted after packing)")
     if out.is_dir() and out in need:
         need[out]["bytes"] = max(0, need[out]["bytes"] - sum(f.stat().st_size for f in out.iterdir() if f.is_file()))
     return need

@@ -153,8 +153,10 @@ def _kernels_quality(m, out: Path, sets: dict, refs: dict, vocab: int, log) -> d
     if "checkpoint" not in ((m.extra.get(KERNELS_KEY) or {}).get("target") or {}):
         return None
     model = kernel_model(out, m, "target", 64)
-    rec = {name: dict(compare(refs[name], score_model(model, seqs, firsts, vocab))) for name, (seqs, firsts, _) in sets.items()}
-    model.close()
+    try:
+        rec = {name: dict(compare(refs[name], score_model(model, seqs, firsts, vocab))) for name, (seqs, firsts, _) in sets.items()}
+    finally:
+        model.close()
     rec["holds"] = holds(rec)
     for name, s in rec.items():
         if name != "holds":

@@ -1,8 +1,9 @@
 """Which backend runs an engine folder when none is named: the target on specrt's kernels
 where they run and are faster, else the onnxruntime graph.
 
-A folder exported from a GGUF target (int4/int8) holds the target's panels for the kernels
-(``extra.kernels.target``, :mod:`specrt.export.kernel_pack`). :func:`choose_backend` names
+A folder exported int4/int8 (from a GGUF target's own blocks, or a checkpoint quantized by
+specrt) holds the target's panels for the kernels (``extra.kernels.target``,
+:mod:`specrt.export.kernel_pack`). :func:`choose_backend` names
 ``kernels`` for it when the library loads here, the CPU runs an AVX2 or AVX-512 VNNI path, and
 no measurement on this kind of machine found the ONNX graph's exact step faster; otherwise
 ``ort-cpu``, with one line on the ``specrt`` logger (once per reason and process) saying why
@@ -27,8 +28,9 @@ def kernels_choice(manifest: Manifest) -> tuple[bool, str | None]:
     to give when it does not although the folder has panels.
 
     Rule: the folder has panels for the target, the kernels can run here
-    (:func:`~specrt.runtime.backends.kernels_unavailable`), and no record of this kind of
-    machine (``extra.kernels.target.measured``: ``{"machine", "isa", "kernels_ms", "ort_ms"}``
+    (:func:`~specrt.runtime.backends.kernels_unavailable`), their quality record (panels
+    specrt quantized from a checkpoint: ``extra.quality.kernels``) does not fail, and no
+    record of this kind of machine (``extra.kernels.target.measured``: ``{"machine", "isa", "kernels_ms", "ort_ms"}``
     of the exact 1-row step, written by the export) has the ONNX graph faster.
 
     Returns:
@@ -40,6 +42,9 @@ def kernels_choice(manifest: Manifest) -> tuple[bool, str | None]:
     why = kernels_unavailable(manifest)
     if why is not None:
         return False, f"target on the onnxruntime graph, not specrt's kernels: {why}"
+    q = (manifest.extra.get("quality") or {}).get("kernels")
+    if isinstance(q, dict) and q.get("holds") is False:  # panels specrt quantized, scored below the bounds at export
+        return False, "target on the onnxruntime graph: the quality record of the kernels' panels (extra.quality.kernels) does not hold"
     for m in rec.get("measured", ()):
         if differs(m.get("machine")) is None and m.get("kernels_ms", 0) >= m.get("ort_ms", float("inf")):
             return False, (

@@ -74,6 +74,51 @@ def test_qwen2_checkpoint_logits_match_pytorch(tmp_path):
     assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
 
 
+def test_phi3_checkpoint_logits_match_pytorch(tmp_path):
+    """phi3: the GGUF keeps its fused ``attn_qkv`` and ``ffn_up`` (gate rows, then up rows) as
+    convert_hf_to_gguf writes them; the packer splits them by rows (kernel_pack.FUSED); NEOX
+    RoPE. Against transformers' Phi3ForCausalLM in float32."""
+    torch = pytest.importorskip("torch")
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    src = REPO / "models" / "target"
+    cfg = Phi3Config(
+        vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=None, pad_token_id=0,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    folder = tmp_path / "phi3"
+    Phi3ForCausalLM(cfg).float().eval().save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, folder / f)
+    got, ref = _logits(folder, "int8", tmp_path)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.02
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+
+
+def test_fused_rows_that_do_not_add_up_are_refused(tmp_path):
+    """A phi3 file whose ``attn_qkv`` rows are not q + k + v rows is refused in one line."""
+    import gguf
+
+    from specrt.export.checkpoint_gguf import write_checkpoint_gguf
+    from specrt.export.kernel_pack import plan_tensors
+
+    cfg = {**json.loads((REPO / "models" / "draft" / "config.json").read_text()), "model_type": "phi3"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    from safetensors.numpy import load_file, save_file
+
+    w = load_file(str(REPO / "models" / "draft" / "model.safetensors"))
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.qkv_proj.weight"] = np.concatenate([w.pop(p + f"self_attn.{c}_proj.weight") for c in "qkv"])[:-16]  # 16 rows short
+        w[p + "mlp.gate_up_proj.weight"] = np.concatenate([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
+    save_file(w, str(tmp_path / "model.safetensors"))
+    write_checkpoint_gguf(tmp_path, tmp_path / "p.gguf", "int8")
+    why = plan_tensors(gguf.GGUFReader(str(tmp_path / "p.gguf")))[2]
+    assert why == "blk.0.attn_qkv.weight has 368 rows; attn_q+attn_k+attn_v need 384", why
+
+
 @pytest.mark.parametrize(
     "change,why",
     [
@@ -106,3 +151,44 @@ def test_default_engine_records_the_checkpoint_panels():
     q = m["extra"]["quality"]["kernels"]
     assert q["holds"] and q["humaneval"]["top1_agreement"] >= 0.95
     assert not (folder / ".kernels_scratch").exists() and {"target.panels", "draft.panels"} <= set(m["files"])
+
+
+def test_bf16_checkpoint(tmp_path):
+    """A bfloat16 checkpoint (most released ones): read through safetensors' torch framework
+    (numpy has no bfloat16), quantized like a float16 one."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "bf16"
+    shutil.copytree(REPO / "models" / "draft", folder)
+    w = load_file(str(folder / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in w.items()}, str(folder / "model.safetensors"))
+    got, ref = _logits(folder, "int8", tmp_path, role="draft")
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.02
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+
+
+def test_a_checkpoint_the_kernels_cannot_read_keeps_the_export(tmp_path):
+    """The panels are an optional step: a tensor the layout does not know (here an extra
+    projection) writes no panels, with one line, and no scratch file or half-written panels
+    stay; the export's graphs are not touched."""
+    from types import SimpleNamespace
+
+    from safetensors.numpy import load_file, save_file
+
+    from specrt.export.pipeline import ExportOptions, _kernel_records
+
+    folder = tmp_path / "odd"
+    shutil.copytree(REPO / "models" / "draft", folder)
+    w = load_file(str(folder / "model.safetensors"))
+    w["model.layers.0.mlp.extra_proj.weight"] = w["model.layers.0.mlp.up_proj.weight"]
+    save_file(w, str(folder / "model.safetensors"))
+    out = tmp_path / "engine"
+    out.mkdir()
+    lines: list[str] = []
+    meter = SimpleNamespace(phase=lambda *_: None)
+    got = _kernel_records(folder, folder, out, {}, ExportOptions(precision="int4"), (0,), {}, meter, lines.append)
+    assert got is None and lines[-1] == (
+        "  kernels: no panels: checkpoint tensor model.layers.0.mlp.extra_proj.weight: not a tensor of the llama/qwen2/qwen3/phi3 layout the kernels run"
+    )
+    assert sorted(p.name for p in out.iterdir()) == []

@@ -86,6 +86,9 @@ def test_int4_target_only_against_pytorch(engine, prompts, baseline):
     98.3% / 98.5% agreement, 543 / 378 positions above the margin, 0 differences there."""
     if engine.manifest.target.precision == "fp32":
         pytest.skip("fp32 engines: test_target_only_equals_hf_generate is exact")
+    if engine.backend != "ort-cpu":  # the recorded bound is the graph's error (parity): the graph's output is what it holds
+        engine = Engine(ENGINES, backend="ort-cpu")
+        baseline = [engine.generate(ids, GenerationConfig(max_new_tokens=NEW, speculative=False)).tokens for ids in prompts]
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -142,7 +142,8 @@ def test_full_disk_is_refused_before_any_conversion(tmp_path, no_conversion, mon
 
 def test_disk_estimate_per_precision_and_conversion(tmp_path):
     """The estimate: params x bytes per parameter of each flavor, the builder's copy for
-    int8/int4, the fp32 quality reference, and 4 bytes/param per GGUF folder to convert."""
+    int8/int4, the kernels' panels (and a checkpoint folder's scratch GGUF), the fp32 quality
+    reference, and 4 bytes/param per GGUF folder to convert."""
     from specrt.export.pipeline import ExportOptions
     from specrt.export.quality import QualityConfig
 
@@ -150,8 +151,13 @@ def test_disk_estimate_per_precision_and_conversion(tmp_path):
     infos = [preflight.InputInfo("draft", tmp_path / "d.gguf", True, "qwen2", n), preflight.InputInfo("target", tmp_path / "t.gguf", True, "qwen2", 3 * n)]
     out = tmp_path / "engine"
     need = preflight.estimate_disk(infos, out, ExportOptions(precision="int4", quality=QualityConfig()), {"target": tmp_path / "t.gguf.hf"})
-    assert need[out]["bytes"] == (n + 3 * n) * 1.0 * 2 + 4 * 3 * n
+    assert need[out]["bytes"] == (n + 3 * n) * 1.0 * 2 + 4 * 3 * n + int(1.07 * n) + int(1.07 * 3 * n)  # GGUF inputs: panels, no scratch
     assert need[tmp_path]["bytes"] == 4 * 3 * n
+    folders = [preflight.InputInfo(i.role, tmp_path / i.role, False, "qwen2", i.params) for i in infos]
+    plain = preflight.estimate_disk(folders, out, ExportOptions(precision="int4"))
+    assert plain[out]["bytes"] == (n + 3 * n) * 2 + 2 * (int(1.07 * n) + int(1.07 * 3 * n))
+    assert "target scratch GGUF (deleted after packing) 0.3 GB" in plain[out]["parts"]
+    assert preflight.estimate_disk(folders, out, ExportOptions(precision="int4", kernels=False))[out]["bytes"] == (n + 3 * n) * 2
     fp32 = preflight.estimate_disk(infos, out, ExportOptions(precision="fp32"))
     assert fp32 == {out: {"bytes": 4 * 4 * n, "parts": ["draft fp32 0.4 GB", "target fp32 1.2 GB"]}}
     assert preflight.check_disk({out: {"bytes": 10**6, "parts": []}})[0].startswith(f"about 1 MB in {out}, ")

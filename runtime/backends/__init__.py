@@ -112,7 +112,7 @@ def kernels_unavailable(manifest: Manifest | None) -> str | None:
     if why is None and cpu_isa() == "portable" and not (manifest is not None and manifest.kernels_only()):
         why = "this CPU has neither AVX2 (with FMA and F16C) nor AVX-512 VNNI: the kernels' portable C path is slower than onnxruntime"
     if why is None and manifest is not None and not (manifest.extra.get(KERNELS_KEY) or {}).get("target"):
-        why = "the engine folder has no kernel panels for its target (they are written by `specrt export` from a GGUF target)"
+        why = "the engine folder has no kernel panels for its target (`specrt export --precision int4|int8` writes them)"
     return why
 
 
