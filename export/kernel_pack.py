@@ -1,15 +1,19 @@
 """Panels for specrt's kernels, written at export from a GGUF file's own blocks.
 
-``specrt export`` with a GGUF target (or draft) writes ``<role>.panels`` beside the ONNX
+``specrt export --precision int4|int8`` with a GGUF target (or draft; a checkpoint folder is
+first written as a GGUF file by :mod:`specrt.export.checkpoint_gguf`) writes ``<role>.panels`` beside the ONNX
 graphs and a record in the manifest's ``extra["kernels"][role]``: the decoder's dims and the
 place of every tensor in the file. The weights are the file's integers and fp16 scales in
 the kernels' panel layout (:mod:`specrt.runtime.kernels.panels`); every tensor is checked at
 write time: its panels, dequantized by the kernels' own C code, equal ``gguf.dequantize`` of
 the same bytes bit for bit, or the export stops.
 
-The decoder families the kernels run are llama.cpp's ``llama`` (also Mistral's GGUFs) and
-``qwen2``: RMSNorm, RoPE (llama.cpp's rope type of the architecture: NORM for llama, NEOX for
-qwen2; Llama 3's ``rope_freqs``), grouped-query attention with optional q/k/v biases, SwiGLU.
+The decoder families the kernels run are llama.cpp's ``llama`` (also Mistral's GGUFs),
+``qwen2``, ``qwen3`` and ``phi3``: RMSNorm, RoPE (llama.cpp's rope type of the architecture:
+NORM for llama, NEOX for the others; Llama 3's ``rope_freqs``), grouped-query attention with
+optional q/k/v biases (qwen3: per-head q/k norms), SwiGLU. phi3's fused projections
+(``attn_qkv``, and ``ffn_up`` holding gate and up) are split by rows at pack time into the
+panels the other families have; like llama.cpp, its sliding window is not applied.
 Anything else (another architecture, rope scaling other than rope_freqs, a block type the
 kernels do not run) writes no record, with the reason, and the runtime keeps the ONNX graph.
 """
@@ -38,7 +42,9 @@ __all__ = [
 ]
 
 KERNEL_RECORD_VERSION = 1
-ROPE_NEOX_ARCHS = {"qwen2": True, "qwen3": True, "llama": False}  # llama.cpp's rope type of each architecture (llama_model_rope_type)
+ROPE_NEOX_ARCHS = {"qwen2": True, "qwen3": True, "phi3": True, "llama": False}  # llama.cpp's rope type of each architecture (llama_model_rope_type)
+# fused projections of an architecture: GGUF tensor -> the kernels' tensors its rows hold, in order
+FUSED = {"phi3": {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")}}
 ALIGN = 4096  # every tensor starts on a page
 DRAFT_REQUANT = 2  # Q4_0: the draft's weight matrices on the kernels (4.5 bits a weight, any K divisible by 32)
 DRAFT_HEAD = 65536  # ids kept in the draft's LM head (FR-Spec); 0 keeps them all
@@ -81,6 +87,36 @@ def _is_vector(t) -> bool:
     return len(t.shape) == 1 or (len(t.shape) == 2 and int(t.shape[1]) == 1)
 
 
+class _Rows:
+    """Rows ``[r0, r1)`` of a 2-D GGUF tensor, read as a tensor of their own: one projection of
+    a fused one (phi3's ``attn_qkv``, ``ffn_up``). A row's blocks are the row's alone, so the
+    split keeps every byte as the file has it."""
+
+    def __init__(self, t, r0: int, r1: int):
+        self.name, self.tensor_type = f"{t.name}[{r0}:{r1}]", t.tensor_type
+        self.shape = np.array([int(t.shape[0]), r1 - r0])
+        self.data = np.asarray(t.data).view(np.uint8).reshape(int(t.shape[1]), -1)[r0:r1]
+        self.data_offset, self.n_bytes = t.data_offset, t.n_bytes  # the whole tensor's pages (_drop_pages)
+
+
+def _split_fused(dims: dict, byname: dict, i: int) -> tuple[dict, str | None]:
+    """``{key: _Rows}`` of layer ``i``'s fused projections (:data:`FUSED`), or why not."""
+    q, kv, ff = dims["n_head"] * dims["head_dim"], dims["n_head_kv"] * dims["head_dim"], dims["n_ff"]
+    sizes = {"attn_q": q, "attn_k": kv, "attn_v": kv, "ffn_gate": ff, "ffn_up": ff}
+    out = {}
+    for fused, parts in FUSED.get(dims["arch"], {}).items():
+        t = byname.get(f"blk.{i}.{fused}.weight")
+        if t is None:
+            return {}, f"tensor blk.{i}.{fused}.weight is missing"
+        if len(t.shape) != 2 or int(t.shape[1]) != sum(sizes[p] for p in parts):
+            return {}, f"blk.{i}.{fused}.weight has {int(t.shape[-1])} rows; {'+'.join(parts)} need {sum(sizes[p] for p in parts)}"
+        r0 = 0
+        for p in parts:
+            out[f"blk.{i}.{p}"] = _Rows(t, r0, r0 + sizes[p])
+            r0 += sizes[p]
+    return out, None
+
+
 def plan_tensors(reader) -> tuple[dict, dict, str | None]:
     """(dims, {name: reader tensor}, why not) for a GGUF reader: the tensors a kernel step
     reads, or the first reason the kernels cannot run this file."""
@@ -92,6 +128,8 @@ def plan_tensors(reader) -> tuple[dict, dict, str | None]:
         return dims, {}, f"architecture {dims['arch']!r} (the kernels run {', '.join(ROPE_NEOX_ARCHS)})"
     if dims["rope_scaling"] not in ("none", ""):
         return dims, {}, f"rope scaling {dims['rope_scaling']!r}"
+    if any(n.startswith("rope_factors") for n in byname):
+        return dims, {}, "rope scaling (LongRoPE factors: rope_factors_long/short)"
     if dims["rope_dims"] != dims["head_dim"] or dims["value_dim"] != dims["head_dim"]:
         return dims, {}, "partial rotary or a value dim other than the key dim"
     hd = dims["head_dim"]
@@ -104,9 +142,15 @@ def plan_tensors(reader) -> tuple[dict, dict, str | None]:
     }
     if "rope_freqs.weight" in byname:
         want["rope_freqs"] = "rope_freqs.weight"
+    split: dict = {}
     for i in range(dims["n_layer"]):
+        rows, why = _split_fused(dims, byname, i)
+        if why:
+            return dims, {}, why
+        split |= rows
         for t in LAYER_TENSORS:
-            want[f"blk.{i}.{t}"] = f"blk.{i}.{t}.weight"
+            if f"blk.{i}.{t}" not in rows:
+                want[f"blk.{i}.{t}"] = f"blk.{i}.{t}.weight"
         for b in BIASES:
             if f"blk.{i}.{b}" in byname:
                 want[f"blk.{i}.{b}"] = f"blk.{i}.{b}"
@@ -114,8 +158,8 @@ def plan_tensors(reader) -> tuple[dict, dict, str | None]:
             for n in QK_NORMS:
                 want[f"blk.{i}.{n}"] = f"blk.{i}.{n}.weight"
     tensors = {}
-    for key, name in want.items():
-        t = byname.get(name)
+    for key, name in [*want.items(), *((k, r) for k, r in split.items())]:
+        t = name if isinstance(name, _Rows) else byname.get(name)
         if t is None:
             return dims, {}, f"tensor {name} is missing"
         ty = int(t.tensor_type)
@@ -125,9 +169,17 @@ def plan_tensors(reader) -> tuple[dict, dict, str | None]:
         else:
             why = supported(ty, int(t.shape[1]), int(t.shape[0]))
             if why:
-                return dims, {}, f"{name} ({t.tensor_type.name} [{int(t.shape[1])}, {int(t.shape[0])}]): {why}"
+                return dims, {}, f"{t.name} ({t.tensor_type.name} [{int(t.shape[1])}, {int(t.shape[0])}]): {why}"
         tensors[key] = t
+    if split:  # the file's order: each layer's tensors together (the panels file follows it)
+        tensors = {k: tensors[k] for k in sorted(tensors, key=_file_order)}
     return dims, tensors, None
+
+
+def _file_order(key: str) -> tuple:
+    """Sort key of a panels entry: global tensors first, then layer by layer."""
+    parts = key.split(".")
+    return (1, int(parts[1]), key) if parts[0] == "blk" else (0, 0, key)
 
 
 def kernels_unsupported(gguf_path: str | Path) -> str | None:

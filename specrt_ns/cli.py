@@ -608,6 +608,7 @@ def generate(
         d = res.stats.as_dict()
         d["finish_reason"] = res.finish_reason
         d["stop_reason"] = res.stop_reason
+        d["backend"] = engine.backend  # specrt's kernels or an onnxruntime/TensorRT graph
         if stream:
             d["time_to_first_text_s"] = first  # command start to the first printed piece
         d["load_s"] = t_loaded - t0

@@ -341,7 +341,10 @@ def format_table(result: dict) -> str:
             f"{r['ms_per_token']:>8.2f}{r['target_flops_per_token'] / 1e6:>10.2f}"
             f"{r['ttft_ms_median']:>9.1f}{r['distinct_4gram']:>7.2f}{eq}"
         )
-    lines.append(f"prompts {result['prompts']} x {result['repeats']} repeats, {result['max_new_tokens']} new tokens, peak RSS {result['peak_rss_mb']:.0f} MiB")
+    on = f", backend {result['backend']}" if result.get("backend") else ""  # the kernels or the graph: a newcomer sees which ran
+    lines.append(
+        f"prompts {result['prompts']} x {result['repeats']} repeats, {result['max_new_tokens']} new tokens, peak RSS {result['peak_rss_mb']:.0f} MiB{on}"
+    )
     for r in result["rows"]:
         for d in r.get("divergences") or []:
             mg = "-" if d["target_top2_margin"] is None else f"{d['target_top2_margin']:.3g}"
