@@ -15,6 +15,11 @@ the rendered text: the template's own control tokens get their ids, the placehol
 text. A control token is an added token marked special, or one whose text looks like one
 (llama.cpp's rule: ``convert_hf_to_gguf.py`` ``does_token_look_special``, and
 ``llama-vocab.cpp``, which makes the FIM tokens control tokens): :data:`LOOKS_CONTROL`.
+Inside a chat's client strings the added tokens a template writes as markup are text too
+(:attr:`TextCodec.markup_ids`: the control tokens and the tag-like added tokens,
+:data:`LOOKS_MARKUP`, e.g. Qwen's ``<tool_call>``, ``</tool_response>``): a tool call
+recorded in a history cannot close itself early. A ``/v1/completions`` prompt keeps them as
+tokens (the model writes them so; llama.cpp reads them so).
 
 Decoding leaves special tokens out. The output text is not ``decode(output ids)`` but the
 completion text of :mod:`specrt.runtime.textstream`, which needs :attr:`TextCodec.special_ids`
@@ -33,7 +38,7 @@ from typing import Sequence
 
 from .errors import EngineError, InputError
 
-__all__ = ["TextCodec", "byte_level_decoder", "CONTEXT_PROBES", "LOOKS_CONTROL", "is_control_token"]
+__all__ = ["TextCodec", "byte_level_decoder", "CONTEXT_PROBES", "LOOKS_CONTROL", "LOOKS_MARKUP", "is_control_token"]
 
 
 @lru_cache(maxsize=1)
@@ -68,6 +73,11 @@ LOOKS_CONTROL = re.compile(
 )
 _ESC = "\U000f0000"  # a placeholder's first character (plane-15 private use); escaped itself in client text
 _CODE0 = 0xF0001  # a placeholder's second character: _CODE0 + index into (_ESC, *control strings)
+
+
+# an added token that is not a control token but a chat template's markup: an XML-like tag
+# ("<tool_call>", "</tool_response>", "<think>"), matched on the text without "▁"
+LOOKS_MARKUP = re.compile(r"</?[A-Za-z][\w.:-]*>")
 
 
 def is_control_token(content: str, special: bool) -> bool:
@@ -110,6 +120,10 @@ class TextCodec:
         bos: the id prepended to text prompts, or None.
         special_ids: frozenset of the ids :meth:`decode` leaves out (added tokens marked
             special: BOS, EOS, pad, chat markers).
+        control_ids: frozenset of the control tokens' ids (module docstring).
+        markup_ids: frozenset: the control ids and the ids of tag-like added tokens
+            (:data:`LOOKS_MARKUP`): what a chat's client strings and text-mode prompts hold
+            as text only.
         context_ids: list of ids of a short plain text (``"a"`` for every vocabulary seen so
             far) that decodes alone to text without U+FFFD and is not changed by what
             follows it: the decode context of :class:`~specrt.runtime.textstream.CompletionText`.
@@ -135,13 +149,14 @@ class TextCodec:
         self.context_ids = self._find_context()
         added = self.tokenizer.get_added_tokens_decoder()
         self.control_ids = frozenset(i for i, t in added.items() if is_control_token(t.content, t.special))
-        controls = sorted({added[i].content for i in self.control_ids})
-        if len(controls) + 1 > 0x10FFFD - _CODE0:
-            raise EngineError(f"{path}: {len(controls)} control tokens; text escaping handles at most {0x10FFFD - _CODE0 - 1}")
-        self._escaped = (_ESC, *controls)  # placeholder i stands for this string
+        self.markup_ids = self.control_ids | frozenset(i for i, t in added.items() if LOOKS_MARKUP.fullmatch(t.content.strip("▁")))
+        markup = sorted({added[i].content for i in self.markup_ids})
+        if len(markup) + 1 > 0x10FFFD - _CODE0:
+            raise EngineError(f"{path}: {len(markup)} control and markup tokens; text escaping handles at most {0x10FFFD - _CODE0 - 1}")
+        self._escaped = (_ESC, *markup)  # placeholder i stands for this string
         self._codes = {t: _ESC + chr(_CODE0 + i) for i, t in enumerate(self._escaped)}
         self._escape_re = re.compile(_trie_pattern(self._escaped))
-        self._control_re = re.compile(_trie_pattern(controls)) if controls else None
+        self._control_re = re.compile(_trie_pattern(markup)) if markup else None  # encode_text's trigger: control or markup strings
         self._placeholder_re = re.compile(re.escape(_ESC) + "(.)", re.S)
         self._text_lock = threading.Lock()
         self._text: tuple | None = None  # (tokenizer with control strings as text, its separator, the separator's id)
@@ -183,8 +198,8 @@ class TextCodec:
         """Token ids of ``text`` with every control token's string in it encoded as text
         (module docstring): FIM prefix and suffix, ``/v1/completions`` prompts under
         ``--completions-special-tokens text``; BOS first as in :meth:`encode` when
-        ``add_special_tokens``. A text without control strings gets exactly
-        :meth:`encode`'s ids.
+        ``add_special_tokens``. Markup tokens' strings (:attr:`markup_ids`) are text too. A
+        text without control or markup strings gets exactly :meth:`encode`'s ids.
 
         Raises:
             InputError: ``text`` is not encodable Unicode, or this tokenizer maps the text
@@ -197,18 +212,19 @@ class TextCodec:
         return [self.bos, *ids] if self.bos is not None and add_special_tokens else ids
 
     def escape(self, text: str) -> str:
-        """``text`` with each control token's string (and the placeholder character itself)
-        replaced by a 2-character placeholder, for a chat template to render as it renders
-        any text; :meth:`encode_escaped` turns each placeholder back into its text."""
+        """``text`` with each control or markup token's string (:attr:`markup_ids`; and the
+        placeholder character itself) replaced by a 2-character placeholder, for a chat
+        template to render as it renders any text; :meth:`encode_escaped` turns each
+        placeholder back into its text."""
         return self._escape_re.sub(lambda m: self._codes[m[0]], text) if self._escape_re.search(text) else text
 
     def encode_escaped(self, rendered: str) -> list[int]:
         """Token ids (no BOS) of a chat template's output whose client strings went
-        through :meth:`escape`: each control string the template wrote gets its control id
-        (split as :meth:`encode` splits it, with the token's own strip rules); each text
+        through :meth:`escape`: each control or markup string the template wrote gets its
+        id (split as :meth:`encode` splits it, with the token's own strip rules); each text
         between two of them that holds a placeholder is tokenized with the placeholders'
         strings as text, the same way :meth:`encode` tokenizes the text between two
-        control tokens. Without placeholders: exactly :meth:`encode`'s ids.
+        such tokens. Without placeholders: exactly :meth:`encode`'s ids.
 
         Raises:
             InputError: as :meth:`encode_text`.
@@ -220,7 +236,7 @@ class TextCodec:
         seg: list[int] = []
         start = 0
         for tid, (s, e) in zip(enc.ids, enc.offsets):
-            if tid not in self.control_ids:
+            if tid not in self.markup_ids:
                 seg.append(tid)
                 continue
             self._segment(rendered[start:s], seg, start > 0, out)
@@ -264,8 +280,8 @@ class TextCodec:
         return ids
 
     def _checked(self, ids: list[int]) -> list[int]:
-        if any(i in self.control_ids for i in ids):
-            raise InputError("this tokenizer cannot encode the text of a control token in a message as text (it maps it to the control id)")
+        if any(i in self.markup_ids for i in ids):
+            raise InputError("this tokenizer cannot encode the text of a control or markup token in a message as text (it maps it to the token's id)")
         return list(ids)
 
     def _batch(self, tok, texts: list[str]):
@@ -283,7 +299,7 @@ class TextCodec:
 
     def _text_tokenizer(self) -> tuple:
         """``(tokenizer, separator, separator id)``: a copy of the tokenizer that encodes
-        every control token's string as text (each marked special, special tokens encoded
+        every control or markup token's string as text (each marked special, special tokens encoded
         as text: ``encode_special_tokens``), plus a separator added token (random
         private-use characters, non-special: still split out) that stands for a control
         token when a segment is tokenized alone. Built on first use (about 0.3 s for a
@@ -294,7 +310,7 @@ class TextCodec:
 
                 d = json.loads(self.tokenizer.to_str())
                 for t in d.get("added_tokens", []):
-                    if t["id"] in self.control_ids:
+                    if t["id"] in self.markup_ids:  # text here: a placeholder's string, a completions prompt's in text mode
                         t["special"] = True
                 tok = Tokenizer.from_str(json.dumps(d))
                 tok.encode_special_tokens = True
