@@ -88,21 +88,38 @@ def memory_parts(pid: int, largest: int = 8) -> dict:
     return out
 
 
+def _on_kernels(engines: Path) -> set:
+    """The roles the server runs on specrt's kernels (the folder's default backend:
+    :func:`specrt.runtime.target_path.choose_backend`; the draft with the target where it
+    has panels)."""
+    from specrt.runtime.manifest import load_manifest
+    from specrt.runtime.target_path import choose_backend
+
+    m = load_manifest(engines, verify_hashes=False)
+    if choose_backend(None, m) != "kernels":
+        return set()
+    return {r for r in ("target", "draft") if (m.extra.get("kernels") or {}).get(r)}
+
+
 def kv_bytes_per_token(engines: Path) -> int:
     """KV-cache bytes one token occupies in the draft and the target together (bytes): per
-    model ``n_layers x 2 (K, V) x n_kv_heads x head_dim x itemsize(kv_dtype)``, from the
-    folder's ``manifest.json``. Raises OSError/KeyError for a folder without a manifest."""
+    model ``n_layers x 2 (K, V) x n_kv_heads x head_dim x itemsize``, from the folder's
+    ``manifest.json``: the manifest's ``kv_dtype`` on onnxruntime, f16 (2 bytes) on specrt's
+    kernels. Raises OSError/KeyError for a folder without a manifest."""
     m = json.loads((engines / "manifest.json").read_text())
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[m["kv_dtype"]]
-    return sum(m[k]["n_layers"] * 2 * m[k]["n_kv_heads"] * m[k]["head_dim"] * itemsize for k in ("draft", "target"))
+    kern = _on_kernels(engines)
+    return sum(m[k]["n_layers"] * 2 * m[k]["n_kv_heads"] * m[k]["head_dim"] * (2 if k in kern else itemsize) for k in ("draft", "target"))
 
 
 def memory_sizes(engines: Path, budget: int, slots: int) -> tuple[float, float, float]:
     """(the budget's KV, the KV buffers of ``slots`` workers or slots at ``max_ctx``, the
-    folder's ONNX files), MiB (:func:`kv_bytes_per_token`'s errors)."""
+    weights the server maps: each model's ONNX files, or its kernel panels where it runs on
+    them), MiB (:func:`kv_bytes_per_token`'s errors)."""
     per_token = kv_bytes_per_token(engines)
     max_ctx = json.loads((engines / "manifest.json").read_text())["max_ctx"]
-    weights = sum(f.stat().st_size for f in engines.iterdir() if ".onnx" in f.name)
+    kern = _on_kernels(engines)
+    weights = sum(f.stat().st_size for f in engines.iterdir() if (f.name.split(".")[0] in kern and f.suffix == ".panels") or (f.name.split(".")[0] not in kern and ".onnx" in f.name))
     return budget * per_token / 2**20, slots * max_ctx * per_token / 2**20, weights / 2**20
 
 
