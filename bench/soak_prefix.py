@@ -119,7 +119,11 @@ def memory_sizes(engines: Path, budget: int, slots: int) -> tuple[float, float, 
     per_token = kv_bytes_per_token(engines)
     max_ctx = json.loads((engines / "manifest.json").read_text())["max_ctx"]
     kern = _on_kernels(engines)
-    weights = sum(f.stat().st_size for f in engines.iterdir() if (f.name.split(".")[0] in kern and f.suffix == ".panels") or (f.name.split(".")[0] not in kern and ".onnx" in f.name))
+    weights = sum(
+        f.stat().st_size
+        for f in engines.iterdir()
+        if (f.name.split(".")[0] in kern and f.suffix == ".panels") or (f.name.split(".")[0] not in kern and ".onnx" in f.name)
+    )
     return budget * per_token / 2**20, slots * max_ctx * per_token / 2**20, weights / 2**20
 
 
