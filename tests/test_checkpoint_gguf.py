@@ -39,6 +39,16 @@ def _logits(folder: Path, precision: str, tmp: Path, role: str = "target") -> tu
     return got, ref
 
 
+def _assert_close_to_pytorch(folder: Path, tmp: Path) -> None:
+    """A saved random model, given the embedded pair's tokenizer, written at Q8_0: its kernels'
+    logits within 2% of PyTorch float32, top-1 >= 0.9."""
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "models" / "target" / f, folder / f)
+    got, ref = _logits(folder, "int8", tmp)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.02
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+
+
 @pytest.mark.parametrize("precision,bound", [("int8", 0.01), ("int4", 0.04)])
 def test_embedded_target_logits_match_pytorch(tmp_path, precision, bound):
     """models/target (llama: q/k rows permuted to GGUF's interleaved RoPE pairs, tied head):
@@ -54,7 +64,6 @@ def test_qwen2_checkpoint_logits_match_pytorch(tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    src = REPO / "models" / "target"
     cfg = Qwen2Config(
         vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -67,11 +76,7 @@ def test_qwen2_checkpoint_logits_match_pytorch(tmp_path):
                 p.normal_(0, 0.2)  # biases are zeros at init: make them matter
     folder = tmp_path / "qwen2"
     model.save_pretrained(folder)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, folder / f)
-    got, ref = _logits(folder, "int8", tmp_path)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.02
-    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+    _assert_close_to_pytorch(folder, tmp_path)
 
 
 def test_phi3_checkpoint_logits_match_pytorch(tmp_path):
@@ -81,7 +86,6 @@ def test_phi3_checkpoint_logits_match_pytorch(tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    src = REPO / "models" / "target"
     cfg = Phi3Config(
         vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=None, pad_token_id=0,
@@ -90,11 +94,7 @@ def test_phi3_checkpoint_logits_match_pytorch(tmp_path):
     torch.manual_seed(1)
     folder = tmp_path / "phi3"
     Phi3ForCausalLM(cfg).float().eval().save_pretrained(folder)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, folder / f)
-    got, ref = _logits(folder, "int8", tmp_path)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.02
-    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+    _assert_close_to_pytorch(folder, tmp_path)
 
 
 def test_fused_rows_that_do_not_add_up_are_refused(tmp_path):
