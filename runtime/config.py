@@ -21,6 +21,7 @@ from .errors import InputError
 __all__ = [
     "GenerationConfig",
     "STRATEGIES",
+    "SAMPLERS",
     "DEFAULT_CHUNK_BOUND",
     "MAX_STOPS",
     "DEFAULT_KEYS",
@@ -33,6 +34,7 @@ __all__ = [
     "check_confidence_temperature",
     "check_max_new_tokens",
     "check_sampling_params",
+    "check_sampler",
     "check_stops",
     "check_logprobs",
     "check_drafter",
@@ -42,6 +44,7 @@ __all__ = [
 ]
 
 STRATEGIES = ("full", "chunked", "lazy-head")  # verification strategies (specrt.runtime.decode)
+SAMPLERS = ("coupled", "rejection")  # speculative samplers (GenerationConfig.sampler)
 DEFAULT_CHUNK_BOUND = 0.5  # chunk_bound when neither the call nor the manifest sets one
 MAX_STOPS = 16  # most stop strings per call
 MAX_LOGPROBS = 20  # most alternatives per token in GenerationConfig.logprobs (OpenAI chat's top_logprobs bound)
@@ -74,8 +77,20 @@ class GenerationConfig:
             speculative sampling, Leviathan et al. 2023, Algorithm 1).
         top_k: keep the k most probable tokens (ties kept); 0 = off. Sampling only.
         top_p: nucleus mass in (0, 1]; 1 = off. Sampling only (applied after top-k).
-        seed: seed of the call's ``numpy.random.Generator(PCG64(seed))``; None = fresh
-            entropy. The same seed and settings give the same tokens.
+        seed: the call's seed (an integer >= 0); None = fresh entropy. Under a seed the
+            tokens depend on the seed, the prompt and the warp only: speculative or not, any
+            ``k_max``, drafter or threshold, alone or batched, cached or cold (the
+            ``coupled`` sampler, below).
+        sampler: how sampled tokens are drawn under speculation, one of :data:`SAMPLERS`;
+            None = ``coupled`` with a seed, ``rejection`` without. ``coupled``: each
+            position's token is the target's exponential race with noise keyed by (seed,
+            position), and candidates race with the same noise
+            (:mod:`specrt.runtime.coupling`; Daliri et al. 2024), so the output is the
+            target-only output of that seed. ``rejection``: Leviathan et al. 2023,
+            Algorithm 1 (:mod:`specrt.runtime.sampling`), which accepts more candidates
+            when the draft is a model (1 - TV(p, q) against >= (1 - TV) / (1 + TV)) but
+            whose draws depend on how many candidates each round drew. Both follow the
+            target's warped distribution exactly. Greedy decoding ignores it.
         stop: stop strings (at most :data:`MAX_STOPS`, each a non-empty ``str`` without
             U+FFFD; a single ``str`` is one stop). The output ends at the first match
             (exact rule: :mod:`specrt.runtime.textstream`).
@@ -137,6 +152,7 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    sampler: str | None = None
     stop: tuple[str, ...] = ()
     confidence_temperature: float | None = None
     strategy: str | None = None
@@ -265,6 +281,20 @@ def check_drafter(name) -> str:
     return name
 
 
+def check_sampler(name, seed) -> str:
+    """``name`` if it is one of :data:`SAMPLERS`; None gives ``coupled`` when ``seed`` is set
+    (a seed pins the output), else ``rejection``.
+
+    Raises:
+        InputError: (param ``sampler``) otherwise.
+    """
+    if name is None:
+        return "rejection" if seed is None else "coupled"
+    if not isinstance(name, str) or name not in SAMPLERS:
+        raise InputError(f"sampler={name!r}; sampler must be one of {', '.join(SAMPLERS)} (or None: coupled with a seed)", "sampler")
+    return name
+
+
 def check_adaptive(v) -> bool:
     """``v`` if it is a bool.
 
@@ -351,6 +381,7 @@ def resolve_config(config: GenerationConfig, defaults: Mapping[str, Any], k_rang
         top_k=int(config.top_k),
         top_p=float(config.top_p),
         seed=None if config.seed is None else int(config.seed),
+        sampler=check_sampler(config.sampler, config.seed),
         stop=check_stops(config.stop),
         confidence_temperature=check_confidence_temperature(pick("confidence_temperature", "draft_confidence_temperature", 1.0)),
         strategy=check_strategy(pick("strategy", "strategy", "full")),

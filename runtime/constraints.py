@@ -461,6 +461,10 @@ class ConstrainedAcceptor:
         self.dead[:] = [False] * len(self.dead)
 
     # ---- the Acceptor protocol -------------------------------------------------------
+    def start(self, pos: int) -> None:
+        """Forwarded."""
+        self.inner.start(pos)
+
     def draft(self, row: np.ndarray, i: int) -> tuple[int, float]:
         """Draft step i on the masked row (state: committed + c_1..c_i)."""
         x, conf = self.inner.draft(self._row(row, self._penalty(i), 0), i)

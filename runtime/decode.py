@@ -36,7 +36,8 @@ in speculative and target-only decoding, so the greedy outputs are equal bit for
 The acceptor decides the tokens: :class:`~specrt.runtime.speculative.GreedyAcceptor`
 (argmax; the output is the target's own greedy output) or
 :class:`~specrt.runtime.sampling.SampledAcceptor` (exact speculative sampling; the output
-follows the target's warped distribution). The loop yields one :class:`Round` record per
+follows the target's warped distribution) or :class:`~specrt.runtime.coupling.CoupledAcceptor`
+(the same distribution, and under one seed the target-only tokens whatever the rounds did). The loop yields one :class:`Round` record per
 round; statistics, traces and server metrics read those records (the loop has no hooks).
 """
 
@@ -94,6 +95,13 @@ class Acceptor(Protocol):
 
     greedy: bool
     propose_below: bool
+
+    def start(self, pos: int) -> None:
+        """The next token decided goes to sequence position ``pos`` (prompt included): the
+        round's c_1 and row 0, the prefill's first token, a batched step's token. Draft step
+        i and target row r then decide position ``pos + i`` / ``pos + r`` (a coupled
+        sampler keys its noise by position: :mod:`specrt.runtime.coupling`)."""
+        ...
 
     def draft(self, row: np.ndarray, i: int) -> tuple[int, float]:
         """Candidate i of the round from a draft logits row, and its confidence."""
@@ -355,6 +363,7 @@ def draft_round(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, pla
     steps: list = []
     pre: list | None = [] if plan.observe and acc.greedy else None
     t1 = clock()
+    acc.start(seq_len)
     drafter.model_calls = 0
     drafter.forced_steps.clear()
     cands, confs = propose(drafter.steps(seq, acc, steps, pre), n_max, plan.threshold, plan.eos, acc.propose_below)
@@ -487,6 +496,7 @@ def prefill(target: Model, seq: list[int], plan: Plan, acc: Acceptor, kv: KVLeng
     reused, run, aligned = prefill_calls(cached, seq, target.max_q, plan.min_q, plan.tail_q, plan.avoid, plan.any_layout)
     for i, (a, b) in enumerate(run):
         rows = run_tail(target, seq[a:b], a, 1 if i == len(run) - 1 else 0)  # only the last row is read
+    acc.start(n_fed)
     first = acc.bonus(0, rows[-1])
     new, ended, forced = commit_forced(([first], first in plan.eos), n_fed, n_prompt, plan, acc)
     seq.extend(new)
@@ -515,6 +525,7 @@ def bonus_round(seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: A
     after it) and returns the record (``seconds``: this generation's share of the call;
     ``exact``: the call's rows are a batch-1 call's bit for bit, so its KV row stays
     reusable, else ``kv.batched_from`` marks it)."""
+    acc.start(len(seq))
     tok = acc.bonus(0, row)
     if not exact and kv.batched_from is None:  # rows from here on are not a batch-1 call's (prefix reuse stops here)
         kv.batched_from = kv.target

@@ -26,6 +26,7 @@ from .backends.base import SplitsHead, ThreadConfig, is_width_exact, reduces_hea
 from .chunks import PREFILL_CHUNK
 from .config import GenerationConfig, resolve_config
 from .constraints import ConstrainedAcceptor, GrammarTokenizer, check_logit_bias
+from .coupling import CoupledAcceptor
 from .decode import Plan, Round, decode
 from .errors import BackendError, EngineError, InputError
 from .flops import flop_coefficients
@@ -383,11 +384,14 @@ class Engine:
 
     def acceptor(self, cfg: GenerationConfig):
         """The acceptor of one generation with resolved settings ``cfg``: greedy
-        (temperature 0) or exact speculative sampling, with its own buffers and generator;
+        (temperature 0) or exact speculative sampling (``cfg.sampler``: coupled or rejection),
+        with its own buffers and generator;
         with a constraint or a logit bias, wrapped in a
         :class:`~specrt.runtime.constraints.ConstrainedAcceptor` (its own matcher)."""
         manifest = self.manifest
-        if cfg.temperature > 0.0:
+        if cfg.temperature > 0.0 and cfg.sampler == "coupled":
+            acc = CoupledAcceptor(manifest.vocab_size, manifest.k_max, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+        elif cfg.temperature > 0.0:
             acc = SampledAcceptor(manifest.vocab_size, manifest.k_max, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
         else:
             acc = GreedyAcceptor(manifest.vocab_size, self.draft.vocab, 1.0 / cfg.confidence_temperature)

@@ -113,6 +113,10 @@ class LogprobRecorder:
         self.greedy, self.propose_below = inner.greedy, inner.propose_below
         self._entries: list[TokenLogprob] = []
 
+    def start(self, pos: int) -> None:
+        """Forwarded."""
+        self.inner.start(pos)
+
     def draft(self, row: np.ndarray, i: int) -> tuple[int, float]:
         """Forwarded (draft rows carry no target logprob)."""
         return self.inner.draft(row, i)

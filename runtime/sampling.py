@@ -328,6 +328,10 @@ class SampledAcceptor:
         acc._warp = lambda row, out: np.copyto(out, row) or out
         return acc
 
+    def start(self, pos: int) -> None:
+        """Nothing depends on the position."""
+        return None
+
     def draft(self, row: np.ndarray, i: int) -> tuple[int, float]:
         """Candidate ``i``: x ~ q from a draft logits row (q kept in ``q_rows[i]``); returns
         (x, q(x)), the confidence the threshold rule reads. One draw."""

@@ -319,6 +319,10 @@ class GreedyAcceptor:
         self.scratch = np.empty(draft_width, np.float32)  # top1's softmax work buffer, reused
         self._last = -1
 
+    def start(self, pos: int) -> None:
+        """Nothing depends on the position."""
+        return None
+
     def draft(self, row: np.ndarray, i: int) -> tuple[int, float]:
         """Candidate ``i`` of a round and its confidence from a draft logits row: the
         argmax and its softmax(logits / T) probability (:func:`top1`)."""
