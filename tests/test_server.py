@@ -101,6 +101,8 @@ def test_completion_and_stream_equal_cli_generate(server, tiny_pair, engine, set
     sp = u["speculative"]
     # the same settings give the same rounds: statistics equal the in-process call's
     assert (sp["proposed"], sp["accepted"], sp["passes"]) == (ref.stats.proposed, ref.stats.accepted, ref.stats.passes)
+    details = u["completion_tokens_details"]
+    assert (details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]) == (ref.stats.accepted, ref.stats.proposed - ref.stats.accepted)
     assert sp["accepted_hist"] == ref.stats.accepted_hist
     assert sp["acceptance_rate"] == pytest.approx(ref.stats.accepted / ref.stats.proposed, abs=1e-6)
     assert sp["mean_accepted"] == pytest.approx(ref.stats.accepted / ref.stats.passes, abs=1e-6)

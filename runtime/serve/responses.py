@@ -95,6 +95,9 @@ def usage_block(results: Sequence, prompt_tokens: int | None = None) -> dict:
         "total_tokens": prompt + new,
         # as OpenAI reports prompt caching: prompt tokens whose KV came from an earlier request
         "prompt_tokens_details": {"cached_tokens": max(s.cached_tokens for s in st)},
+        # OpenAI's own fields for predicted tokens (Predicted Outputs), which agent
+        # frameworks already read: draft candidates the target accepted / rejected
+        "completion_tokens_details": {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": proposed - accepted},
         "speculative": {
             "proposed": proposed,
             "accepted": accepted,
