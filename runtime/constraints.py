@@ -440,8 +440,10 @@ class ConstrainedAcceptor:
 
     def _row(self, row: np.ndarray, pen: np.ndarray | None, buf: int) -> np.ndarray:
         """``row`` plus its penalty row (the mask and the logit bias; a forced or dead state's
-        one-hot row carries no bias), in a work row; ``row`` itself without one."""
-        if pen is None:
+        one-hot row carries no bias), in a work row; ``row`` itself without one, or when the
+        target's head already reduced it with that penalty row (a 0-d token:
+        :meth:`penalties`)."""
+        if pen is None or row.ndim == 0:
             return row
         out = self.work[buf]
         np.add(row[: self.vocab], pen, out=out)
@@ -489,6 +491,15 @@ class ConstrainedAcceptor:
         t = self.inner.bonus(r, self._row(row, self._penalty(r), 1))
         self._settle(r, t)
         return t
+
+    def penalties(self, n: int) -> list[np.ndarray | None]:
+        """The penalty rows of verification rows 0..n of this round (the round's n candidates
+        drafted), float32 ``[vocab]`` each, or None for a row without one (after an end of
+        generation among the candidates; no constraint and no bias): what the target's
+        reduced head adds before it takes each row's argmax (``Plan.argmax``), so the greedy
+        token is this acceptor's masked row's, bit for bit, without a logits row. Computes
+        row n's mask too (state: every candidate consumed)."""
+        return [self._penalty(r) for r in range(n + 1)]
 
     def forced(self, limit: int) -> list[int]:
         """Tokens the grammar forces after the last commit (at most ``limit``), consumed,

@@ -79,6 +79,7 @@ __all__ = [
     "chunk_bounds",
     "call_start",
     "adaptive_policy",
+    "reads_reduced_rows",
 ]
 
 Call = tuple  # (positions through the body, past length, rows projected to logits) of one target call
@@ -163,11 +164,14 @@ class Plan:
             :class:`~specrt.runtime.adaptive.AdaptiveK` from these per-call costs (seconds of
             a target call of width q = 1..k_max+1, of a draft step) and the request's running
             acceptance (``prior`` before any round).
-        argmax: greedy verification with nothing but the token to read (no logprobs, logit
-            bias, constraint or observe): the ``full`` strategy's call returns each row's
-            argmax over ids ``[0, argmax)`` (the target's ``run_argmax``: the LM head reduced
-            in the kernels, no logits row written), which the greedy acceptor reads as the
-            row's token; 0: logits rows. Used where the target offers it (``argmax_head``).
+        argmax: greedy verification with nothing but the token to read (no logprobs or
+            observe): the ``full`` strategy's call returns each row's argmax over ids
+            ``[0, argmax)`` (the target's ``run_argmax``: the LM head reduced in the kernels,
+            no logits row written), which the greedy acceptor reads as the row's token; under
+            a constraint or logit bias each row's penalty row (``acc.penalties``) is added in
+            the kernels first, so the token is the masked row's argmax, bit for bit as numpy's
+            (:mod:`specrt.runtime.constraints`); 0: logits rows. Used where the target offers
+            it (``argmax_head``).
     """
 
     k_max: int
@@ -280,7 +284,7 @@ def verify(cands: Sequence[int], blocks, acc: Acceptor) -> tuple[int, int]:
     raise AssertionError(f"verification blocks ended before row {n}")  # pragma: no cover
 
 
-def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, confs: Sequence[float], plan: Plan, calls: list) -> Iterator:
+def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, confs: Sequence[float], plan: Plan, calls: list, acc=None) -> Iterator:
     """Blocks of target logits for the verification rows ``[pending, c_1..c_n]`` (pending =
     ``seq[-1]``, at position ``len(seq) - 1``), computed only when pulled (see :func:`verify`);
     each target call is appended to ``calls``. Strategy per the module docstring; chunks
@@ -289,6 +293,8 @@ def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, c
     Every call is at least ``plan.min_q`` wide where the committed prefix allows: it starts
     at :func:`call_start` (``valid`` = the target's valid KV length), recomputing committed
     tokens before the pending one, and the rows before the verification rows are dropped.
+    With ``plan.argmax``, an acceptor that has ``penalties`` (a constraint) gives the
+    reduced head each verification row's penalty row.
     """
     pend, n, min_q = len(seq) - 1, len(cands), plan.min_q
 
@@ -299,7 +305,8 @@ def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, c
         toks, s, off = verification_call(seq, cands, valid, min_q)
         calls.append((len(toks), s, len(toks)))
         if plan.argmax and reduces_head(target):
-            yield 0, target.run_argmax(toks, s, plan.argmax)[off:]  # each row's token (Plan.argmax)
+            pens = acc.penalties(n) if hasattr(acc, "penalties") else None  # a constraint's masks, added in C
+            yield 0, target.run_argmax(toks, s, plan.argmax, None if pens is None else [None] * off + pens)[off:]  # each row's token (Plan.argmax)
         else:
             yield 0, target.run(toks, s)[off:]
         return
@@ -416,7 +423,7 @@ def one_round(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan:
     choosing how many candidates this round may propose (None: up to ``k_max``).
     :func:`draft_round`, :func:`verify` over :func:`target_blocks`, :func:`end_round`."""
     d = draft_round(target, seq, n_prompt, kv, plan, acc, drafter, policy)
-    m, token = verify(d.cands, target_blocks(target, seq, d.cands, kv.target, d.confs, plan, d.calls), acc)
+    m, token = verify(d.cands, target_blocks(target, seq, d.cands, kv.target, d.confs, plan, d.calls, acc), acc)
     return end_round(d, m, token, time.perf_counter() - d.t2, seq, n_prompt, kv, plan, acc, drafter, policy)
 
 
@@ -560,7 +567,7 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     """
     seq, kv = list(prompt), KVLengths()
     n_prompt = len(seq)
-    if plan.argmax and type(acc) is not GreedyAcceptor:  # a caller's acceptor may read whole rows (a LogprobRecorder does)
+    if plan.argmax and not reads_reduced_rows(acc):  # a caller's acceptor may read whole rows (a LogprobRecorder does)
         plan = replace(plan, argmax=0)
     rec = prefill(target, seq, plan, acc, kv)
     drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max)
@@ -570,6 +577,13 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
         if rec.finish is not None:
             return
         rec = one_round(target, seq, n_prompt, kv, plan, acc, drafter, policy)
+
+
+def reads_reduced_rows(acc) -> bool:
+    """Whether ``acc`` decides from each verification row's reduced token alone (``Plan.argmax``):
+    the greedy acceptor, or a constraint over it (which gives the call its rows' penalty rows,
+    ``penalties``, so the head reduces the masked, biased rows)."""
+    return type(acc) is GreedyAcceptor or (hasattr(acc, "penalties") and type(getattr(acc, "inner", None)) is GreedyAcceptor)
 
 
 def _draft_tail(draft: Model, seq: list[int], n_prompt: int, draft_kv: int, acc: Acceptor) -> tuple | None:

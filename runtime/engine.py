@@ -389,12 +389,7 @@ class Engine:
         with a constraint or a logit bias, wrapped in a
         :class:`~specrt.runtime.constraints.ConstrainedAcceptor` (its own matcher)."""
         manifest = self.manifest
-        if cfg.temperature > 0.0 and cfg.sampler == "coupled":
-            acc = CoupledAcceptor(manifest.vocab_size, manifest.k_max, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
-        elif cfg.temperature > 0.0:
-            acc = SampledAcceptor(manifest.vocab_size, manifest.k_max, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
-        else:
-            acc = GreedyAcceptor(manifest.vocab_size, self.draft.vocab, 1.0 / cfg.confidence_temperature)
+        acc = base_acceptor(cfg, manifest.vocab_size, manifest.k_max, self.draft.vocab)
         if cfg.constraint is None and not cfg.logit_bias:
             return acc
         matcher = self.grammar_tokenizer().matcher(cfg.constraint) if cfg.constraint is not None else None
@@ -528,11 +523,23 @@ def _adaptive_costs(eng: Engine) -> tuple:
     return (tuple(costs.target(q) for q in range(1, m.k_max + 2)), costs.draft_s_per_call, prior)
 
 
+def base_acceptor(cfg: GenerationConfig, vocab: int, k_max: int, draft_vocab: int):
+    """The acceptor of resolved settings ``cfg`` before any constraint: greedy (temperature
+    0), the coupled sampler (``cfg.sampler`` "coupled": :mod:`specrt.runtime.coupling`) or
+    Algorithm 1 (:class:`~specrt.runtime.sampling.SampledAcceptor`); ``vocab`` the real
+    vocabulary, ``k_max`` the engines' widest round, ``draft_vocab`` the draft rows' width."""
+    if cfg.temperature > 0.0 and cfg.sampler == "coupled":
+        return CoupledAcceptor(vocab, k_max, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+    if cfg.temperature > 0.0:
+        return SampledAcceptor(vocab, k_max, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+    return GreedyAcceptor(vocab, draft_vocab, 1.0 / cfg.confidence_temperature)
+
+
 def argmax_only(cfg: GenerationConfig, target, observe: bool) -> bool:
-    """Whether greedy verification may read only each row's argmax (``Plan.argmax``): plain
-    greedy (no logprobs, logit bias, constraint or observe), on a target whose kernels reduce
-    the head (``argmax_head``)."""
-    plain = cfg.temperature == 0.0 and cfg.logprobs is None and cfg.constraint is None and not cfg.logit_bias and not observe
+    """Whether greedy verification may read only each row's argmax (``Plan.argmax``): greedy
+    without logprobs or observe (a constraint or logit bias gives the kernels its penalty rows),
+    on a target whose kernels reduce the head (``argmax_head``)."""
+    plain = cfg.temperature == 0.0 and cfg.logprobs is None and not observe
     return plain and reduces_head(target)
 
 

@@ -228,6 +228,44 @@ def test_logit_bias_is_exact_under_speculation(engine):
     assert forced.tokens == [42] * 8
 
 
+@needs_default
+def test_constrained_greedy_on_reduced_rows_equals_masking_full_rows(engine, monkeypatch):
+    """Constrained greedy verification on specrt's kernels reduces each row in C with its
+    penalty row (``Plan.argmax`` with ``ConstrainedAcceptor.penalties``: no logits row), and
+    its tokens equal those of masking full logits rows in numpy (the same request with
+    ``logprobs``, which reads whole rows), at every verification width (k 1..8, threshold 0),
+    under a JSON schema, a logit bias and both; target-only too. Most calls did carry
+    penalty rows."""
+    from specrt.runtime.decode import Plan  # noqa: F401  (the path under test)
+
+    if not getattr(engine.target, "argmax_head", False):
+        pytest.skip("the target's head is not reduced here (not specrt's kernels)")
+    calls = {"pens": 0, "plain": 0}
+    run_argmax = engine.target.run_argmax
+
+    def spy(toks, start, n, pens=None):
+        calls["pens" if pens is not None and any(p is not None for p in pens) else "plain"] += 1
+        return run_argmax(toks, start, n, pens)
+
+    monkeypatch.setattr(engine.target, "run_argmax", spy)
+    plain = engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=NEW, speculative=False)).tokens
+    bias = {str(t): -100 for t in sorted(set(plain), key=plain.count)[-2:]} | {"90": 4.5}
+    cases = [
+        dict(constraint=Constraint.json_schema(SCHEMAS["nested"])),
+        dict(logit_bias=bias),
+        dict(constraint=Constraint.json_schema(SCHEMAS["person"]), logit_bias={"1": -100, "90": 3.0}),
+    ]
+    for kw in cases:
+        for prompt in PROMPTS:
+            want = engine.generate(prompt, GenerationConfig(max_new_tokens=NEW, speculative=False, logprobs=0, **kw))
+            assert want.logprobs is not None  # the full-row path
+            for k in (None, 1, 2, 3, 4, 5, 6, 7, 8):
+                cfg = GenerationConfig(max_new_tokens=NEW, speculative=k is not None, k_max=k, threshold=0.0, **kw)
+                got = engine.generate(prompt, cfg)
+                assert got.tokens == want.tokens, (kw, prompt[:20], k)
+    assert calls["pens"] > 10 * max(1, calls["plain"]), calls
+
+
 def test_logit_bias_validation():
     assert check_logit_bias({"5": -100, 3: 2.5}, 10) == ((3, 2.5), (5, -100.0))
     for bad, needle in [({"x": 1}, "not a token id"), ({"10": 1}, "0..9"), ({"1": 101}, "[-100, 100]"), ({"1": True}, "[-100, 100]"), (5, "maps token ids")]:

@@ -333,6 +333,48 @@ def test_the_argmax_head_is_numpys_argmax():
     K.start_team(2)
 
 
+def _penalty_rows(rng, q: int, n: int) -> list:
+    """Penalty rows as a grammar and a logit bias make them (0 / -inf, plus biases; one row
+    allows one id alone, one allows nothing but a NaN-logit id, one is None)."""
+    pens = []
+    for r in range(q):
+        allowed = rng.random(n) < (0.02 if r % 2 else 0.6)
+        pen = np.where(allowed, 0.0, -np.inf).astype(np.float32)
+        pen[rng.integers(0, n, 40)] += rng.uniform(-100, 100, 40).astype(np.float32)  # logit bias
+        pens.append(pen)
+    pens[1][:] = -np.inf
+    pens[1][4999] = 0.0  # forced: one id alone
+    pens[2] = None  # a row without a constraint (after an end of generation)
+    return pens
+
+
+def test_the_argmax_head_with_penalty_rows_is_numpys_argmax_of_the_masked_row():
+    """Constrained greedy decoding in the reduced head: with a penalty row (a grammar's
+    0 / -inf mask plus a logit bias) a row's token == np.argmax(np.add(row, pen)) (what
+    ConstrainedAcceptor makes of a written row), bit for bit: a NaN logit where the mask bans
+    the id still ranks highest (NaN + -inf is NaN), a tie between allowed ids goes to the
+    first; every ISA path, 1 and 2 threads; rows without a penalty row are plain."""
+    rng = np.random.default_rng(11)
+    n = 5003
+    x = rng.standard_normal((8, n)).astype(np.float32)
+    x[3, 77] = np.nan  # banned or not, a NaN is what numpy's argmax of the masked row finds
+    x[4, [10, 4000]] = 30.0
+    pens = _penalty_rows(rng, len(x), n)
+    pens[4][[10, 4000]] = 0.0  # a tie of allowed ids across chunks
+    want = np.array([np.argmax(x[r] if p is None else np.add(x[r], p)) for r, p in enumerate(pens)])
+    assert want[1] == 4999 and np.isnan(np.add(x[3], pens[3])[want[3]])
+    assert (want != x.argmax(1)).sum() >= 5  # the masks change most rows' tokens
+    for isa in ISAS:
+        for th in (1, 2):
+            ids, vals = K.argmax(x, isa, th, pens=pens)
+            np.testing.assert_array_equal(ids, want, err_msg=f"{isa} {th} threads")
+            masked = np.array([(x[r] if p is None else np.add(x[r], p))[want[r]] for r, p in enumerate(pens)], np.float32)
+            np.testing.assert_array_equal(bits(vals), bits(masked), err_msg=f"{isa} {th} threads")
+    K.start_team(2)
+    with pytest.raises(ValueError, match="need a contiguous float32 row of at least 5003"):
+        K.argmax(x, pens=[np.zeros(5002, np.float32)] * len(x))
+
+
 def test_the_reduced_heads_confidence_is_the_softmax_probability():
     """With 1/T > 0 the reduced head gives the first maximum's softmax probability (what a
     greedy draft step reads): numpy's top1 within float32 rounding, the same bits on every ISA
@@ -427,6 +469,17 @@ def test_run_argmax_is_the_argmax_of_run(tiny):
     K.start_team(2)
     with pytest.raises(InputError, match="n_valid=513; it must be in 1..512"):
         m.run_argmax([1], 0, 513)
+    # with penalty rows (constrained greedy verification): np.argmax of the masked row, every width
+    rng = np.random.default_rng(3)
+    for n_valid in (512, 301):
+        for q in range(1, K_MAX + 2):
+            pens = [np.where(rng.random(n_valid) < 0.1, 0.0, -np.inf).astype(np.float32) for _ in range(q)]
+            pens[0] = None if q > 1 else pens[0]
+            rows = base[30 : 30 + q, :n_valid]
+            want = [np.argmax(r if p is None else np.add(r, p)) for r, p in zip(rows, pens)]
+            np.testing.assert_array_equal(m.run_argmax(PROMPT[30 : 30 + q], 30, n_valid, pens), want, err_msg=f"q={q} n_valid={n_valid}")
+    with pytest.raises(InputError, match="pens has 1 rows for a call of 2"):
+        m.run_argmax([1, 2], 0, 512, [None])
     # a NaN maximum is reported (-1: the greedy acceptor refuses it), never a token
     keep = w.model.out_norm
     nan = np.full(int(w.dims["n_embd"]), np.nan, np.float32)

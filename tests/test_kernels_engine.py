@@ -100,16 +100,18 @@ def test_speculative_equals_target_only_on_the_kernels(engine, k):
 def test_greedy_rounds_read_reduced_heads_and_equal_full_rows(engine, monkeypatch):
     """Plain greedy verification reads each row's token from the kernels' argmax head, and
     each draft step its token and confidence from the draft's reduced head (no logits row
-    written); anything that reads rows (logprobs, sampling, a logit bias) gets full rows.
-    Speculative output on reduced heads == target-only output on full logits rows, and
-    target-only on argmax rows too."""
+    written); anything that reads rows (logprobs, sampling) gets full rows, and a logit bias
+    (like a constraint) reduces the target's rows with its penalty rows while the draft's steps
+    read full rows. Speculative output on reduced heads == target-only output on full logits
+    rows, and target-only on argmax rows too."""
     from dataclasses import replace
 
     cfg = GenerationConfig(max_new_tokens=40, k_max=4, threshold=0.0)
     vocab = engine.manifest.vocab_size
     assert engine.plan(engine.resolve(cfg)).argmax == vocab
-    for other in (replace(cfg, logprobs=0), replace(cfg, temperature=0.7, seed=1), replace(cfg, logit_bias={5: -1.0})):
+    for other in (replace(cfg, logprobs=0), replace(cfg, temperature=0.7, seed=1)):
         assert engine.plan(engine.resolve(other)).argmax == 0
+    assert engine.plan(engine.resolve(replace(cfg, logit_bias={5: -1.0}))).argmax == vocab
     calls = []
     run_argmax = engine.target.run_argmax
     monkeypatch.setattr(engine.target, "run_argmax", lambda *a: calls.append(len(a[0])) or run_argmax(*a))
@@ -132,9 +134,10 @@ def test_greedy_rounds_read_reduced_heads_and_equal_full_rows(engine, monkeypatc
         assert spec.tokens == full.tokens == alone.tokens, p
         assert spec.text == full.text
     n, d = len(calls), len(steps)
-    for other in (replace(cfg, temperature=0.7, seed=1), replace(cfg, logit_bias={5: -1.0})):
-        engine.generate(PROMPTS[0], other)
-    assert (len(calls), len(steps)) == (n, d), "sampling and a logit bias read full rows, the target's and the draft's"
+    engine.generate(PROMPTS[0], replace(cfg, temperature=0.7, seed=1))
+    assert (len(calls), len(steps)) == (n, d), "sampling reads full rows, the target's and the draft's"
+    engine.generate(PROMPTS[0], replace(cfg, logit_bias={5: -1.0}))
+    assert len(calls) > n and len(steps) == d, "a logit bias: the target's rows reduced with it, the draft's full"
 
 
 def test_a_repeated_prompt_reuses_rows_and_equals_its_cold_run(folder):

@@ -405,7 +405,9 @@ def test_c_refuses_what_python_would_never_send(tiny):
     aid, av = np.zeros(1, np.int32), np.zeros(1, np.float32)
     kv = ctypes.byref(m._kv)
     assert lib.sk_step(isa, ctypes.byref(w.model), kv, w.scratch, ids.ctypes.data, 1, 2**31 - 1, out.ctypes.data, 512, 0) == -2
-    assert lib.sk_step_argmax(isa, ctypes.byref(w.model), kv, w.scratch, ids.ctypes.data, 1, 2**31 - 1, aid.ctypes.data, av.ctypes.data, 512, 0.0, 0) == -2
+    assert (
+        lib.sk_step_argmax(isa, ctypes.byref(w.model), kv, w.scratch, ids.ctypes.data, 1, 2**31 - 1, aid.ctypes.data, av.ctypes.data, 512, 0.0, 0, None) == -2
+    )
     assert lib.sk_step(isa, ctypes.byref(w.model), kv, w.scratch, ids.ctypes.data, 1, 64, out.ctypes.data, 512, 0) == -2
     bad = K.SkModel.from_buffer_copy(w.model)
     bad.tok_embd = K.SkMat(w.model.tok_embd.type, 1024, w.model.tok_embd.k, 0, w.model.tok_embd.w)

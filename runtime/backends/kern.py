@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import EngineError, InputError, NumericsError
-from ..kernels import SkKv, check_rc, isa_id
+from ..kernels import SkKv, check_rc, isa_id, penalty_pointers
 from ..kernels.weights import KernelWeights
 from .kv_layout import check_call, host_zeros, release_bytes, release_tail_rows
 
@@ -81,6 +81,7 @@ class KernelModel:
         self.ids = np.zeros(self.max_q, np.int32)
         self.argmax_ids = np.zeros(self.max_q, np.int32)  # run_argmax's rows: each row's greedy token ...
         self.argmax_vals = np.zeros(self.max_q, np.float32)  # ... and its logit
+        self._pen_ptrs = np.zeros(self.max_q, np.uint64)  # run_argmax's penalty rows' addresses (constrained greedy)
         self.argmax_head = weights.head_ids is None  # run_argmax needs the whole head (a trimmed one's ids are not the vocabulary's)
         self._conf = np.zeros(self.max_q, np.float32)  # run_top1's confidences
         self._top1_valid: dict[int, int] = {}  # run_top1's vocab -> head ids below it (a trimmed head's are sorted)
@@ -128,17 +129,21 @@ class KernelModel:
             self.logits[lo:q, w.head_ids] = self.head[lo:q]
         return self.logits[:q]
 
-    def run_argmax(self, tokens: Sequence[int] | np.ndarray, start: int, n_valid: int) -> np.ndarray:
+    def run_argmax(self, tokens: Sequence[int] | np.ndarray, start: int, n_valid: int, pens=None) -> np.ndarray:
         """As :meth:`run`, with the LM head reduced to each row's greedy token: what greedy
         verification reads (one ``sk_step_argmax`` call; no logits row is written).
 
         Row r's entry is ``np.argmax(run(tokens, start)[r, :n_valid])`` (the same logits bit
         for bit, the first maximum), or -1 where that maximum is not finite (NaN or inf: the
         caller raises, as :func:`~specrt.runtime.speculative.argmax_token` does on the row).
+        With ``pens[r]`` it is ``np.argmax(np.add(row[:n_valid], pens[r]))``: constrained
+        greedy verification (:mod:`specrt.runtime.constraints`) without a logits row.
 
         Args:
             n_valid: ids ``[0, n_valid)`` compete (the tokenizer's vocabulary; padding ids
                 past it never win), ``1 <= n_valid <= vocab``.
+            pens: None, or one entry per call row: None or a contiguous float32 penalty row
+                of at least ``n_valid`` entries (a grammar's 0 / -inf mask plus a logit bias).
 
         Returns:
             int32 ``[q]``, a view of a buffer valid until the next call.
@@ -151,7 +156,9 @@ class KernelModel:
             raise RuntimeError("run_argmax needs the whole LM head; this model's head is trimmed (argmax_head is False)")
         if not 1 <= n_valid <= self.vocab:
             raise InputError(f"n_valid={n_valid}; it must be in 1..{self.vocab} (the head's ids)")
-        out, v = self._reduced(tokens, start, n_valid, 0.0, self.argmax_vals, 0)
+        if pens is not None and len(pens) != len(tokens):
+            raise InputError(f"pens has {len(pens)} rows for a call of {len(tokens)}; give one entry (None or a row) per row")
+        out, v = self._reduced(tokens, start, n_valid, 0.0, self.argmax_vals, 0, pens)
         if not np.isfinite(v).all():
             out[~np.isfinite(v)] = -1
         return out
@@ -190,16 +197,31 @@ class KernelModel:
         t = int(out[-1])
         return (t if self.w.head_ids is None else int(self.w.head_ids[t])), conf
 
-    def _reduced(self, tokens, start: int, n_valid: int, inv_temp: float, vals: np.ndarray, lo: int) -> tuple[np.ndarray, np.ndarray]:
-        """One ``sk_step_argmax`` call (rows ``[lo, q)`` reduced): views of its ids and vals."""
+    def _reduced(self, tokens, start: int, n_valid: int, inv_temp: float, vals: np.ndarray, lo: int, pens=None) -> tuple[np.ndarray, np.ndarray]:
+        """One ``sk_step_argmax`` call (rows ``[lo, q)`` reduced, ``pens`` per row of the call,
+        :func:`~specrt.runtime.kernels.penalty_pointers`): views of its ids and vals."""
         toks = self._tokens(tokens, start)
         q = len(toks)
         out, w = self.argmax_ids, self.w
+        pp = None
+        if pens is not None and any(p is not None for p in pens[lo:]):
+            pp = penalty_pointers(pens[lo:], n_valid, self._pen_ptrs).ctypes.data
         with w.lock:
             self._open()
             self.ids[:q] = toks
             rc = w.lib.sk_step_argmax(
-                self._isa, *self._args, w.scratch, self.ids.ctypes.data, q, start, out.ctypes.data, vals.ctypes.data, n_valid, inv_temp, lo
+                self._isa,
+                *self._args,
+                w.scratch,
+                self.ids.ctypes.data,
+                q,
+                start,
+                out.ctypes.data,
+                vals.ctypes.data,
+                n_valid,
+                inv_temp,
+                lo,
+                pp,
             )
         self._check(rc, q)
         return out[lo:q], vals[lo:q]

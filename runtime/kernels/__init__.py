@@ -39,10 +39,11 @@ __all__ = [
     "start_team",
     "source_hash",
     "argmax",
+    "penalty_pointers",
     "check_rc",
 ]
 
-ABI = 5  # sk.h's SK_ABI: the structs below and the entry points bound in _load
+ABI = 6  # sk.h's SK_ABI: the structs below and the entry points bound in _load
 ISAS = ("portable", "avx2", "avx512vnni")  # ids 0, 1, 2 (sk.h; the library's sk_isa_name agrees: tests)
 MAX_THREADS = 64  # sk.h's SK_MAX_THREADS: the most threads of the team (the library's sk_max_threads agrees)
 HERE = Path(__file__).resolve().parent
@@ -158,8 +159,22 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sk_scratch_attention.argtypes = [c_void_p, c_int, c_int, c_void_p]
     lib.sk_step.argtypes = [c_int, POINTER(SkModel), POINTER(SkKv), c_void_p, c_void_p, c_int, c_int, c_void_p, c_int, c_int]
     lib.sk_step_rows.argtypes = [c_int, POINTER(SkModel), c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int, c_int]
-    lib.sk_argmax.argtypes = [c_int, c_void_p, c_int, c_int, c_int, c_float, c_void_p, c_void_p, c_void_p]
-    lib.sk_step_argmax.argtypes = [c_int, POINTER(SkModel), POINTER(SkKv), c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_float, c_int]
+    lib.sk_argmax.argtypes = [c_int, c_void_p, c_int, c_int, c_int, c_float, c_void_p, c_void_p, c_void_p, c_void_p]
+    lib.sk_step_argmax.argtypes = [
+        c_int,
+        POINTER(SkModel),
+        POINTER(SkKv),
+        c_void_p,
+        c_void_p,
+        c_int,
+        c_int,
+        c_void_p,
+        c_void_p,
+        c_int,
+        c_float,
+        c_int,
+        c_void_p,
+    ]
     lib.sk_type_describe.argtypes = [c_int, POINTER(SkTypeDesc)]
     lib.sk_isa_name.restype = ctypes.c_char_p
     lib.sk_isa_name.argtypes = [c_int]
@@ -305,9 +320,39 @@ def _scratch_call(what: str, threads: int | None, q: int, k: int, call) -> None:
         lib.sk_scratch_free(s)
 
 
-def argmax(x: np.ndarray, isa: str | None = None, threads: int | None = None, inv_temp: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def penalty_pointers(pens, n: int, out: np.ndarray | None = None) -> np.ndarray | None:
+    """The ``pens`` argument of ``sk_step_argmax`` / ``sk_argmax``: one pointer per head row.
+
+    Args:
+        pens: a sequence (one entry per reduced row) of None (no penalty) or a C-contiguous
+            float32 row of at least ``n`` entries, or None (no row has one).
+        n: the ids that compete (the call's ``n_valid``).
+        out: uint64 buffer of at least ``len(pens)`` entries to fill (else a new one).
+
+    Returns:
+        uint64 array of addresses (0 = none), or None when ``pens`` is None. The rows must
+        stay alive until the call returns.
+
+    Raises:
+        ValueError: a row not float32, not contiguous, or shorter than ``n``.
+    """
+    if pens is None:
+        return None
+    ptrs = np.zeros(len(pens), np.uint64) if out is None else out
+    for r, p in enumerate(pens):
+        if p is None:
+            ptrs[r] = 0
+            continue
+        if p.dtype != np.float32 or not p.flags.c_contiguous or p.ndim != 1 or len(p) < n:
+            raise ValueError(f"penalty row {r}: {p.dtype} {list(p.shape)}; need a contiguous float32 row of at least {n} entries")
+        ptrs[r] = p.ctypes.data
+    return ptrs
+
+
+def argmax(x: np.ndarray, isa: str | None = None, threads: int | None = None, inv_temp: float = 0.0, pens=None) -> tuple[np.ndarray, np.ndarray]:
     """Each row's first maximum of float rows ``x [q, n]`` by the reduced head's own code (its
     chunks, scan, sums and merge: ``sk_step_argmax`` on rows the caller chooses; tests).
+    ``pens``: per row None or a float32 penalty row added first (:func:`penalty_pointers`).
 
     Returns:
         ``(ids int32 [q], vals float32 [q])``: ``np.argmax`` of each row (NaN ranks highest,
@@ -323,12 +368,14 @@ def argmax(x: np.ndarray, isa: str | None = None, threads: int | None = None, in
         raise ValueError(f"x is {list(x.shape)}; need [q, n] rows")
     q, n = x.shape
     ids, vals = np.empty(q, np.int32), np.empty(q, np.float32)
+    ptrs = penalty_pointers(pens, n)
+    pp = None if ptrs is None else ptrs.ctypes.data
     _scratch_call(
         "sk_argmax",
         threads,
         q,
         32,
-        lambda lib, s: lib.sk_argmax(isa_id(isa or cpu_isa()), x.ctypes.data, q, n, n, inv_temp, ids.ctypes.data, vals.ctypes.data, s),
+        lambda lib, s: lib.sk_argmax(isa_id(isa or cpu_isa()), x.ctypes.data, q, n, n, inv_temp, ids.ctypes.data, vals.ctypes.data, s, pp),
     )
     return ids, vals
 

@@ -237,9 +237,12 @@ SK_EXPORT int sk_step(int isa, const sk_model *m, const sk_kv *kv, void *scratch
  * and the first NaN wins; among equal maxima the lowest id), and vals[r]: its logit when
  * inv_temp <= 0, else its softmax probability at 1/T = inv_temp (NaN where the maximum is not
  * finite). No logits row is written: each thread keeps a few thousand logits in its cache at a
- * time. Every result is the same bits for any thread count and ISA path. */
+ * time. Every result is the same bits for any thread count and ISA path. pens (NULL: none):
+ * per row r in [lo, q), pens[r - lo] is NULL or a penalty row of n_valid floats the row's
+ * logits get added before the scan (constrained greedy decoding: a grammar's 0 / -inf mask
+ * plus a logit bias), the result numpy's argmax of np.add(logits_row, pen), bit for bit. */
 SK_EXPORT int sk_step_argmax(int isa, const sk_model *m, const sk_kv *kv, void *scratch, const int32_t *tokens, int q, int start, int32_t *ids, float *vals,
-                             int n_valid, float inv_temp, int lo) {
+                             int n_valid, float inv_temp, int lo, const float *const *pens) {
     sk_scratch *s = (sk_scratch *)scratch;
     const sk_isa *I = sk_isa_get(isa);
     if (!I) return SK_E_ISA;
@@ -247,7 +250,9 @@ SK_EXPORT int sk_step_argmax(int isa, const sk_model *m, const sk_kv *kv, void *
     if (rc == SK_OK) rc = sk_one_sequence(m, kv, s, q, start);
     if (rc == SK_OK && (n_valid < 1 || n_valid > m->output.n || n_valid > SK_HEAD_CHUNKS_MAX * SK_HEAD_COLS || !ids || !vals)) rc = SK_E_ARGS;
     if (rc != SK_OK) return rc;
+    s->pens = pens;
     sk_step_go(I, m, s, q, NULL, 0, lo, ids, vals, n_valid, inv_temp);
+    s->pens = NULL;
     return SK_OK;
 }
 
@@ -290,13 +295,15 @@ SK_EXPORT int sk_matmul(int isa, const sk_mat *m, const float *x, int q, float *
 }
 
 /* ids[r], vals[r] = sk_step_argmax's reduced head over float rows x [q][ld], ids [0, n) (tests:
- * its chunks, scan, sums and merge, on rows the caller chooses) */
-SK_EXPORT int sk_argmax(int isa, const float *x, int q, int n, int ld, float inv_temp, int32_t *ids, float *vals, void *scratch) {
+ * its chunks, scan, sums and merge, penalty rows pens as sk_step_argmax's, on rows the caller chooses) */
+SK_EXPORT int sk_argmax(int isa, const float *x, int q, int n, int ld, float inv_temp, int32_t *ids, float *vals, void *scratch, const float *const *pens) {
     sk_scratch *s = (sk_scratch *)scratch;
     const sk_isa *I = sk_isa_get(isa);
     if (!I) return SK_E_ISA;
     if (!s || !x || !ids || !vals || q < 1 || q > s->max_q || n < 1 || ld < n || n > SK_HEAD_CHUNKS_MAX * SK_HEAD_COLS) return SK_E_ARGS;
+    s->pens = pens;
     I->argmax_rows(x, q, n, ld, inv_temp, ids, vals, s);
+    s->pens = NULL;
     return SK_OK;
 }
 

@@ -73,7 +73,9 @@ static float exp_sum(const float *x, int n, float mx, float it) {
  * order (the first maximum wins; the sum as sum_c s_c * exp((max_c - max) * it) in chunk
  * order), so every result is the same bits for any thread split and ISA path. The logits are
  * the ones the full head writes, bit for bit (the same panel kernels). With F (tests:
- * sk_argmax) the rows are read from F (ldf floats a row) instead of projected. */
+ * sk_argmax) the rows are read from F (ldf floats a row) instead of projected. With s->pens,
+ * head row r with a penalty row competes as logits + penalty (float adds, as numpy's
+ * np.add(row, pen) of the written row: constrained greedy decoding without a logits row). */
 static void head_reduce(const sk_model *m, sk_scratch *s, const void *X, int ldx, int nq, int n_valid, float it, int32_t *ids, float *vals, int tid, int nt,
                         const float *F, int ldf) {
     const int np = (n_valid + SK_P - 1) / SK_P, ch = SK_HEAD_COLS / SK_P, nc = (np + ch - 1) / ch, mq = s->max_q;
@@ -85,6 +87,12 @@ static void head_reduce(const sk_model *m, sk_scratch *s, const void *X, int ldx
         if (!F) mm(&m->output, X, ldx, nq, c0, c1, buf, SK_HEAD_COLS, 0); /* panel c0 at buf[0] */
         for (int r = 0; r < nq; ++r) {
             const float *x = F ? F + (size_t)r * ldf + n0 : buf + (size_t)r * SK_HEAD_COLS;
+            const float *pen = s->pens ? s->pens[r] : NULL;
+            if (pen) { /* the masked, biased row a caller would make of the logits row: one float add each */
+                float *y = buf + (size_t)r * SK_HEAD_COLS;
+                for (int t = 0; t < n1 - n0; ++t) y[t] = x[t] + pen[n0 + t];
+                x = y;
+            }
             const size_t o = (size_t)c * mq + r;
             float v = 0.f;
             int32_t i = -1;

@@ -15,7 +15,7 @@
 #define SPECRT_SK_H
 #include <stdint.h>
 
-#define SK_ABI 5
+#define SK_ABI 6
 #define SK_P 16 /* output columns per panel (one zmm of int32 lanes) */
 #define SK_MAX_THREADS 64
 

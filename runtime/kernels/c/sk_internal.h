@@ -72,6 +72,8 @@ typedef struct {
     float *hbuf;                        /* reduced head: per thread, max_q x SK_HEAD_COLS logits; per chunk and row ... */
     float *amax_v, *amax_s;             /* ... the first maximum, the sum of exp((x - max) / T) ... */
     int32_t *amax_i;                    /* ... and the maximum's id */
+    const float *const *pens;           /* reduced head, for one call: head row r's penalty row of n_valid floats added to its
+                                           logits before the scan (a grammar mask 0 / -inf, a logit bias), or NULL (none) */
     atomic_int att_next[SK_MAX_LAYERS]; /* per layer: the next attention item to take */
     int n_blocks;
     int lda256, lda32, max_q, head_split;
