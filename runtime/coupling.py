@@ -95,6 +95,8 @@ class CoupledAcceptor:
 
     Attributes:
         greedy: False. propose_below: True (as :class:`~specrt.runtime.sampling.SampledAcceptor`).
+        by_position: True: the token at a position depends on that position's row and noise
+            alone, so a batched step may decide it (``Generation.plain_ok``).
         seed: the seed in use.
 
     Raises:
@@ -105,6 +107,7 @@ class CoupledAcceptor:
 
     greedy = False
     propose_below = True
+    by_position = True  # a token depends on its position's noise alone: any call may decide it
 
     def __init__(self, vocab: int, k_max: int, temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
         check_sampling_params(temperature, top_k, top_p, seed)

@@ -195,6 +195,17 @@ class Generation:
         several generations may give it one token without a round: :meth:`push_row`)."""
         return bool(self.acc.greedy)
 
+    @property
+    def plain_ok(self) -> bool:
+        """A call over several generations may give it one token without a round
+        (:meth:`push_row`) and its output stays the request's alone: greedy, or seeded
+        sampling whose token at a position depends on that position alone (the coupled
+        sampler's ``by_position``; :mod:`specrt.runtime.coupling`)."""
+        acc = self.acc
+        while not hasattr(acc, "by_position") and hasattr(acc, "inner"):
+            acc = acc.inner
+        return self.greedy or bool(getattr(acc, "by_position", False))
+
     def draft_step(self, target: Model) -> tuple[list[int], int, int]:
         """The first half of :meth:`step` for a verification made by a call over several
         generations (continuous batching on specrt's kernels): catch up and propose the

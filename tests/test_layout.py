@@ -297,7 +297,7 @@ SCHEDULER_DEFINES = {
 # commit, rollback or length rule (which must set seq, kv, done or finish_reason, or read
 # n_prompt and the plan) shows.
 GENERATION_STEPS = {"reuse", "prefill", "step", "push_row", "draft_step", "verify_step", "result"}  # its record (prefix) is the slot's to keep
-GENERATION_READS = {"done": set(), "seq": set(), "kv": {"target"}, "stats": {"target_calls"}, "logprobs": set(), "greedy": set()}
+GENERATION_READS = {"done": set(), "seq": set(), "kv": {"target"}, "stats": {"target_calls"}, "logprobs": set(), "greedy": set(), "plain_ok": set()}
 FINISH_REASONS = {"stop", "length", "constraint"}  # a generation's to decide (Generation.push)
 
 

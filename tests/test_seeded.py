@@ -164,16 +164,29 @@ def test_seeded_output_with_a_cache_hit_and_another_thread_count(engine, alone):
         assert one.generate(PROMPTS[i], cfg).tokens == want, (i, s)
 
 
-def test_seeded_output_batched_equals_alone(engine, alone):
-    """Four seeded speculative requests at once on ``--max-batch 4`` (the batched kernels
-    step), and two of them target-only: each gives its target-only tokens."""
+@pytest.mark.parametrize("policy", ["speculate", "batched"])
+def test_seeded_output_batched_equals_alone(engine, alone, policy):
+    """Six seeded requests (four speculative, two target-only) on ``--max-batch 4`` (the
+    batched kernels step: each row's own rounds in one call, or under ``batched`` one token
+    per seeded row per call, ``Generation.plain_ok``): each gives its target-only tokens."""
     from test_batching import Events
 
     from specrt.runtime.costs import BatchCosts
     from specrt.runtime.serve.batching import BatchPool
     from specrt.runtime.serve.jobs import Job
 
-    pool = BatchPool(Engine(ENGINES), 4, policy="speculate", costs=BatchCosts([0.0, 1e-3, 1e-3, 1e-3, 1e-3]))
+    pool = BatchPool(Engine(ENGINES), 4, policy=policy, costs=BatchCosts([0.0, 1e-3, 1e-3, 1e-3, 1e-3]))
+    plain = []
+    if policy == "batched":
+        from specrt.runtime.generation import Generation
+
+        push_row = Generation.push_row
+
+        def spy(self, *a, **kw):
+            plain.append(self.greedy)
+            return push_row(self, *a, **kw)
+
+        Generation.push_row = spy
     try:
         keys = list(alone)[:6]
         evs = [Events() for _ in keys]
@@ -183,3 +196,6 @@ def test_seeded_output_batched_equals_alone(engine, alone):
             assert ev.result(120).tokens == alone[key], key
     finally:
         pool.close()
+        if policy == "batched":
+            Generation.push_row = push_row
+    assert policy == "speculate" or plain.count(False) > 20, plain  # seeded rows took batched steps

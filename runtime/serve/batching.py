@@ -390,12 +390,12 @@ class BatchPool:
         ready = [r for r in rows if not r.done and r.gen.kv.target == len(r.gen.seq) - 1]
         if self.batched.exact:
             # specrt's kernels: ONE call for every row, each row's bits a batch-1 call's. In a
-            # batched iteration the ready greedy rows take one token each (q = 1); every other
+            # batched iteration the ready greedy (and seeded) rows take one token each (q = 1); every other
             # row makes its own speculative round (its own k and accepted length), verified in
             # the same call: each output is the request's alone, greedy and seeded
             active = [r for r in rows if not r.done]
             mode = self._modes.choose(len(active))
-            plain = [r for r in ready if r.gen.greedy] if mode == "batched" else []
+            plain = [r for r in ready if r.gen.plain_ok] if mode == "batched" else []
             t0, before = time.perf_counter(), sum(len(r.gen.seq) for r in active)
             calls, tokens = joint_round(self.batched, active, plain, self._run, _fail_row, _Row.observe, self.costs.observe)
             self._modes.observe(mode, len(active), sum(len(r.gen.seq) for r in active) - before, time.perf_counter() - t0)

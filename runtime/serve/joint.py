@@ -3,15 +3,16 @@
 bit), for :class:`~specrt.runtime.serve.batching.BatchPool`.
 
 :func:`joint_round`: every active row joins ONE call (split only past the batch's
-``max_rows``). A *plain* row (greedy, ready: its KV holds every committed token but the
-pending one) feeds its pending token and commits the target's token
+``max_rows``). A *plain* row (greedy or seeded, ``Generation.plain_ok``; ready: its KV holds
+every committed token but the pending one) feeds its pending token and commits the target's token
 (:meth:`~specrt.runtime.generation.Generation.push_row`); every other row makes its own
 speculative round, as it would alone: it drafts on its own draft fork
 (:meth:`~specrt.runtime.generation.Generation.draft_step`), its verification rows ride in the
 call, and it accepts, commits and rolls back on them
 (:meth:`~specrt.runtime.generation.Generation.verify_step`). So each row's output is the
-request's alone, greedy or seeded (a sampled row never takes a plain step: its random
-draws follow its own rounds).
+request's alone, greedy or seeded (a seeded row's token at a position is the race of that
+position's noise, whatever call made its row: :mod:`specrt.runtime.coupling`; an unseeded
+sampled row never takes a plain step: Algorithm 1's draws follow its own rounds).
 
 :class:`ModeChooser`: ``auto`` between a batched iteration (the ready greedy rows plain) and a
 speculative one (no row plain), by the measured tokens per second of whole iterations.
