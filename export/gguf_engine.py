@@ -489,8 +489,18 @@ def engine_for(
         as :func:`build_engine`; ExportError (one line) for a cache folder that cannot be
             made or written (a file in its place, no space, no permission).
     """
+    import multiprocessing
+
     from specrt.runtime.integrity import file_sha256
 
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # the draft's build process (spawned) runs the caller's main module again first: a
+        # script without a main guard would wait here for the lock its parent holds, forever
+        raise ExportError(
+            "engine_for ran while a spawned process imported the calling script: put the script's code under "
+            '`if __name__ == "__main__":` (the draft is built in a spawned process, which imports the main module)',
+            "target",
+        )
     for role, p in (("target", target), ("draft", draft)):
         if p is not None:
             _check_gguf(p, role)

@@ -290,6 +290,21 @@ def test_cli_refusals_of_the_gguf_options(ggufs, tmp_path):
     assert res.exit_code == 1 and "--no-kernels" in res.output and not (tmp_path / "e").exists()
 
 
+def test_a_script_without_a_main_guard_fails_in_one_line_instead_of_waiting_forever(ggufs, tmp_path):
+    """The draft is built in a spawned process, which imports the caller's main module again:
+    a script calling engine_for at its top level used to wait in that child for the build lock
+    its parent holds. Now the child refuses in one line and the parent's build fails."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from specrt.export.gguf_engine import engine_for\n"
+        f"engine_for({str(ggufs['target'])!r}, {str(ggufs['draft'])!r}, cache={str(tmp_path / 'cache')!r}, log=lambda *a: None)\n"
+    )
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode != 0
+    assert 'put the script\'s code under `if __name__ == "__main__":`' in r.stderr, r.stderr[-2000:]
+    assert "the draft's build process ended without a result" in r.stderr, r.stderr[-2000:]
+
+
 def test_the_default_context_is_the_models_when_shorter(tmp_path):
     short = write_gguf(tmp_path / "short.gguf", "qwen2", seed=5, dims={"n_ctx": 512}, vocab=byte_vocab(512))
     folder = engine_for(short, None, tmp_path / "cache", log=lambda *_: None)
