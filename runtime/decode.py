@@ -306,7 +306,8 @@ def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, c
         calls.append((len(toks), s, len(toks)))
         if plan.argmax and reduces_head(target):
             pens = acc.penalties(n) if hasattr(acc, "penalties") else None  # a constraint's masks, added in C
-            yield 0, target.run_argmax(toks, s, plan.argmax, None if pens is None else [None] * off + pens)[off:]  # each row's token (Plan.argmax)
+            ids = target.run_argmax(toks, s, plan.argmax) if pens is None else target.run_argmax(toks, s, plan.argmax, [None] * off + pens)
+            yield 0, ids[off:]  # each row's token (Plan.argmax)
         else:
             yield 0, target.run(toks, s)[off:]
         return

@@ -537,10 +537,12 @@ def base_acceptor(cfg: GenerationConfig, vocab: int, k_max: int, draft_vocab: in
 
 def argmax_only(cfg: GenerationConfig, target, observe: bool) -> bool:
     """Whether greedy verification may read only each row's argmax (``Plan.argmax``): greedy
-    without logprobs or observe (a constraint or logit bias gives the kernels its penalty rows),
-    on a target whose kernels reduce the head (``argmax_head``)."""
+    without logprobs or observe, on a target whose kernels reduce the head (``argmax_head``);
+    under a constraint or logit bias only where the head takes their penalty rows
+    (``penalty_rows``: specrt's kernels)."""
     plain = cfg.temperature == 0.0 and cfg.logprobs is None and not observe
-    return plain and reduces_head(target)
+    masked = cfg.constraint is not None or bool(cfg.logit_bias)
+    return plain and reduces_head(target) and (not masked or bool(getattr(target, "penalty_rows", False)))
 
 
 # what an Engine's KV buffers hold for reuse: its slot's record (None while a generation holds them)

@@ -87,12 +87,13 @@ def traced(engine: Engine):
         t.calls.append((start, [int(x) for x in tokens], np.array(rows), lo))
         return rows
 
-    def run_argmax(tokens, start, n_valid):
-        ids = saved["run_argmax"][1](tokens, start, n_valid)
+    def run_argmax(tokens, start, n_valid, pens=None):
+        ids = saved["run_argmax"][1](tokens, start, n_valid, pens).copy()
         kv = (model.k.copy(), model.v.copy())  # what run_argmax wrote: the rerun must write the same bits
         rows = np.array(saved["run"][1](tokens, start))
         assert np.array_equal(model.k, kv[0]) and np.array_equal(model.v, kv[1]), ("run_argmax's KV rows differ from run's", start)
-        assert np.array_equal(rows[:, :n_valid].argmax(1), ids), (start, len(tokens))
+        masked = [r[:n_valid] if pens is None or pens[i] is None else np.add(r[:n_valid], pens[i]) for i, r in enumerate(rows)]
+        assert np.array_equal(np.array([m.argmax() for m in masked]), ids), (start, len(tokens))
         t.calls.append((start, [int(x) for x in tokens], rows, 0))
         return ids
 

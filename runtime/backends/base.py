@@ -141,13 +141,16 @@ class ReducesHead(Protocol):
     """Optional capability of a target :class:`Model`: greedy verification reads each row's
     token, reduced in the backend, instead of logits rows (:func:`reduces_head`; specrt's
     kernels, ``sk_step_argmax``). ``argmax_head`` False: the method exists but this model's head
-    cannot (a trimmed head's ids are not the vocabulary's)."""
+    cannot (a trimmed head's ids are not the vocabulary's). ``penalty_rows`` (optional, default
+    False): ``run_argmax`` also takes ``pens``, and constrained greedy verification uses it."""
 
     argmax_head: bool
 
     def run_argmax(self, tokens: Sequence[int] | np.ndarray, start: int, n_valid: int) -> np.ndarray:
         """As :meth:`Model.run`, returning int32 ``[q]``: ``argmax(run(tokens, start)[r, :n_valid])``
-        per row (the first maximum), -1 where it is not finite."""
+        per row (the first maximum), -1 where it is not finite. With ``penalty_rows``, a fourth
+        argument ``pens`` (one entry per row: None or a float32 row added first) gives
+        ``argmax(run(...)[r, :n_valid] + pens[r])``."""
         ...
 
 

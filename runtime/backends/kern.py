@@ -83,6 +83,7 @@ class KernelModel:
         self.argmax_vals = np.zeros(self.max_q, np.float32)  # ... and its logit
         self._pen_ptrs = np.zeros(self.max_q, np.uint64)  # run_argmax's penalty rows' addresses (constrained greedy)
         self.argmax_head = weights.head_ids is None  # run_argmax needs the whole head (a trimmed one's ids are not the vocabulary's)
+        self.penalty_rows = True  # run_argmax takes penalty rows (constrained greedy verification)
         self._conf = np.zeros(self.max_q, np.float32)  # run_top1's confidences
         self._top1_valid: dict[int, int] = {}  # run_top1's vocab -> head ids below it (a trimmed head's are sorted)
         # a trimmed head: the step writes [q, len(head_ids)] here, scattered into logits rows whose
