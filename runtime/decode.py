@@ -284,7 +284,7 @@ def verify(cands: Sequence[int], blocks, acc: Acceptor) -> tuple[int, int]:
     raise AssertionError(f"verification blocks ended before row {n}")  # pragma: no cover
 
 
-def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, confs: Sequence[float], plan: Plan, calls: list, acc=None) -> Iterator:
+def target_blocks(target: Model, seq: list[int], cands: list[int], valid: int, confs: Sequence[float], plan: Plan, calls: list, acc: Acceptor) -> Iterator:
     """Blocks of target logits for the verification rows ``[pending, c_1..c_n]`` (pending =
     ``seq[-1]``, at position ``len(seq) - 1``), computed only when pulled (see :func:`verify`);
     each target call is appended to ``calls``. Strategy per the module docstring; chunks
@@ -568,7 +568,7 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     """
     seq, kv = list(prompt), KVLengths()
     n_prompt = len(seq)
-    if plan.argmax and not reads_reduced_rows(acc):  # a caller's acceptor may read whole rows (a LogprobRecorder does)
+    if plan.argmax and not reads_reduced_rows(acc, target):  # a caller's acceptor may read whole rows (a LogprobRecorder does)
         plan = replace(plan, argmax=0)
     rec = prefill(target, seq, plan, acc, kv)
     drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max)
@@ -580,11 +580,14 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
         rec = one_round(target, seq, n_prompt, kv, plan, acc, drafter, policy)
 
 
-def reads_reduced_rows(acc) -> bool:
+def reads_reduced_rows(acc, target) -> bool:
     """Whether ``acc`` decides from each verification row's reduced token alone (``Plan.argmax``):
     the greedy acceptor, or a constraint over it (which gives the call its rows' penalty rows,
-    ``penalties``, so the head reduces the masked, biased rows)."""
-    return type(acc) is GreedyAcceptor or (hasattr(acc, "penalties") and type(getattr(acc, "inner", None)) is GreedyAcceptor)
+    ``penalties``, so the head reduces the masked, biased rows) on a ``target`` whose head
+    takes them (``penalty_rows``)."""
+    if type(acc) is GreedyAcceptor:
+        return True
+    return hasattr(acc, "penalties") and type(getattr(acc, "inner", None)) is GreedyAcceptor and bool(getattr(target, "penalty_rows", False))
 
 
 def _draft_tail(draft: Model, seq: list[int], n_prompt: int, draft_kv: int, acc: Acceptor) -> tuple | None:

@@ -373,6 +373,8 @@ def test_the_argmax_head_with_penalty_rows_is_numpys_argmax_of_the_masked_row():
     K.start_team(2)
     with pytest.raises(ValueError, match="need a contiguous float32 row of at least 5003"):
         K.argmax(x, pens=[np.zeros(5002, np.float32)] * len(x))
+    with pytest.raises(ValueError, match="pens has 3 entries for 8 rows"):  # C would read past the pointers
+        K.argmax(x, pens=pens[:3])
 
 
 def test_the_reduced_heads_confidence_is_the_softmax_probability():

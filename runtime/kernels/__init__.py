@@ -368,6 +368,8 @@ def argmax(x: np.ndarray, isa: str | None = None, threads: int | None = None, in
         raise ValueError(f"x is {list(x.shape)}; need [q, n] rows")
     q, n = x.shape
     ids, vals = np.empty(q, np.int32), np.empty(q, np.float32)
+    if pens is not None and len(pens) != q:
+        raise ValueError(f"pens has {len(pens)} entries for {q} rows; give one (None or a row) per row")
     ptrs = penalty_pointers(pens, n)
     pp = None if ptrs is None else ptrs.ctypes.data
     _scratch_call(
