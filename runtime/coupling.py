@@ -43,7 +43,7 @@ __all__ = ["position_noise", "exponential_race", "CoupledAcceptor"]
 def position_noise(seed: int, pos: int, out: np.ndarray) -> np.ndarray:
     """Fill ``out`` with the Exp(1) noise of sequence position ``pos`` under ``seed``.
 
-    The generator is ``numpy.random.Generator(PCG64(SeedSequence([seed_lo32, seed_hi32, pos])))``: distinct
+    The generator is ``numpy.random.Generator(PCG64(SeedSequence([seed, pos])))``: distinct
     positions get independent streams (numpy's documented way to key streams), and the same
     (seed, pos) always gives the same vector. Entries are clamped to >= the smallest normal
     float64, so a race ``p / E`` never divides by zero.
@@ -55,9 +55,7 @@ def position_noise(seed: int, pos: int, out: np.ndarray) -> np.ndarray:
     Returns:
         ``out``.
     """
-    # fixed-width words: a list entry >= 2**32 would be split, and (a + 2**32 b, 0) would key
-    # like (a, b)
-    gen = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed & 0xFFFFFFFF, seed >> 32, pos])))
+    gen = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, pos])))
     gen.standard_exponential(out=out)
     return np.maximum(out, np.finfo(np.float64).tiny, out=out)
 
