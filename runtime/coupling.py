@@ -36,6 +36,7 @@ import numpy as np
 
 from .config import check_sampling_params
 from .sampling import warp
+from .speculative import Unconstrained
 
 __all__ = ["position_noise", "exponential_race", "CoupledAcceptor"]
 
@@ -77,7 +78,7 @@ def exponential_race(probs: np.ndarray, noise: np.ndarray, work: np.ndarray) -> 
     return int(work.argmax())
 
 
-class CoupledAcceptor:
+class CoupledAcceptor(Unconstrained):
     """The :class:`~specrt.runtime.decode.Acceptor` of coupled speculative sampling
     (module docstring): draft and target race with the noise of the position they decide.
 
@@ -152,15 +153,3 @@ class CoupledAcceptor:
     def bonus(self, r: int, row: np.ndarray) -> int:
         """No candidate to check at row r: the target's race winner at position base + r."""
         return self._race(row, r, 1)[0]
-
-    def forced(self, limit: int) -> list[int]:
-        """No constraint: nothing is forced."""
-        return []
-
-    def valid_prefix(self, tokens) -> int:
-        """No constraint: every token is allowed."""
-        return len(tokens)
-
-    def forced_at(self, i: int) -> None:
-        """No constraint: no draft step is forced."""
-        return None

@@ -31,6 +31,7 @@ import numpy as np
 
 from .config import check_sampling_params
 from .errors import raise_nonfinite
+from .speculative import Unconstrained
 
 __all__ = ["warp", "sample_token", "residual", "sample_residual", "accept_candidate", "final_token", "SampledAcceptor", "RESIDUAL_EPS", "derive_seed"]
 
@@ -275,7 +276,7 @@ def final_token(p_row: np.ndarray, q_row: np.ndarray | None, rng: np.random.Gene
     return sample_token(p_row, rng, None if work is None else work[1])
 
 
-class SampledAcceptor:
+class SampledAcceptor(Unconstrained):
     """Exact speculative sampling for :func:`specrt.runtime.decode.verify` and the decode
     loop: owns the call's random generator and the float64 q/p rows it warps into.
 
@@ -328,10 +329,6 @@ class SampledAcceptor:
         acc._warp = lambda row, out: np.copyto(out, row) or out
         return acc
 
-    def start(self, pos: int) -> None:
-        """Nothing depends on the position."""
-        return None
-
     def draft(self, row: np.ndarray, i: int) -> tuple[int, float]:
         """Candidate ``i``: x ~ q from a draft logits row (q kept in ``q_rows[i]``); returns
         (x, q(x)), the confidence the threshold rule reads. One draw."""
@@ -352,15 +349,3 @@ class SampledAcceptor:
         """No candidate to check at row r (all accepted, the first token, a target-only
         step): a sample from the warped p_r (one draw)."""
         return final_token(self._warp(row, self.p_rows[r]), None, self.rng, self.work)
-
-    def forced(self, limit: int) -> list[int]:
-        """No constraint: nothing is forced."""
-        return []
-
-    def valid_prefix(self, tokens) -> int:
-        """No constraint: every token is allowed."""
-        return len(tokens)
-
-    def forced_at(self, i: int) -> None:
-        """No constraint: no draft step is forced."""
-        return None

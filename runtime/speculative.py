@@ -26,6 +26,7 @@ import numpy as np
 from .errors import NumericsError, raise_nonfinite
 
 __all__ = [
+    "Unconstrained",
     "top1",
     "argmax_token",
     "draft_limit",
@@ -295,7 +296,32 @@ def head_blocks(sizes: Sequence[int]) -> list[tuple[int, int]]:
 
 
 # ---- the greedy acceptor ---------------------------------------------------------------
-class GreedyAcceptor:
+class Unconstrained:
+    """The :class:`~specrt.runtime.decode.Acceptor` methods of an acceptor without a
+    constraint (a :class:`~specrt.runtime.constraints.ConstrainedAcceptor` wraps one to add
+    it): nothing is forced, every token allowed; and, unless it keys draws by position
+    (:class:`~specrt.runtime.coupling.CoupledAcceptor`), nothing depends on the position."""
+
+    __slots__ = ()
+
+    def start(self, pos: int) -> None:
+        """Nothing depends on the position."""
+        return None
+
+    def forced(self, limit: int) -> list[int]:
+        """No constraint: nothing is forced."""
+        return []
+
+    def valid_prefix(self, tokens) -> int:
+        """No constraint: every token is allowed."""
+        return len(tokens)
+
+    def forced_at(self, i: int) -> None:
+        """No constraint: no draft step is forced."""
+        return None
+
+
+class GreedyAcceptor(Unconstrained):
     """Greedy proposal and acceptance (Leviathan et al. 2023, section 3.3: with one-hot p
     and q the acceptance rule is "candidate == argmax p", so the output is the target's own
     greedy output). Used by :func:`specrt.runtime.decode.verify` and the decode loop.
@@ -319,10 +345,6 @@ class GreedyAcceptor:
         self.scratch = np.empty(draft_width, np.float32)  # top1's softmax work buffer, reused
         self._last = -1
 
-    def start(self, pos: int) -> None:
-        """Nothing depends on the position."""
-        return None
-
     def draft(self, row: np.ndarray, i: int) -> tuple[int, float]:
         """Candidate ``i`` of a round and its confidence from a draft logits row: the
         argmax and its softmax(logits / T) probability (:func:`top1`)."""
@@ -342,15 +364,3 @@ class GreedyAcceptor:
         """The target's token at row r when there is no candidate to check (all accepted,
         the prefill's first token, or a target-only step): the argmax."""
         return argmax_token(row, self.vocab)
-
-    def forced(self, limit: int) -> list[int]:
-        """No constraint: nothing is forced."""
-        return []
-
-    def valid_prefix(self, tokens) -> int:
-        """No constraint: every token is allowed."""
-        return len(tokens)
-
-    def forced_at(self, i: int) -> None:
-        """No constraint: no draft step is forced."""
-        return None
