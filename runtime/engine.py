@@ -489,7 +489,7 @@ class Engine:
             gen.logprobs = lps
         with self._locked() as own:
             if self.prefix_cache and trace is None:  # a trace's replay counts every prefill call
-                gen.reuse(own.held)
+                gen.reuse(self.slot.recall(own.held, gen.seq))
             try:
                 piece = gen.prefill(self.target)
                 while not gen.done:

@@ -14,6 +14,10 @@ row of its batched model (:class:`Slots` holds either). One policy for all:
 take                  a generation that starts on a slot is handed its record
                       (:meth:`Generation.reuse`); the slot holds none while it runs (it may
                       write any row)
+recall                with a host prompt cache (:mod:`specrt.runtime.hostcache`), the record
+                      that serves the generation's prompt best, the slot's own or one the
+                      cache copies back into the KV; the slot's rows are copied out first
+                      when the request would overwrite them (:meth:`Slot.recall`)
 keep                  when the generation ends (done, cancelled or failed: rows proved
                       reusable are never rewritten after its prefill), the slot keeps what it
                       leaves (:meth:`Generation.prefix`)
@@ -45,7 +49,8 @@ Not done: a request never waits for a busy slot (one running a request that shar
 prompt): n choices of one prompt, and parallel requests over one context, would then run
 one after another. A freed slot is never held back for its conversation's next turn
 either: under load the first waiting request takes it (a turn that arrives after its slot
-was taken finds its history gone).
+was taken finds its history in the host prompt cache, when the pool has one, and else
+gone).
 
 The slot module uses only the :class:`~specrt.runtime.backends.base.Model` protocol's
 optional methods (``release_rows``, ``release_logits`` through
@@ -64,6 +69,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from .backends.base import Model, ReleasesRows, release_scratch
 from .errors import InputError
+from .hostcache import HostCache, holds_rows
 from .prefix import KVPrefix, route_key
 
 __all__ = [
@@ -189,6 +195,8 @@ class Slot:
         used: ``time.monotonic()`` when it last kept a record (0.0: never).
         on_evict: called with the tokens given up whenever :meth:`keep` cuts a record to
             :attr:`share` (the server's ``prefix_evicted`` metric), or None.
+        host: the pool's host prompt cache (:class:`~specrt.runtime.hostcache.HostCache`),
+            or None (:meth:`recall` then gives the record back as is).
     """
 
     def __init__(self, target: Model, draft: Model, t_step: int, narrow: int, release_target: Callable[[int], int] | None = None):
@@ -198,6 +206,16 @@ class Slot:
         self.share: int | None = None
         self.used = 0.0
         self.on_evict: Callable[[int], None] | None = None
+        self.host: HostCache | None = None
+
+    def recall(self, rec: KVPrefix | None, ids: Sequence[int]) -> KVPrefix | None:
+        """The record a generation for ``ids`` starting here reuses: ``rec`` (what :meth:`take`
+        gave), or a history the host prompt cache (:attr:`host`) copied back into the KV,
+        ``rec``'s rows copied out first when the request would overwrite them
+        (:meth:`~specrt.runtime.hostcache.HostCache.recall`). The caller holds the KV."""
+        if self.host is None:
+            return rec
+        return self.host.recall(rec, ids, self.target, self.draft, self.t_step)
 
     def take(self) -> KVPrefix | None:
         """Hand the record to a generation starting here (it may write any row: the slot
@@ -262,31 +280,35 @@ class Slots:
             each); None: no limit but the KV buffers; 0: no prefix cache.
         policy: the :class:`SlotPolicy` for :meth:`next`.
         kv: the batched model whose slots these are (:meth:`exchange`), or None.
+        host: a host prompt cache the slots share (:class:`~specrt.runtime.hostcache.HostCache`:
+            histories kept beyond the slots), or None; not used with a budget of 0 or on
+            models without :class:`~specrt.runtime.backends.base.HoldsRows`.
 
     Raises:
         InputError: no slots, or a negative budget (param ``prefix_cache_tokens``).
     """
 
-    def __init__(self, slots: Sequence[Slot], budget: int | None = None, policy: SlotPolicy = SlotPolicy(), kv=None):
+    def __init__(self, slots: Sequence[Slot], budget: int | None = None, policy: SlotPolicy = SlotPolicy(), kv=None, host: HostCache | None = None):
         if not slots:
             raise InputError("a slot pool needs at least one slot", "slots")
         if budget is not None and budget < 0:
             raise InputError(f"prefix_cache_tokens={budget}; it must be >= 0 (0: no prefix cache)", "prefix_cache_tokens")
         self.slots, self.policy, self.kv = list(slots), policy, kv
         self.share = None if budget is None else budget // len(self.slots)
+        self.host = host if budget != 0 and all(holds_rows(s.target, s.draft) for s in self.slots) else None
         for s in self.slots:
-            s.share = self.share
+            s.share, s.host = self.share, self.host
 
     @classmethod
-    def of_engines(cls, engines: Sequence, budget: int | None = None, policy: SlotPolicy = SlotPolicy()) -> "Slots":
+    def of_engines(cls, engines: Sequence, budget: int | None = None, policy: SlotPolicy = SlotPolicy(), host: HostCache | None = None) -> "Slots":
         """The slots of ``engines`` (:attr:`Engine.slot`; each Engine's prefix cache on unless
         ``budget`` is 0)."""
         for e in engines:
             e.prefix_cache = budget != 0
-        return cls([e.slot for e in engines], budget, policy)
+        return cls([e.slot for e in engines], budget, policy, host=host)
 
     @classmethod
-    def of_batch(cls, batched, engine, budget: int | None = None, policy: SlotPolicy = SlotPolicy()) -> "Slots":
+    def of_batch(cls, batched, engine, budget: int | None = None, policy: SlotPolicy = SlotPolicy(), host: HostCache | None = None) -> "Slots":
         """One slot per row of ``batched`` (a batched model over ``engine``'s target), each
         with its own fork of ``engine``'s draft."""
         m = engine.manifest
@@ -298,6 +320,7 @@ class Slots:
             budget,
             policy,
             kv=batched,
+            host=host,
         )
 
     def __len__(self) -> int:
@@ -306,10 +329,15 @@ class Slots:
     def __getitem__(self, i: int) -> Slot:
         return self.slots[i]
 
-    def attach(self, on_evict: Callable[[int], None] | None) -> None:
-        """Count the budget's evictions with ``on_evict(tokens)`` from now on."""
+    def attach(
+        self, on_evict: Callable[[int], None] | None, on_restore: Callable[[int], None] | None = None, on_host_evict: Callable[[int], None] | None = None
+    ) -> None:
+        """Count the budget's evictions with ``on_evict(tokens)`` from now on, and the host
+        prompt cache's restores and evictions with ``on_restore`` / ``on_host_evict``."""
         for s in self.slots:
             s.on_evict = on_evict
+        if self.host is not None:
+            self.host.on_restore, self.host.on_evict = on_restore, on_host_evict
 
     def held_tokens(self, free: Iterable[int]) -> int:
         """Tokens whose KV rows the slots ``free`` hold for reuse now (a record that a

@@ -1057,6 +1057,14 @@ def _print_tune_report(result: dict, out: Path) -> None:
     help="prefix cache budget in tokens over all workers or --max-batch slots (default: each worker or free slot keeps its last prompt's reusable KV rows; 0: off); output is the same with or without it",
 )
 @click.option(
+    "--cache-ram",
+    "cache_ram_mib",
+    type=click.IntRange(0),
+    default=serve_default("cache_ram_mib"),
+    show_default=True,
+    help="host prompt cache in MiB (llama-server's --cache-ram): when a request takes a worker or slot, the history there is copied to host RAM, and a later turn of that conversation gets it back (least recently used evicted first; 0: off); output is the same with or without it",
+)
+@click.option(
     "--slot-wait-ms",
     type=click.FloatRange(0),
     default=serve_default("slot_wait_ms"),
@@ -1098,6 +1106,7 @@ def serve(
     batch_policy,
     max_tokens_in_flight,
     prefix_cache_tokens,
+    cache_ram_mib,
     slot_wait_ms,
     slot_wait_requests,
     completions_special_tokens,
@@ -1131,6 +1140,7 @@ def serve(
             batch_policy=batch_policy,
             max_tokens_in_flight=max_tokens_in_flight,
             prefix_cache_tokens=prefix_cache_tokens,
+            cache_ram_mib=cache_ram_mib,
             slot_wait_ms=slot_wait_ms,
             slot_wait_requests=slot_wait_requests,
             completions_special_tokens=completions_special_tokens,

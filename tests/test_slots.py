@@ -136,16 +136,16 @@ def cold():
 CFGS = [GenerationConfig(max_new_tokens=16, **kw) for kw in ({}, dict(logprobs=2), dict(temperature=0.8, seed=5), {}, {}, {})]
 
 
-def _pool(kind: str, policy: SlotPolicy):
-    eng = Engine(ENGINES)
+def _pool(kind: str, policy: SlotPolicy, cache_ram_mib: int = 0, backend: str | None = None):
+    eng = Engine(ENGINES, backend=backend)
     if kind == "workers":
         from specrt.runtime.serve.jobs import WorkerPool
 
-        return eng, WorkerPool([eng, eng.fork()], slot_policy=policy)
+        return eng, WorkerPool([eng, eng.fork()], slot_policy=policy, cache_ram_mib=cache_ram_mib)
     from specrt.runtime.costs import BatchCosts
     from specrt.runtime.serve.batching import BatchPool
 
-    return eng, BatchPool(eng, 2, policy="speculate", costs=BatchCosts([0.0, 1e-3, 1e-3]), slot_policy=policy)
+    return eng, BatchPool(eng, 2, policy="speculate", costs=BatchCosts([0.0, 1e-3, 1e-3]), slot_policy=policy, cache_ram_mib=cache_ram_mib)
 
 
 def _holds(slot, seq) -> bool:
@@ -154,12 +154,15 @@ def _holds(slot, seq) -> bool:
     return rec is not None and rec.target_rows > 0 and list(rec.tokens) == list(seq[: len(rec.tokens)])
 
 
-def six_chats(kind: str, policy: SlotPolicy, cold) -> list[dict]:
+def six_chats(kind: str, policy: SlotPolicy, cold, cache_ram_mib: int = 0, backend: str | None = None, pool_out: list | None = None) -> list[dict]:
     """Six 3-turn chats on a pool of 2 (each turn's six requests queued together, the next
     turn once all are answered); per follow-up: its chat, the reused rows, the aligned
     prefix of its previous turn, whether a free slot held that turn's history when it was
-    queued. Every output is checked against the cold Engine."""
-    eng, pool = _pool(kind, policy)
+    queued. Every output is checked against the cold Engine. ``cache_ram_mib``: the pool's
+    host prompt cache; ``pool_out`` gets the pool."""
+    eng, pool = _pool(kind, policy, cache_ram_mib, backend)
+    if pool_out is not None:
+        pool_out.append(pool)
     plan = eng.plan(eng.resolve(CFGS[0]))
     texts = [PROMPTS[i] + PROMPTS[i + 6] + PROMPTS[i + 12] + PROMPTS[i + 18] for i in range(6)]  # 338-537 tokens
     prev: list = [None] * 6  # (prompt ids, whole sequence) of each chat's last turn
@@ -178,7 +181,7 @@ def six_chats(kind: str, policy: SlotPolicy, cold) -> list[dict]:
                 assert r.tokens == ref.tokens and r.logprobs == ref.logprobs, (kind, turn, c)
                 if prev[c] is not None:
                     aligned = prefill_calls(None, prev[c][0], eng.target.max_q, plan.min_q, plan.tail_q)[2]
-                    out.append(dict(chat=c, turn=turn, reused=r.stats.cached_tokens, aligned=aligned, held=held[c]))
+                    out.append(dict(chat=c, turn=turn, reused=r.stats.cached_tokens, aligned=aligned, held=held[c], prev=len(prev[c][0])))
                 prev[c] = (ids[c], ids[c] + r.tokens)
                 texts[c] += r.text + "\n# next\n"
             deadline = time.time() + 10

@@ -38,6 +38,7 @@ __all__ = [
     "MAX_THREADS",
     "DRAFT_ONE_THREAD_BELOW",
     "release_scratch",
+    "HoldsRows",
     "run_tail",
 ]
 
@@ -183,6 +184,20 @@ class ReleasesRows(Protocol):
 
     def release_rows(self, start: int) -> int:
         """Release the rows; returns bytes released."""
+        ...
+
+
+@runtime_checkable
+class HoldsRows(Protocol):
+    """Optional capability of a :class:`Model`: the host buffers that hold KV rows ``[0,
+    rows)``, as writable numpy views (every layer's keys and values; a view may reach a few
+    rows past ``rows`` where the layout tiles rows, which the contract never reads). The
+    host prompt cache (:mod:`specrt.runtime.hostcache`) copies them out before a request
+    overwrites an idle slot's history and back when that history returns: the rows'
+    bits, so a restored prefix gives a cold run's output."""
+
+    def kv_prefix(self, rows: int) -> list[np.ndarray]:
+        """Views of the buffers' regions holding rows ``[0, rows)``, in a fixed order."""
         ...
 
 

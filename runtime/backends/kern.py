@@ -286,6 +286,19 @@ class KernelModel:
         self.rows_ready = min(self.rows_ready, max(0, start))  # released rows read zeros, not -inf
         return release_tail_rows(self.logits, start)
 
+    def kv_prefix(self, rows: int) -> list[np.ndarray]:
+        """Views of KV rows ``[0, rows)`` (:class:`~.base.HoldsRows`): K as uint16 ``[n_layer,
+        ceil(rows / 16) * 16 * n_kv * head_dim]`` (whole 16-row tiles: the last may hold rows
+        past ``rows``), V as ``[n_layer, rows * n_kv * head_dim]``.
+
+        Raises:
+            EngineError: this model is closed."""
+        self._open()
+        d = self.w.dims
+        n, per = int(d["n_layer"]), int(d["n_head_kv"]) * int(d["head_dim"])  # elements of one position in one layer
+        k, v = self.k[: n * self.w.ctx16 * per].reshape(n, -1), self.v[: n * self.w.ctx16 * per].reshape(n, -1)
+        return [k[:, : -(-rows // 16) * 16 * per], v[:, : rows * per]]
+
     def release_rows(self, start: int) -> int:
         """Give KV rows ``[start, max_ctx)`` of every layer back to the OS (whole pages; a K
         tile holding a row below ``start`` is kept). Returns bytes released (0 once closed)."""

@@ -166,6 +166,11 @@ class OrtGqaModel:
             names += [f"present.{i}.key", f"present.{i}.value"]
         return names + ["logits"]
 
+    def kv_prefix(self, rows: int) -> list[np.ndarray]:
+        """Views of KV rows ``[0, rows)``: each layer's keys then values, float32 ``[1,
+        kv_heads, rows, head_dim]`` (:class:`~.base.HoldsRows`)."""
+        return [b[:, :, :rows] for b in (*self.keys, *self.values)]
+
     def kv_rows(self, layer: int, lo: int, hi: int) -> np.ndarray:
         """Key rows ``[lo, hi)`` of a layer as ``[rows, kv_heads, head_dim]`` (BLHD, for
         comparisons with standard graphs)."""

@@ -229,6 +229,12 @@ class SlotModel:
         self._run()
         return p.logits[:q]
 
+    def kv_prefix(self, rows: int) -> list[np.ndarray]:
+        """Views of this slot's KV rows ``[0, rows)``: each layer's keys then values, float32
+        ``[kv_heads, rows, head_dim]`` (:class:`~.base.HoldsRows`)."""
+        j = self.slot
+        return [b[j, :, :rows] for b in (*self.parent.keys, *self.parent.values)]
+
     def release_logits(self, start: int) -> int:
         """:meth:`BatchedGqaModel.release_logits` of the shared buffer (between calls only)."""
         return self.parent.release_logits(start)

@@ -229,6 +229,8 @@ class BatchPool:
         prefix_cache_tokens: prefix cache budget over all slots (``// max_batch`` each;
             module docstring); None: no limit but the KV buffers; 0: off.
         slot_policy: how long a request may be passed over (:class:`~specrt.runtime.slots.SlotPolicy`).
+        cache_ram_mib: the host prompt cache's budget in MiB (histories kept beyond the
+            slots, :mod:`specrt.runtime.hostcache`); 0: none.
         round_delay: test hook: seconds to sleep after each iteration.
         costs: :class:`BatchCosts` to start from (None: the manifest's
             ``extra.tune.batch_step_costs`` from ``specrt tune --batch-costs N`` when it
@@ -236,7 +238,7 @@ class BatchPool:
 
     Raises:
         ServeError: max_batch < 1, max_queue < 1, max_tokens < 1, an unknown policy, a
-            negative prefix_cache_tokens, or a target with no batched model.
+            negative prefix_cache_tokens or cache_ram_mib, or a target with no batched model.
     """
 
     def __init__(
@@ -251,6 +253,7 @@ class BatchPool:
         costs: BatchCosts | None = None,
         prefix_cache_tokens: int | None = None,
         slot_policy: SlotPolicy = SlotPolicy(),
+        cache_ram_mib: int = 0,
     ):
         check_pool_args(max_batch, max_queue, max_tokens, policy)
         self.engine = engine
@@ -263,7 +266,7 @@ class BatchPool:
                 f"--max-batch needs a target on specrt's kernels or a builder-graph target on ort-cpu (int4/int8 export); {engine.folder} has a {engine.manifest.target.graph} graph on {engine.backend}"
             )
         self.costs = costs or recorded_costs(engine.manifest, max_batch, engine.backend) or measure_step_costs(self.batched, vocab=engine.manifest.vocab_size)
-        self.slots = pool_slots(Slots.of_batch, self.batched, engine, prefix_cache_tokens, slot_policy)
+        self.slots = pool_slots(Slots.of_batch, self.batched, engine, prefix_cache_tokens, slot_policy, cache_ram_mib=cache_ram_mib)
         self._queue: list[Waiter] = []  # arrival order
         self._rows: list[_Row] = []
         self._cond = threading.Condition()
@@ -318,7 +321,7 @@ class BatchPool:
         :class:`~specrt.runtime.serve.metrics.ServerMetrics`), labelled with its model name;
         they start from zero there."""
         self.metrics = BatchMetrics(server_metrics.model_name, self.max_batch, lambda: self.costs.step_s, server_metrics.registry)
-        self.slots.attach(server_metrics.prefix_evicted)
+        server_metrics.attach_slots(self.slots)
 
     def submit(self, job: Job) -> None:
         """Queue ``job`` without waiting.
@@ -467,7 +470,7 @@ class BatchPool:
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on (a refused config: the slot keeps its record)
             fail(job, e)
             return
-        gen.reuse(slots[slot].take())
+        gen.reuse(slots[slot].recall(slots[slot].take(), gen.seq))
         row = _Row(job, gen, slot)
         self._rows.append(row)
         self._run(row, lambda: row.gen.prefill(self.batched.slots[row.slot]))

@@ -25,6 +25,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from ..errors import BackendError, InputError, SpecRTError
 from ..generation import prompt_only_result
+from ..hostcache import HostCache
 from ..slots import SlotPolicy, Slots, Waiter
 from .settings import DEFAULT_MAX_QUEUE
 
@@ -170,15 +171,19 @@ def send_text(job: Job, piece: str, logprobs: list | None) -> None:
         job.emit(("text", (piece, new)))
 
 
-def pool_slots(make, *args) -> Slots:
+def pool_slots(make, *args, cache_ram_mib: int = 0) -> Slots:
     """A pool's :class:`~specrt.runtime.slots.Slots` (``make(*args)``: ``Slots.of_engines`` or
-    ``Slots.of_batch``), its settings' errors as :class:`ServeError`.
+    ``Slots.of_batch``) with a host prompt cache of ``cache_ram_mib`` MiB
+    (:class:`~specrt.runtime.hostcache.HostCache`; 0: none), its settings' errors as
+    :class:`ServeError`.
 
     Raises:
-        ServeError: a negative ``prefix_cache_tokens``.
+        ServeError: a negative ``prefix_cache_tokens`` or ``cache_ram_mib``.
     """
+    if cache_ram_mib < 0:
+        raise ServeError(f"cache_ram={cache_ram_mib} MiB; it must be >= 0 (0: no host prompt cache)")
     try:
-        return make(*args)
+        return make(*args, host=HostCache(cache_ram_mib << 20) if cache_ram_mib > 0 else None)
     except InputError as e:
         raise ServeError(str(e)) from None
 
@@ -206,9 +211,11 @@ class WorkerPool:
             a worker's record is cut to its share, ``budget // workers`` tokens, when its
             job ends); None: no limit but the KV buffers; 0: no prefix cache.
         slot_policy: how long a job may be passed over (:class:`~specrt.runtime.slots.SlotPolicy`).
+        cache_ram_mib: the host prompt cache's budget in MiB (workers' histories kept beyond
+            the workers, :mod:`specrt.runtime.hostcache`); 0: none.
 
     Raises:
-        ServeError: no engines, ``max_queue < 1`` or a negative ``prefix_cache_tokens``.
+        ServeError: no engines, ``max_queue < 1`` or a negative ``prefix_cache_tokens`` or ``cache_ram_mib``.
     """
 
     def __init__(
@@ -218,13 +225,14 @@ class WorkerPool:
         round_delay: float = 0.0,
         prefix_cache_tokens: int | None = None,
         slot_policy: SlotPolicy = SlotPolicy(),
+        cache_ram_mib: int = 0,
     ):
         if not engines:
             raise ServeError("a worker pool needs at least one engine")
         if max_queue < 1:
             raise ServeError(f"max_queue={max_queue}; it must be >= 1")
         self.engines = list(engines)
-        self.slots = pool_slots(Slots.of_engines, self.engines, prefix_cache_tokens, slot_policy)
+        self.slots = pool_slots(Slots.of_engines, self.engines, prefix_cache_tokens, slot_policy, cache_ram_mib=cache_ram_mib)
         self.max_queue = max_queue
         self.round_delay = round_delay
         self._cond = threading.Condition()
@@ -249,6 +257,7 @@ class WorkerPool:
         round_delay: float = 0.0,
         prefix_cache_tokens: int | None = None,
         slot_policy: SlotPolicy = SlotPolicy(),
+        cache_ram_mib: int = 0,
     ) -> "WorkerPool":
         """Load the engine folder once and give each of ``workers`` threads its own Engine:
         :meth:`Engine.fork` where the backend can (shared onnxruntime sessions, own KV and
@@ -269,7 +278,9 @@ class WorkerPool:
                 engines.append(first.fork())
             except BackendError:
                 engines.append(Engine(folder, threads=threads, backend=first.backend, verify_hashes=False))
-        return cls(engines, max_queue=max_queue, round_delay=round_delay, prefix_cache_tokens=prefix_cache_tokens, slot_policy=slot_policy)
+        return cls(
+            engines, max_queue=max_queue, round_delay=round_delay, prefix_cache_tokens=prefix_cache_tokens, slot_policy=slot_policy, cache_ram_mib=cache_ram_mib
+        )
 
     @property
     def workers(self) -> int:
@@ -293,9 +304,9 @@ class WorkerPool:
         return self.slots.held_tokens(range(len(self.engines)))
 
     def attach_metrics(self, server_metrics) -> None:
-        """Count prefix-cache evictions in ``server_metrics`` (the server's own gauges cover
-        the workers)."""
-        self.slots.attach(server_metrics.prefix_evicted)
+        """Count prefix-cache evictions and the host prompt cache's restores and evictions in
+        ``server_metrics`` (the server's own gauges cover the workers)."""
+        server_metrics.attach_slots(self.slots)
 
     def submit(self, job: Job) -> None:
         """Queue ``job`` without waiting.

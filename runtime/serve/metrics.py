@@ -89,6 +89,17 @@ class ServerMetrics:
         self._evicted.labels(name, "budget")
         g = pc.Gauge("specrt_prefix_cache_tokens", "Tokens whose KV rows the prefix cache holds now (idle workers, free batch slots).", L, registry=reg)
         g.labels(name).set_function(prefix_tokens or (lambda: 0))
+        self._host_hits = counter("specrt_host_cache_hits", "Generations that got their history back from the host prompt cache (--cache-ram).").labels(name)
+        self._host_restored = counter("specrt_host_cache_restored_tokens", "KV rows copied back from the host prompt cache into a slot.").labels(name)
+        self._host_evicted = counter(
+            "specrt_host_cache_evicted_tokens", "Tokens of host prompt cache entries dropped to stay within --cache-ram (least recently used first)."
+        ).labels(name)
+        self._host_gauges = {
+            "tokens": pc.Gauge("specrt_host_cache_tokens", "Tokens whose KV rows the host prompt cache holds now.", L, registry=reg).labels(name),
+            "nbytes": pc.Gauge(
+                "specrt_host_cache_bytes", "Bytes of KV rows the host prompt cache holds now (at most --cache-ram MiB).", L, registry=reg
+            ).labels(name),
+        }
         self._prop_pos = counter(
             "specrt_draft_tokens_proposed_by_position", "Verification passes that proposed a candidate at draft position i (0-based).", ["position"]
         )
@@ -157,6 +168,20 @@ class ServerMetrics:
         """Count one prefix-cache record cut or dropped for the token budget, giving up ``tokens``."""
         self._evicted.labels(self.model_name, "budget").inc()
         self._evicted_tokens.inc(tokens)
+
+    def host_restored(self, tokens: int) -> None:
+        """Count one generation that got ``tokens`` KV rows back from the host prompt cache."""
+        self._host_hits.inc()
+        self._host_restored.inc(tokens)
+
+    def attach_slots(self, slots) -> None:
+        """Count a pool's :class:`~specrt.runtime.slots.Slots` events here: prefix-cache
+        evictions (:meth:`prefix_evicted`) and, with a host prompt cache, its restores and
+        evictions, and read its size into ``specrt_host_cache_tokens`` / ``_bytes``."""
+        slots.attach(self.prefix_evicted, self.host_restored, self._host_evicted.inc)
+        host = slots.host
+        for attr, g in self._host_gauges.items():
+            g.set_function((lambda a=attr: getattr(host, a)) if host is not None else (lambda: 0))
 
     def request_done(self, latency: float, ttft: float | None) -> None:
         """Count one ok request and observe its latency and time to first text (seconds)."""

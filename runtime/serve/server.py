@@ -80,6 +80,7 @@ def _load_pool(cfg: ServeConfig) -> Pool:
             round_delay=cfg.round_delay,
             prefix_cache_tokens=cfg.prefix_cache_tokens,
             slot_policy=policy,
+            cache_ram_mib=cfg.cache_ram_mib,
         )
     return WorkerPool.load(
         cfg.engines,
@@ -90,6 +91,7 @@ def _load_pool(cfg: ServeConfig) -> Pool:
         round_delay=cfg.round_delay,
         prefix_cache_tokens=cfg.prefix_cache_tokens,
         slot_policy=policy,
+        cache_ram_mib=cfg.cache_ram_mib,
     )
 
 

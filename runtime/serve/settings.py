@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from ..hostcache import DEFAULT_CACHE_RAM_MIB
 from ..slots import DEFAULT_SLOT_WAIT_MS, DEFAULT_SLOT_WAIT_REQUESTS
 
 __all__ = [
@@ -63,6 +64,9 @@ class ServeConfig:
             (:class:`~specrt.runtime.serve.jobs.WorkerPool`) or batch slots
             (:class:`~specrt.runtime.serve.batching.BatchPool`); None: no limit but the KV
             buffers; 0: off.
+        cache_ram_mib: the host prompt cache's budget in MiB: idle slots' histories copied
+            to host RAM when a request takes their slot, and back when they return
+            (:mod:`specrt.runtime.hostcache`, llama-server's ``--cache-ram``); 0: off.
         slot_wait_ms, slot_wait_requests: how long a waiting request may be passed over by
             later ones that take the free slot holding their own history
             (:class:`~specrt.runtime.slots.SlotPolicy`: milliseconds from the first pass,
@@ -91,6 +95,7 @@ class ServeConfig:
     batch_policy: str = DEFAULT_BATCH_POLICY
     max_tokens_in_flight: int | None = None
     prefix_cache_tokens: int | None = None
+    cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB
     slot_wait_ms: float = DEFAULT_SLOT_WAIT_MS
     slot_wait_requests: int = DEFAULT_SLOT_WAIT_REQUESTS
     completions_special_tokens: str = "special"
