@@ -11,7 +11,8 @@ the record keeps that at the peak). Reports: requests sent, answered (200) and l
 answer, or a 5xx), the cache hits and evictions (``/metrics``), RSS after the warm-up and its
 peak after it, and the bound "RSS <= RSS after warm-up x 1.10" with the prefix cache's tokens
 (the ``specrt_prefix_cache_tokens`` gauge, sampled with the RSS) never above ``--budget``
-(``holds``). Beside it (reported, not part of ``holds``), the peak against "model weights +
+(``holds``; with ``--cache-ram N`` the host prompt cache's N MiB are added to the RSS bound,
+and its bytes gauge at the end is reported; by default the soak turns it off). Beside it (reported, not part of ``holds``), the peak against "model weights +
 the budget's KV bytes" (the weights: the folder's ONNX files on disk; the budget's bytes:
 ``--budget`` tokens at the manifest's KV bytes per token, draft and target), "RSS once loaded
 + the budget's KV bytes", "RSS once loaded + the KV buffers of every worker or slot at
@@ -168,6 +169,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--budget", type=int, default=2048, help="--prefix-cache-tokens")
     ap.add_argument(
+        "--cache-ram",
+        type=int,
+        default=0,
+        help="the server's --cache-ram MiB (default 0: the host prompt cache off, so the bound is the slots' budget alone; N > 0 adds N MiB to the RSS bound)",
+    )
+    ap.add_argument(
         "--in-flight",
         type=int,
         default=0,
@@ -195,7 +202,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def server_command(a: argparse.Namespace, port) -> list:
     """``specrt serve`` with the soak's settings (:func:`parse_args`'s namespace)."""
     cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", port, "--workers", a.workers, "--threads", a.threads]
-    cmd += ["--prefix-cache-tokens", a.budget, "--log-level", "warning", "--max-queue", 256] + (["--max-batch", a.max_batch] if a.max_batch > 0 else [])
+    cmd += ["--prefix-cache-tokens", a.budget, "--cache-ram", a.cache_ram, "--log-level", "warning", "--max-queue", 256] + (["--max-batch", a.max_batch] if a.max_batch > 0 else [])
     return cmd + (["--max-tokens-in-flight", a.in_flight] if a.in_flight > 0 else [])
 
 
@@ -321,7 +328,8 @@ def main(argv=None) -> int:
         cache_tokens_samples_missing=sum(s["cache_tokens"] is None for s in samples),
         requests_after_warmup=samples[-1]["answered"] - warm[0]["answered"] if warm else 0,
         warmup_ended_s=warm[0]["t"] if warm else None,
-        holds=bool(warm) and stats["lost"] == 0 and peak <= 1.10 * rss_warm and max_held <= a.budget,
+        host_cache_bytes=metrics.get("specrt_host_cache_bytes"),
+        holds=bool(warm) and stats["lost"] == 0 and peak <= 1.10 * rss_warm + a.cache_ram and max_held <= a.budget,
         samples=samples,
     )
     emit(result, out_path, hide=("samples",))
