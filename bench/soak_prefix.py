@@ -202,7 +202,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def server_command(a: argparse.Namespace, port) -> list:
     """``specrt serve`` with the soak's settings (:func:`parse_args`'s namespace)."""
     cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", port, "--workers", a.workers, "--threads", a.threads]
-    cmd += ["--prefix-cache-tokens", a.budget, "--cache-ram", a.cache_ram, "--log-level", "warning", "--max-queue", 256] + (["--max-batch", a.max_batch] if a.max_batch > 0 else [])
+    cmd += ["--prefix-cache-tokens", a.budget, "--cache-ram", a.cache_ram, "--log-level", "warning", "--max-queue", 256] + (
+        ["--max-batch", a.max_batch] if a.max_batch > 0 else []
+    )
     return cmd + (["--max-tokens-in-flight", a.in_flight] if a.in_flight > 0 else [])
 
 

@@ -122,9 +122,11 @@ class GenerationConfig:
             near-ties. Benchmarks report both (``bench/real.py``).
         drafter: where candidates come from (None = the manifest's default, else
             ``model``): ``model`` (the draft model), ``ngram`` (prompt lookup: the sequence's
-            own earlier continuation of its longest matching suffix, no model call) or
-            ``hybrid`` (the n-gram when there is one, else the draft model);
-            :mod:`specrt.runtime.drafters`. The output is the same with all three.
+            own earlier continuation of its longest matching suffix, no model call),
+            ``hybrid`` (the n-gram when there is one, else the draft model) or ``suffix``
+            (frequency-weighted suffix lookup over the sequence and the process's recent
+            requests, no model call: :mod:`specrt.runtime.suffix`);
+            :mod:`specrt.runtime.drafters`. The output is the same with all of them.
         adaptive: choose each round's number of candidates (0 = a plain target step) from
             this machine's per-call costs and the request's running acceptance
             (:mod:`specrt.runtime.adaptive`), so speculation does not lose to plain

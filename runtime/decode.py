@@ -6,7 +6,7 @@ Face assisted generation's ``assistant_confidence_threshold``)::
     propose   the draft feeds the tokens it has not seen, then proposes c_1, c_2, ... one
               call per step, until the threshold rule, k_max, EOS or the budget stops it
               (speculative.propose, speculative.draft_limit); or an n-gram of the sequence
-              proposes them (drafters: model, ngram, hybrid)
+              proposes them (drafters: model, ngram, hybrid, suffix)
     verify    target logits for [pending, c_1..c_n] arrive in blocks; ONE acceptance loop
               (verify) reads them left to right and stops at the first rejection, so no
               block after it is computed

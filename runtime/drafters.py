@@ -15,6 +15,10 @@ output stays the target's own, sampled output its distribution.
   output, proposes the tokens that followed its latest earlier occurrence. No model call.
 * ``hybrid`` (:class:`HybridDrafter`): the n-gram proposal when the sequence has one, the
   draft model otherwise.
+* ``suffix`` (:class:`SuffixDrafter`): frequency-weighted suffix lookup over the sequence and
+  over the committed tokens of the process's recent requests (SuffixDecoding, Oliaro et al.
+  2024; :mod:`specrt.runtime.suffix`): the proposal with the larger expected accepted
+  length, its length adapted to how unambiguous the match is. No model call.
 
 Under a constraint or a ``logit_bias`` (:mod:`specrt.runtime.constraints`) the acceptor
 masks and biases every draft row as it does the target's, so the draft model proposes only
@@ -31,6 +35,7 @@ without x) holds unchanged, and a greedy confidence is 1.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
@@ -38,6 +43,7 @@ import numpy as np
 
 from .backends.base import DraftsTop1, Model
 from .speculative import GreedyAcceptor
+from .suffix import SharedSuffixIndex, SuffixIndex, expected_accepted, propose, shared_index
 
 __all__ = [
     "DRAFTERS",
@@ -48,13 +54,14 @@ __all__ = [
     "NgramIndex",
     "NgramDrafter",
     "HybridDrafter",
+    "SuffixDrafter",
     "make_drafter",
     "register_drafter",
     "drafter_names",
     "drafter_is_free",
 ]
 
-DRAFTERS = ("model", "ngram", "hybrid")  # the built-in drafters (the CLI's choices)
+DRAFTERS = ("model", "ngram", "hybrid", "suffix")  # the built-in drafters (the CLI's choices)
 NGRAM_MIN, NGRAM_MAX = 2, 4  # suffix lengths tried, longest first (HF's default lookup is 2..)
 
 
@@ -292,6 +299,34 @@ class HybridDrafter(NgramDrafter):
         return self._one_hot(toks, acc, steps) if toks else self.model.steps(seq, acc, steps, pre)
 
 
+class SuffixDrafter(NgramDrafter):
+    """Suffix lookup (module docstring, :mod:`specrt.runtime.suffix`): this generation's own
+    :class:`~specrt.runtime.suffix.SuffixIndex` and, unless ``shared`` is None, the process's
+    :class:`~specrt.runtime.suffix.SharedSuffixIndex`, which this generation's committed
+    tokens join as they come; each round proposes the path with the larger expected accepted
+    length. No model call; a round with no match proposes nothing."""
+
+    _keys = itertools.count()
+
+    def __init__(self, vocab: int, k_max: int, kv: int = 0, shared: SharedSuffixIndex | None = None):
+        super().__init__(vocab, k_max, kv=kv)
+        self.local, self.upto = SuffixIndex(), 0
+        self.shared, self.key = shared, next(self._keys)
+
+    def proposal(self, seq: list[int], acc) -> list[int]:
+        """This round's candidates (class docstring), cut to the longest prefix the target's
+        masked row allows (as :meth:`NgramDrafter.proposal`)."""
+        self.local.add(seq, self.upto)
+        self.upto = len(seq)
+        toks, scores = propose(self.local, seq, self.k_max)
+        if self.shared is not None:
+            self.shared.extend(self.key, seq)
+            other, s2 = self.shared.propose(seq, self.k_max)
+            if expected_accepted(s2) > expected_accepted(scores):
+                toks = other
+        return toks[: acc.valid_prefix(toks)] if toks else toks
+
+
 @dataclass(frozen=True)
 class DrafterKind:
     """One drafter name's recipe.
@@ -314,6 +349,7 @@ _KINDS: dict[str, DrafterKind] = {
     "model": DrafterKind(lambda draft, vocab, k_max, kv: ModelDrafter(draft, kv)),
     "ngram": DrafterKind(lambda draft, vocab, k_max, kv: NgramDrafter(vocab, k_max, kv=kv), free=True),
     "hybrid": DrafterKind(lambda draft, vocab, k_max, kv: HybridDrafter(draft, vocab, k_max, kv=kv)),
+    "suffix": DrafterKind(lambda draft, vocab, k_max, kv: SuffixDrafter(vocab, k_max, kv=kv, shared=shared_index()), free=True),
 }
 
 

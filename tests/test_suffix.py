@@ -1,0 +1,127 @@
+"""The suffix drafter (runtime/suffix.py, runtime/drafters.py ``suffix``): the index's counts
+and proposals against hand-computed ones, incremental and shared indexes equal to ones built
+over the final sequences, and on the embedded pair: output == target-only (greedy and
+seeded), whatever the shared index holds (another client's text included), and a repeated
+request drafting from an earlier one's output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specrt import Engine, GenerationConfig
+from specrt.runtime import suffix
+from specrt.runtime.suffix import SharedSuffixIndex, SuffixIndex, expected_accepted, propose
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINES = REPO / "engines" / "default"
+
+
+def test_the_most_frequent_continuation_of_the_longest_context_then_the_latest():
+    ix = SuffixIndex(2, 3)
+    seq = [1, 2, 5, 1, 2, 5, 1, 2, 6, 9, 1, 2]
+    ix.add(seq)
+    # (9, 1, 2) never continued; (1, 2) continued by 5 twice and 6 once
+    assert ix.next_token(seq) == (5, pytest.approx(2 / 3), 2)
+    ix2 = SuffixIndex(2, 3)
+    ix2.add([1, 2, 5, 1, 2, 6, 1, 2])  # a tie: the latest (6) wins
+    assert ix2.next_token([1, 2])[0] == 6
+    assert ix.next_token([4, 4]) is None
+    longest = SuffixIndex(2, 3)
+    longest.add([7, 1, 2, 5, 8, 1, 2, 6, 8, 1, 2, 6, 7, 1, 2])
+    # (1, 2) alone says 6 (twice against once); the longer (7, 1, 2) says 5
+    assert longest.next_token([7, 1, 2]) == (5, 1.0, 3) and longest.next_token([9, 1, 2])[0] == 6
+    with pytest.raises(ValueError):
+        SuffixIndex(3, 2)
+
+
+def test_a_proposal_stops_where_the_path_score_falls_below_the_threshold():
+    ix = SuffixIndex(2, 4)
+    span = [10, 11, 12, 13, 14, 15]
+    ix.add(span + [0] + span)  # every context of the span continues one way: a long copy
+    toks, scores = propose(ix, [10, 11], 8)
+    assert toks == [12, 13, 14, 15, 0, 10, 11, 12] and scores == [1.0] * 8
+    assert expected_accepted(scores) == 8.0
+    branch = SuffixIndex(2, 2)
+    branch.add([1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 3, 7])  # (1, 2) -> 3, 4, 5, 6 once each: 0.25
+    assert propose(branch, [1, 2], 4, min_score=0.3) == ([], [])
+    toks, scores = propose(branch, [1, 2], 4, min_score=0.2)
+    assert toks == [6, 3, 7] and scores == [0.25] * 3  # the latest of the ties, then (2, 6) -> 3 and (6, 3) -> 7 for sure; (3, 7) never continued
+    assert propose(branch, [1, 2], 2, min_score=0.2)[0] == [6, 3]
+
+
+def test_incremental_and_shared_indexes_equal_one_built_over_the_final_sequences():
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 5, 80).tolist(), rng.integers(0, 5, 60).tolist()
+    whole = SuffixIndex()
+    whole.add(a)
+    step = SuffixIndex()
+    for n in range(1, len(a) + 1):
+        step.add(a[:n], n - 1)
+    assert {k: {t: c[0] for t, c in v.items()} for k, v in step.counts.items()} == {k: {t: c[0] for t, c in v.items()} for k, v in whole.counts.items()}
+    shared = SharedSuffixIndex(max_tokens=1000)
+    shared.extend(1, a[:30])
+    shared.extend(1, a[:25] + [9, 9, 9])  # diverged (the divergent tokens are taken back out)
+    shared.extend(1, a)
+    shared.extend(2, b)
+    both = SuffixIndex()
+    both.add(a)
+    both.add(b)
+
+    def plain(ix):
+        return {k: {t: c[0] for t, c in v.items()} for k, v in ix.counts.items()}
+
+    assert plain(shared.index) == plain(both) and shared.tokens == 140
+    capped = SharedSuffixIndex(max_tokens=100)
+    capped.extend(1, a)
+    capped.extend(2, b)  # 140 > 100: the oldest request (a) is taken out
+    only_b = SuffixIndex()
+    only_b.add(b)
+    assert plain(capped.index) == plain(only_b) and capped.tokens == 60
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return Engine(ENGINES)
+
+
+PROMPTS = [json.loads(x)["prompt"] for x in (REPO / "data" / "humaneval_dev.jsonl").read_text().splitlines()[:3]]
+
+
+@pytest.fixture()
+def fresh_shared(monkeypatch):
+    """A new process-wide shared index for the test (the test's requests only)."""
+    ix = SharedSuffixIndex()
+    monkeypatch.setattr(suffix, "_SHARED", ix)
+    return ix
+
+
+def test_suffix_output_equals_target_only_and_a_repeat_drafts_from_the_first(eng, fresh_shared):
+    for p in PROMPTS:
+        base = eng.generate(p, GenerationConfig(max_new_tokens=48, speculative=False))
+        runs = [eng.generate(p, GenerationConfig(max_new_tokens=48, drafter="suffix", k_max=k, threshold=0.0)) for k in (4, 1, 4)]
+        assert all(r.tokens == base.tokens for r in runs), p[:40]
+        assert runs[0].stats.draft_calls == 0
+        # the third run finds the first two's output in the shared index
+        assert runs[2].stats.accepted > runs[0].stats.accepted and runs[2].stats.accepted >= 0.7 * len(base.tokens), (runs[0].stats, runs[2].stats)
+    assert fresh_shared.tokens > 0
+    sd = [GenerationConfig(max_new_tokens=32, temperature=0.8, seed=s) for s in (1, 2)]
+    for cfg in sd:  # seeded (coupled): the target-only sample whatever the drafts
+        want = eng.generate(PROMPTS[0], GenerationConfig(**{**cfg.__dict__, "speculative": False})).tokens
+        assert eng.generate(PROMPTS[0], GenerationConfig(**{**cfg.__dict__, "drafter": "suffix"})).tokens == want
+
+
+def test_another_clients_text_in_the_shared_index_changes_no_output(eng, fresh_shared):
+    """The shared index filled with sequences that share the prompt and continue otherwise
+    (another client's text): the drafts follow them, the output stays the target's."""
+    p = PROMPTS[1]
+    ids = eng.prompt_ids(p)
+    base = eng.generate(p, GenerationConfig(max_new_tokens=40, speculative=False)).tokens
+    rng = np.random.default_rng(3)
+    for i in range(3):
+        fresh_shared.extend(10_000 + i, ids + rng.integers(1, eng.manifest.vocab_size, 40).tolist())
+    r = eng.generate(p, GenerationConfig(max_new_tokens=40, drafter="suffix", k_max=4, threshold=0.0))
+    assert r.tokens == base and r.stats.proposed > r.stats.accepted  # it drafted the other text, rejected
