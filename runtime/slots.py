@@ -314,7 +314,8 @@ class Slots:
         m = engine.manifest
         return cls(
             [
-                Slot(batched.slots[j], engine.draft.fork(), m.reuse_step(engine.target.max_q), m.k_max + 1, partial(batched.release_rows, j))
+                # the Engine's own step (1 on width-exact kernels, whatever the manifest measured)
+                Slot(batched.slots[j], engine.draft.fork(), engine.slot.t_step, m.k_max + 1, partial(batched.release_rows, j))
                 for j in range(batched.max_batch)
             ],
             budget,

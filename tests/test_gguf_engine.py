@@ -115,6 +115,14 @@ def test_speculative_equals_the_target_alone_on_a_built_folder(ggufs, tmp_path):
             assert out.tokens == base.tokens, (p, k)
             rejected += out.stats.proposed - out.stats.accepted
     assert rejected > 0  # the draft is another model: the check is not vacuous
+    # batch slots route and reuse rows as the Engine does: 1-row steps on width-exact kernels
+    # (the folder records no measured layout; whole 256-row calls hid every shorter history)
+    from specrt.runtime.backends.kern_batch import KernelBatch
+    from specrt.runtime.slots import Slots
+
+    batch = KernelBatch(e.target, 2)
+    assert e.slot.t_step == 1 and {s.t_step for s in Slots.of_batch(batch, e)} == {1}
+    batch.close()
 
 
 def test_target_panels_equal_the_exports(ggufs, tmp_path):
