@@ -233,6 +233,11 @@ class NgramDrafter:
         token ``logit_bias`` bans; a refused candidate would waste the pass)."""
         self.index.update(seq)
         toks = self.index.continuation(seq, self.k_max)
+        return self._allowed(toks, acc)
+
+    @staticmethod
+    def _allowed(toks: list[int], acc) -> list[int]:
+        """``toks`` cut to the longest prefix the target's masked row allows."""
         return toks[: acc.valid_prefix(toks)] if toks else toks
 
     def rollback(self, committed: int) -> None:
@@ -324,7 +329,7 @@ class SuffixDrafter(NgramDrafter):
             other, s2 = self.shared.propose(seq, self.k_max)
             if expected_accepted(s2) > expected_accepted(scores):
                 toks = other
-        return toks[: acc.valid_prefix(toks)] if toks else toks
+        return self._allowed(toks, acc)
 
 
 @dataclass(frozen=True)

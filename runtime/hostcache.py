@@ -86,6 +86,14 @@ def _paste(model, rows: int, saved: tuple[np.ndarray, ...]) -> None:
             view[...] = data
 
 
+def _reusable(rec: KVPrefix | None, ids: Sequence[int], step: int, target: bool) -> int:
+    """Rows of ``rec`` (its target's, or its draft's) that a request for ``ids`` may keep:
+    within the common prefix, in whole ``step``-row calls (0 without a record)."""
+    if rec is None:
+        return 0
+    return min(rec.target_rows if target else rec.draft_rows, common_prefix(rec.tokens, ids) // step * step)
+
+
 def _covers(a: KVPrefix, b: KVPrefix) -> bool:
     """Whether record ``a`` holds all of ``b``: the same tokens over ``b``'s rows and at least
     as many target and draft rows."""
@@ -142,9 +150,12 @@ class HostCache:
             step: the granularity of reusable target rows (:meth:`~specrt.runtime.manifest.Manifest.reuse_step`).
 
         Returns:
-            ``rec``, or the record of an entry now copied into the slot's KV.
+            ``rec``, or the record of an entry now copied into the slot's KV. When the slot's
+            own draft rows serve the request further than the entry's (the entry came from a
+            request that drafted without the draft model), only the entry's target rows are
+            copied and the record joins them with the slot's draft rows.
         """
-        own = min(rec.target_rows, common_prefix(rec.tokens, ids) // step * step) if rec is not None else 0
+        own = _reusable(rec, ids, step, True)
         with self._lock:
             found = self._best(ids, step, own)
         if rec is not None and (found is not None or own < rec.size):
@@ -152,20 +163,27 @@ class HostCache:
         if found is None:
             return rec
         _paste(target, found.rec.target_rows, found.target)
-        _paste(draft, found.rec.draft_rows, found.draft)
+        out = found.rec
+        d_step = getattr(draft, "max_q", 1)
+        own_d = _reusable(rec, ids, d_step, False)
+        if own_d > _reusable(found.rec, ids, d_step, False):
+            t = _reusable(found.rec, ids, step, True)
+            out = KVPrefix(tuple(ids[: max(t, own_d)]), t, own_d)  # both runs of rows equal ids there
+        else:
+            _paste(draft, found.rec.draft_rows, found.draft)
         with self._lock:
             self.hits += 1
-            self.restored += found.rec.target_rows
+            self.restored += out.target_rows
         if self.on_restore is not None:
-            self.on_restore(found.rec.target_rows)
-        return found.rec
+            self.on_restore(out.target_rows)
+        return out
 
     def _best(self, ids: Sequence[int], step: int, own: int) -> HostEntry | None:
         """With the lock held: the entry with the most reusable target rows for ``ids`` when
         that is more than ``own`` (now the most recently used), else None."""
         best, rows = None, own
         for key, e in self._entries.items():
-            r = min(e.rec.target_rows, common_prefix(e.rec.tokens, ids) // step * step)
+            r = _reusable(e.rec, ids, step, True)
             if r > rows:
                 best, rows = key, r
         if best is None:

@@ -75,6 +75,23 @@ def test_a_taken_slot_s_history_comes_back_bit_for_bit():
     assert s.recall(got, A + [7, 8, 9]) is got and cache.nbytes == before and cache.hits == 1
 
 
+def test_an_entry_without_draft_rows_keeps_the_slot_s_draft_rows():
+    """An entry left by a request that drafted without the draft model (target rows only)
+    serves a prompt further than the slot's own record, whose draft rows serve it: the
+    entry's target rows are copied, the slot's draft rows stay, the record joins both."""
+    cache = HostCache(1 << 20)
+    other = _slot(cache)
+    cache.put(_keep(other, A, draft_rows=0), other.target, other.draft)  # target rows only
+    s = _slot(cache)
+    _keep(s, A[:24], draft_rows=16)
+    s.draft.k[16:] = 99.0  # the slot's draft rows past its record: must not be touched
+    want = s.draft.k.copy()
+    got = s.recall(s.take(), A + [7])
+    assert got == KVPrefix(tuple(A), 40, 16)
+    assert np.array_equal(s.draft.k, want) and np.array_equal(s.target.k[:40], other.target.k[:40])
+    assert cache.restored == 40
+
+
 def test_entries_are_evicted_least_recently_used_first_and_covered_ones_dropped():
     evicted = []
     cache = HostCache(100 * ROW)  # 100 rows of one _KV target (no draft rows kept)
