@@ -27,6 +27,8 @@ import threading
 from collections import OrderedDict
 from typing import Sequence
 
+from .prefix import common_prefix
+
 __all__ = ["SUFFIX_MIN", "SUFFIX_MAX", "SuffixIndex", "SharedSuffixIndex", "propose", "expected_accepted", "shared_index"]
 
 SUFFIX_MIN, SUFFIX_MAX = 2, 8  # context lengths tried, longest first
@@ -142,7 +144,7 @@ class SharedSuffixIndex:
         divergence), then drop the oldest requests past ``max_tokens``."""
         with self._lock:
             old = self._seqs.pop(key, [])
-            n = _common(old, seq)
+            n = common_prefix(old, seq)
             if n < len(old):  # take back what changed (context runs up to max_n before it)
                 self.index.add(old, n, sign=-1)
             self.index.add(seq, n)
@@ -157,19 +159,6 @@ class SharedSuffixIndex:
         """:func:`propose` over the shared index."""
         with self._lock:
             return propose(self.index, seq, k, min_score)
-
-
-def _common(old: list[int], seq: Sequence[int]) -> int:
-    """Length of the common prefix of ``old`` and ``seq`` (the usual case, ``seq`` extending
-    ``old``, compared in one slice)."""
-    if len(seq) >= len(old) and list(seq[: len(old)]) == old:
-        return len(old)
-    n = 0
-    for a, b in zip(old, seq):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 _SHARED: SharedSuffixIndex | None = None
