@@ -9,9 +9,11 @@ write time: its panels, dequantized by the kernels' own C code, equal ``gguf.deq
 the same bytes bit for bit, or the export stops.
 
 The decoder families the kernels run are llama.cpp's ``llama`` (also Mistral's GGUFs),
-``qwen2``, ``qwen3`` and ``phi3``: RMSNorm, RoPE (llama.cpp's rope type of the architecture:
-NORM for llama, NEOX for the others; Llama 3's ``rope_freqs``), grouped-query attention with
-optional q/k/v biases (qwen3: per-head q/k norms), SwiGLU. phi3's fused projections
+``qwen2``, ``qwen3``, ``phi3``, ``gemma2`` and ``gemma3``: RMSNorm, RoPE (llama.cpp's rope type
+of the architecture: NORM for llama, NEOX for the others; Llama 3's ``rope_freqs``; linear
+scaling), grouped-query attention with optional q/k/v biases (qwen3, gemma3: per-head q/k
+norms), SwiGLU (gemma: GeGLU, the embedding scale, post-attention and post-FFN norms,
+soft-capping, sliding-window layers with their own RoPE base: :func:`_gemma_dims`). phi3's fused projections
 (``attn_qkv``, and ``ffn_up`` holding gate and up) are split by rows at pack time into the
 panels the other families have; like llama.cpp, its sliding window is not applied.
 Anything else (another architecture, rope scaling other than rope_freqs, a block type the
@@ -20,12 +22,13 @@ kernels do not run) writes no record, with the reason, and the runtime keeps the
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
 import numpy as np
 
-from specrt.runtime.kernels.weights import QK_NORM_ARCHS, QK_NORMS
+from specrt.runtime.kernels.weights import POST_NORM_ARCHS, POST_NORMS, QK_NORM_ARCHS, QK_NORMS
 
 __all__ = [
     "KERNEL_RECORD_VERSION",
@@ -42,7 +45,11 @@ __all__ = [
 ]
 
 KERNEL_RECORD_VERSION = 1
-ROPE_NEOX_ARCHS = {"qwen2": True, "qwen3": True, "phi3": True, "llama": False}  # llama.cpp's rope type of each architecture (llama_model_rope_type)
+# llama.cpp's rope type of each architecture (llama_model_rope_type)
+ROPE_NEOX_ARCHS = {"qwen2": True, "qwen3": True, "phi3": True, "llama": False, "gemma2": True, "gemma3": True}
+# llama.cpp's default sliding-window pattern of an architecture (set_swa_pattern: layer i slides
+# unless i % n == n - 1), where the file has no attention.sliding_window_pattern
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 # fused projections of an architecture: GGUF tensor -> the kernels' tensors its rows hold, in order
 FUSED = {"phi3": {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")}}
 ALIGN = 4096  # every tensor starts on a page
@@ -75,6 +82,38 @@ def _dims(reader) -> dict:
         rope_scaling=str(g("rope.scaling.type", "none")),
         norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         value_dim=int(g("attention.value_length", head_dim)),
+        rope_scale=float(g("rope.scaling.factor", 1.0)) if str(g("rope.scaling.type", "none")) == "linear" else 1.0,
+    ) | _gemma_dims(arch, g, n_embd, n_head, head_dim, int(g("block_count")), float(g("rope.freq_base", 10000.0)))
+
+
+def _gemma_dims(arch: str, g, n_embd: int, n_head: int, head_dim: int, n_layer: int, theta: float) -> dict:
+    """gemma2 / gemma3's part of the dims, as llama.cpp's ``llama_model_gemma2/3::
+    load_arch_hparams`` reads the file: GeGLU, the embedding scale sqrt(n_embd), the attention
+    scale (1 / sqrt(head_dim); 1 / sqrt(n_embd / n_head) for the 27B models), soft-caps
+    (gemma2: 50 on scores, 30 on logits by default; gemma3: logits only if the file says), the
+    sliding layers (window ``attention.sliding_window``, gemma2's default 4096; pattern
+    ``attention.sliding_window_pattern`` or every 2nd / 6th layer global) and their RoPE
+    (``rope.freq_base_swa``; gemma3: 10000 unscaled by default). Other architectures: {}."""
+    if arch not in SWA_PATTERN:
+        return {}
+    gemma2 = arch == "gemma2"
+    big = n_layer == (46 if gemma2 else 62)  # LLM_TYPE_27B
+    window = int(g("attention.sliding_window", 4096 if gemma2 else 0))
+    pattern = g("attention.sliding_window_pattern", SWA_PATTERN[arch])
+    if isinstance(pattern, list):
+        slides = [bool(x) for x in pattern[:n_layer]]
+    else:
+        slides = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(n_layer)]
+    scale = float(g("rope.scaling.factor", 1.0)) if str(g("rope.scaling.type", "none")) == "linear" else 1.0
+    return dict(
+        ffn_act="gelu",
+        emb_scale=math.sqrt(n_embd),
+        attn_scale=1.0 / math.sqrt(n_embd // n_head if big else head_dim),
+        attn_softcap=float(g("attn_logit_softcapping", 50.0)) if gemma2 else 0.0,
+        final_softcap=float(g("final_logit_softcapping", 30.0 if gemma2 else 0.0)),
+        swa=[window if s and window > 0 else 0 for s in slides],
+        rope_theta_swa=float(g("rope.freq_base_swa", theta if gemma2 else 10000.0)),
+        rope_scale_swa=scale if gemma2 else 1.0,
     )
 
 
@@ -126,8 +165,8 @@ def plan_tensors(reader) -> tuple[dict, dict, str | None]:
     byname = {t.name: t for t in reader.tensors}
     if dims["arch"] not in ROPE_NEOX_ARCHS:
         return dims, {}, f"architecture {dims['arch']!r} (the kernels run {', '.join(ROPE_NEOX_ARCHS)})"
-    if dims["rope_scaling"] not in ("none", ""):
-        return dims, {}, f"rope scaling {dims['rope_scaling']!r}"
+    if dims["rope_scaling"] not in ("none", "", "linear"):
+        return dims, {}, f"rope scaling {dims['rope_scaling']!r} (the kernels run none, linear and Llama 3's rope_freqs)"
     if any(n.startswith("rope_factors") for n in byname):
         return dims, {}, "rope scaling (LongRoPE factors: rope_factors_long/short)"
     if dims["rope_dims"] != dims["head_dim"] or dims["value_dim"] != dims["head_dim"]:
@@ -138,7 +177,8 @@ def plan_tensors(reader) -> tuple[dict, dict, str | None]:
     want = {
         "token_embd": "token_embd.weight",
         "output_norm": "output_norm.weight",
-        "output": "output.weight" if "output.weight" in byname else "token_embd.weight",
+        # gemma2's head is its embedding, whatever else the file holds (llama.cpp: TENSOR_DUPLICATED)
+        "output": "output.weight" if "output.weight" in byname and dims["arch"] != "gemma2" else "token_embd.weight",
     }
     if "rope_freqs.weight" in byname:
         want["rope_freqs"] = "rope_freqs.weight"
@@ -154,9 +194,10 @@ def plan_tensors(reader) -> tuple[dict, dict, str | None]:
         for b in BIASES:
             if f"blk.{i}.{b}" in byname:
                 want[f"blk.{i}.{b}"] = f"blk.{i}.{b}"
-        if dims["arch"] in QK_NORM_ARCHS:  # required: a layer without them would run as another model
-            for n in QK_NORMS:
-                want[f"blk.{i}.{n}"] = f"blk.{i}.{n}.weight"
+        for arches, names in ((QK_NORM_ARCHS, QK_NORMS), (POST_NORM_ARCHS, POST_NORMS)):
+            if dims["arch"] in arches:  # required: a layer without them would run as another model
+                for n in names:
+                    want[f"blk.{i}.{n}"] = f"blk.{i}.{n}.weight"
     tensors = {}
     for key, name in [*want.items(), *((k, r) for k, r in split.items())]:
         t = name if isinstance(name, _Rows) else byname.get(name)

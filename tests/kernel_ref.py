@@ -132,18 +132,29 @@ def byte_vocab(n: int, tag: str = "") -> dict:
 
 
 def write_gguf(
-    path: Path, arch: str = "qwen2", seed: int = 0, types: dict | None = None, dims: dict | None = None, strings: dict | None = None, vocab: dict | None = None
+    path: Path,
+    arch: str = "qwen2",
+    seed: int = 0,
+    types: dict | None = None,
+    dims: dict | None = None,
+    strings: dict | None = None,
+    vocab: dict | None = None,
+    embd_scale: float = 1.0,
 ) -> Path:
     """A decoder of ``arch`` (``qwen2``: q/k/v biases, NEOX RoPE; ``qwen3``: per-head q/k
-    RMSNorm, NEOX RoPE, no biases; ``llama``: NORM RoPE, no biases) with random weights, written with gguf-py. ``types`` maps tensor kinds
+    RMSNorm, NEOX RoPE, no biases; ``llama``: NORM RoPE, no biases; ``gemma2``: GeGLU, post
+    norms, soft-caps 1.5 (scores) and 20 (logits), a head tied to the embedding, layer 0 sliding
+    over 16 positions; ``gemma3``: gemma2's without soft-caps, with q/k norms, global RoPE base
+    10^6, sliding layers 0 and 1 of 3 (10^4)) with random weights, written with gguf-py. ``types`` maps tensor kinds
     (``attn``, ``attn_v``, ``ffn``, ``ffn_down``, ``embd``, ``output``) to ggml types; the
     defaults mix Q4_K, Q6_K, Q8_0 and Q4_1 as llama.cpp's Q4_K_M does. ``strings``: more
     string metadata (``{key: value}``, the key without the architecture prefix). ``vocab``:
     tokenizer metadata (:func:`byte_vocab`), written as llama.cpp's ``tokenizer.ggml.*``
-    keys with a chat template."""
+    keys with a chat template. ``embd_scale``: the token rows' magnitude (gemma scales them by
+    sqrt(n_embd) and ties its head to them: 1 / 16 keeps a gemma model from repeating its input)."""
     import gguf
 
-    d = {**DIMS, **(dims or {})}
+    d = {**DIMS, **({"n_layer": 3} if arch == "gemma3" else {}), **(dims or {})}
     t = {"attn": Q4_K, "attn_v": Q6_K, "ffn": Q4_K, "ffn_down": Q6_K, "embd": Q8_0, "output": Q6_K, **(types or {})}
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
@@ -153,9 +164,19 @@ def write_gguf(
     w.add_feed_forward_length(d["n_ff"])
     w.add_head_count(d["n_head"])
     w.add_head_count_kv(d["n_head_kv"])
-    w.add_rope_freq_base(10000.0)
+    gemma = arch in ("gemma2", "gemma3")
+    w.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    if d["head_dim"] != d["n_embd"] // d["n_head"]:  # llama.cpp's default is n_embd / n_head
+    if gemma:
+        w.add_sliding_window(16)  # a 40-token prompt slides past it
+        w.add_key_length(d["head_dim"])
+        w.add_value_length(d["head_dim"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(1.5)  # small: the caps bite on these random weights
+        w.add_final_logit_softcapping(20.0)
+    if arch == "gemma3":
+        w.add_uint32("gemma3.attention.sliding_window_pattern", 3)
+    if d["head_dim"] != d["n_embd"] // d["n_head"] and not gemma:  # llama.cpp's default is n_embd / n_head
         w.add_key_length(d["head_dim"])
         w.add_value_length(d["head_dim"])
     for key, value in (strings or {}).items():
@@ -180,9 +201,10 @@ def write_gguf(
     def f32(name, v):
         w.add_tensor(name, np.asarray(v, np.float32))
 
-    add("token_embd.weight", t["embd"], V, E, 1.0)
+    add("token_embd.weight", t["embd"], V, E, embd_scale)
     f32("output_norm.weight", 1 + 0.1 * rng.standard_normal(E))
-    add("output.weight", t["output"], V, E, 0.1)
+    if arch != "gemma2":  # gemma2's head is its embedding
+        add("output.weight", t["output"], V, E, 0.1)
     for i in range(d["n_layer"]):
         p = f"blk.{i}."
         f32(p + "attn_norm.weight", 1 + 0.1 * rng.standard_normal(E))
@@ -197,7 +219,10 @@ def write_gguf(
         if arch == "qwen2":
             for name, n in (("attn_q.bias", qd), ("attn_k.bias", kd), ("attn_v.bias", kd)):
                 f32(p + name, 0.1 * rng.standard_normal(n))
-        if arch == "qwen3":  # per-head RMSNorm of q and k before RoPE
+        if gemma:  # RMSNorm of each block's output before its residual add
+            for name in ("post_attention_norm.weight", "post_ffw_norm.weight"):
+                f32(p + name, 1 + 0.3 * rng.standard_normal(E))
+        if arch in ("qwen3", "gemma3"):  # per-head RMSNorm of q and k before RoPE
             for name in ("attn_q_norm.weight", "attn_k_norm.weight"):
                 f32(p + name, 1 + 0.3 * rng.standard_normal(d["head_dim"]))
     w.write_header_to_file()
@@ -221,6 +246,14 @@ def reference_step(gguf_path: Path, tokens: list[int], rope_neox: bool) -> np.nd
     L, E, H, KV = g("block_count"), g("embedding_length"), g("attention.head_count"), g("attention.head_count_kv")
     hd = r.fields[f"{arch}.attention.key_length"].contents() if f"{arch}.attention.key_length" in r.fields else E // H
     eps = g("attention.layer_norm_rms_epsilon")
+    f = lambda k, default: r.fields[f"{arch}.{k}"].contents() if f"{arch}.{k}" in r.fields else default  # noqa: E731
+    gemma = arch in ("gemma2", "gemma3")
+    # gemma (llama.cpp's defaults written out here, independently of specrt's reading of them):
+    # layer i slides over `window` positions unless i % pattern == pattern - 1
+    window, pattern = f("attention.sliding_window", 0), f("attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}.get(arch, 1))
+    slides = [gemma and window > 0 and i % pattern < pattern - 1 for i in range(L)]
+    attn_cap = f("attn_logit_softcapping", 50.0) if arch == "gemma2" else 0.0
+    final_cap = f("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0) if gemma else 0.0
 
     def W(name):
         x = T[name]
@@ -238,9 +271,10 @@ def reference_step(gguf_path: Path, tokens: list[int], rope_neox: bool) -> np.nd
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
     n = len(tokens)
-    cos, sin = (a.astype(np.float64) for a in rope_tables(n, hd, g("rope.freq_base")))
+    tables = {base: [a.astype(np.float64) for a in rope_tables(n, hd, base)] for base in (g("rope.freq_base"), 10000.0)}
 
-    def rope(v):  # v [n, heads, hd]
+    def rope(v, base):  # v [n, heads, hd]
+        cos, sin = tables[base]
         c, s = cos[:, None, :], sin[:, None, :]
         if rope_neox:
             a, b = v[..., : hd // 2], v[..., hd // 2 :]
@@ -250,9 +284,14 @@ def reference_step(gguf_path: Path, tokens: list[int], rope_neox: bool) -> np.nd
         out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
         return out
 
+    def cap(x, c):
+        return c * np.tanh(x / c) if c else x
+
     emb, _ = W("token_embd.weight")
-    x = emb[tokens].astype(np.float64)
+    x = emb[tokens].astype(np.float64) * (np.float32(np.sqrt(E)) if gemma else 1.0)
     mask = np.triu(np.full((n, n), -np.inf), 1)
+    pos = np.arange(n)
+    swa_mask = np.where(pos[:, None] - pos[None, :] >= window, -np.inf, 0.0) + mask
     for i in range(L):
         p = f"blk.{i}."
         xn = norm(x, p + "attn_norm.weight")
@@ -262,17 +301,21 @@ def reference_step(gguf_path: Path, tokens: list[int], rope_neox: bool) -> np.nd
         q, k = q.reshape(n, H, hd), k.reshape(n, KV, hd)
         if p + "attn_q_norm.weight" in T:  # qwen3: each head RMS-normalized before RoPE
             q, k = norm(q, p + "attn_q_norm.weight"), norm(k, p + "attn_k_norm.weight")
-        q = rope(q)
-        k = rope(k).astype(np.float16).astype(np.float64)
+        base = 10000.0 if arch == "gemma3" and slides[i] else g("rope.freq_base")
+        q = rope(q, base)
+        k = rope(k, base).astype(np.float16).astype(np.float64)
         v = v.reshape(n, KV, hd).astype(np.float16).astype(np.float64)
         rep = H // KV
         k, v = np.repeat(k, rep, 1), np.repeat(v, rep, 1)
-        s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask
+        s = cap(np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd), attn_cap) + (swa_mask if slides[i] else mask)
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
         att = np.einsum("hqk,khd->qhd", s, v).reshape(n, H * hd)
-        x = x + mm(att, p + "attn_output.weight")
+        o = mm(att, p + "attn_output.weight")
+        x = x + (norm(o, p + "post_attention_norm.weight") if gemma else o)
         xn = norm(x, p + "ffn_norm.weight")
         gt, up = mm(xn, p + "ffn_gate.weight"), mm(xn, p + "ffn_up.weight")
-        x = x + mm(gt / (1 + np.exp(-gt)) * up, p + "ffn_down.weight")
-    return mm(norm(x, "output_norm.weight"), "output.weight")
+        act = 0.5 * gt * (1 + np.tanh(np.sqrt(2 / np.pi) * (gt + 0.044715 * gt**3))) if gemma else gt / (1 + np.exp(-gt))
+        o = mm(act * up, p + "ffn_down.weight")
+        x = x + (norm(o, p + "post_ffw_norm.weight") if gemma else o)
+    return cap(mm(norm(x, "output_norm.weight"), "output.weight" if "output.weight" in T else "token_embd.weight"), final_cap)

@@ -162,7 +162,7 @@ def test_matmul_rows_do_not_depend_on_width_threads_or_isa(tensors, ty):
 # ---------------------------------------------------------------- the decoder step
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "gemma2", "gemma3"])
 def tiny(request, tmp_path_factory):
     """(gguf path, panels record, weights factory) of a random 2-layer decoder."""
     from specrt.export.kernel_pack import write_panels
@@ -171,7 +171,7 @@ def tiny(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"kern_{request.param}")
     g = R.write_gguf(out / "m.gguf", request.param)
     rec = write_panels(g, out, "target", log=lambda *_: None)
-    assert rec is not None and rec["rope_neox"] == (request.param in ("qwen2", "qwen3"))
+    assert rec is not None and rec["rope_neox"] == (request.param != "llama")
     K.start_team(2)
     return g, rec, lambda ctx=256, q=64: KernelWeights(out / "target.panels", rec, ctx, q)
 
@@ -189,8 +189,31 @@ def test_step_matches_the_numpy_reference(tiny):
     g, rec, weights = tiny
     got = model(weights()).run(PROMPT, 0).astype(np.float64)
     ref = R.reference_step(g, PROMPT, rec["rope_neox"])
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-3
+    # most rows to float rounding; where an 8-bit activation rounds the other way (the reference
+    # rounds in float64), that row and the later ones that attend to it differ by ~1e-3
+    err = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert np.median(err) < 1e-5 and err.max() < 0.02, err
     assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.95
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_layers_match_the_reference_on_every_row(tmp_path, arch):
+    """gemma's GeGLU, embedding scale, post norms, soft-caps, sliding layers and their RoPE
+    base over float weights (no 8-bit activation to round the other way): every row equals
+    the numpy reference to float32 rounding, and the row is the same on every ISA path."""
+    from specrt.export.kernel_pack import write_panels
+    from specrt.runtime.kernels.weights import KernelWeights
+
+    g = R.write_gguf(tmp_path / "m.gguf", arch, types=dict.fromkeys(KINDS, R.F32))
+    rec = write_panels(g, tmp_path, "target", log=lambda *_: None)
+    assert rec["dims"]["swa"] == ([16, 0] if arch == "gemma2" else [16, 16, 0])
+    w = KernelWeights(tmp_path / "target.panels", rec, 256, 64)
+    base = model(w, "portable").run(PROMPT, 0).astype(np.float64)
+    ref = R.reference_step(g, PROMPT, rec["rope_neox"])
+    err = np.linalg.norm(base - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert err.max() < 2e-5, err
+    for isa in ISAS:
+        np.testing.assert_array_equal(bits(model(w, isa).run(PROMPT, 0)), bits(base.astype(np.float32)), err_msg=isa)
 
 
 def test_step_rows_do_not_depend_on_the_calls(tiny):

@@ -137,6 +137,10 @@ def test_every_record_is_checked_against_its_block_type_and_dims(tiny):
         "tensor output_norm: type 0, [255, 1]": lambda r: r["tensors"]["output_norm"].update(n=255),
         "dims n_head_kv must be positive": lambda r: r["dims"].update(n_head_kv=0),
         "tensor blk.0.attn_k is [128, 256]; the dims make it [64, 256]": lambda r: r["dims"].update(n_head_kv=1),
+        "dims ffn_act 'relu' must be one of silu, gelu": lambda r: r["dims"].update(ffn_act="relu"),
+        "dims attn_softcap must be a finite number >= 0": lambda r: r["dims"].update(attn_softcap=float("nan")),
+        "dims swa must be 2 sliding windows": lambda r: r["dims"].update(swa=[16]),
+        "tensor blk.0.post_attention_norm is missing": lambda r: r["dims"].update(arch="gemma2"),  # gemma's layers have post norms
     }
     for want, change in cases.items():
         r = copy.deepcopy(rec)
@@ -395,7 +399,9 @@ def test_ids_and_positions_are_checked_before_any_int32_cast(tiny):
 def test_c_refuses_what_python_would_never_send(tiny):
     """The C entry points check on their own (defence in depth): a start whose start + q
     overflows int32 (it wrapped past the check: SIGSEGV), a model whose matrix shapes do not
-    agree with its dims (it read other tensors' bytes), a scratch too small for the model."""
+    agree with its dims (it read other tensors' bytes), architecture numbers it cannot run
+    (an unknown activation, NaN or negative caps, a negative window), a scratch too small for
+    the model."""
     folder, _, rec = tiny
     w = weights(folder, rec)
     m = model(w)
@@ -417,6 +423,18 @@ def test_c_refuses_what_python_would_never_send(tiny):
     bad = K.SkModel.from_buffer_copy(w.model)
     bad.layers = ctypes.cast(layers, ctypes.POINTER(K.SkLayer))
     assert lib.sk_step(isa, ctypes.byref(bad), kv, w.scratch, ids.ctypes.data, 1, 0, out.ctypes.data, 512, 0) == -6
+    # the architecture's numbers: an activation the step does not know, a NaN or negative cap,
+    # an infinite scale, a negative window, one RoPE table of a pair
+    for field, value in (("ffn_act", 2), ("attn_softcap", float("nan")), ("final_softcap", -1.0), ("emb_scale", float("inf"))):
+        bad = K.SkModel.from_buffer_copy(w.model)
+        setattr(bad, field, value)
+        assert lib.sk_step(isa, ctypes.byref(bad), kv, w.scratch, ids.ctypes.data, 1, 0, out.ctypes.data, 512, 0) == -6, field
+    for field, value in (("swa", -1), ("rope_cos", w.model.rope_cos)):
+        layers = (K.SkLayer * 2)(*w.layers)
+        setattr(layers[0], field, value)
+        bad = K.SkModel.from_buffer_copy(w.model)
+        bad.layers = ctypes.cast(layers, ctypes.POINTER(K.SkLayer))
+        assert lib.sk_step(isa, ctypes.byref(bad), kv, w.scratch, ids.ctypes.data, 1, 0, out.ctypes.data, 512, 0) == -6, field
     small = lib.sk_scratch_new(32, 128, 256, 128, 512, 64)  # n_embd 128 < the model's 256
     try:
         assert lib.sk_step(isa, ctypes.byref(w.model), kv, small, ids.ctypes.data, 1, 0, out.ctypes.data, 512, 0) == -6

@@ -43,7 +43,7 @@ __all__ = [
     "check_rc",
 ]
 
-ABI = 6  # sk.h's SK_ABI: the structs below and the entry points bound in _load
+ABI = 7  # sk.h's SK_ABI: the structs below and the entry points bound in _load
 ISAS = ("portable", "avx2", "avx512vnni")  # ids 0, 1, 2 (sk.h; the library's sk_isa_name agrees: tests)
 MAX_THREADS = 64  # sk.h's SK_MAX_THREADS: the most threads of the team (the library's sk_max_threads agrees)
 HERE = Path(__file__).resolve().parent
@@ -66,20 +66,24 @@ class SkMat(ctypes.Structure):
 
 
 class SkLayer(ctypes.Structure):
-    """sk.h ``sk_layer``: a decoder layer's seven matrices, norms, optional biases and optional
-    per-head q/k norms (qwen3)."""
+    """sk.h ``sk_layer``: a decoder layer's seven matrices, norms, optional biases, optional
+    per-head q/k norms (qwen3, gemma3), optional post-attention / post-FFN norms (gemma2/3), its
+    own RoPE tables or NULL, and its sliding window (positions; 0: none)."""
 
-    _fields_ = [(n, SkMat) for n in ("wq", "wk", "wv", "wo", "wgate", "wup", "wdown")] + [
-        (n, c_void_p) for n in ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm")
-    ]
+    _fields_ = (
+        [(n, SkMat) for n in ("wq", "wk", "wv", "wo", "wgate", "wup", "wdown")]
+        + [(n, c_void_p) for n in ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "rope_cos", "rope_sin")]
+        + [("swa", c_int32), ("pad", c_int32)]
+    )
 
 
 class SkModel(ctypes.Structure):
-    """sk.h ``sk_model``: dims, RoPE tables, output norm, embedding and head, layers."""
+    """sk.h ``sk_model``: dims, the FFN's activation (0 SwiGLU, 1 GeGLU), the attention scale,
+    embedding scale and soft-caps (0: none), RoPE tables, output norm, embedding and head, layers."""
 
     _fields_ = (
-        [(n, c_int32) for n in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab", "max_ctx", "rope_neox", "max_q", "pad0", "pad1")]
-        + [(n, c_float) for n in ("norm_eps", "attn_scale", "pad2", "pad3")]
+        [(n, c_int32) for n in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab", "max_ctx", "rope_neox", "max_q", "ffn_act", "pad1")]
+        + [(n, c_float) for n in ("norm_eps", "attn_scale", "emb_scale", "attn_softcap", "final_softcap", "pad2")]
         + [
             ("rope_cos", c_void_p),
             ("rope_sin", c_void_p),

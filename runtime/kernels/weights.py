@@ -30,13 +30,29 @@ import numpy as np
 from . import SkLayer, SkMat, SkModel, library, status
 from .panels import BLOCK, TYPES, panel_bytes, supported
 
-__all__ = ["KernelWeights", "rope_tables", "check_record", "LAYER_KEYS", "QK_NORM_ARCHS", "QK_NORMS", "RecordError"]
+__all__ = [
+    "KernelWeights",
+    "rope_tables",
+    "arch_params",
+    "check_record",
+    "LAYER_KEYS",
+    "QK_NORM_ARCHS",
+    "QK_NORMS",
+    "POST_NORM_ARCHS",
+    "POST_NORMS",
+    "RecordError",
+]
 
 LAYER_KEYS = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output", "wgate": "ffn_gate", "wup": "ffn_up", "wdown": "ffn_down"}
 # architectures whose layers RMS-normalize each head of q and k before RoPE (llama.cpp's
 # attn_q_norm / attn_k_norm, [head_dim] each): every layer of theirs must have both
-QK_NORM_ARCHS = ("qwen3",)
+QK_NORM_ARCHS = ("qwen3", "gemma3")
 QK_NORMS = ("attn_q_norm", "attn_k_norm")
+# architectures that RMS-normalize each block's attention and FFN output before its residual add
+# (llama.cpp's attn_post_norm / ffn_post_norm, [n_embd] each): every layer of theirs has both
+POST_NORM_ARCHS = ("gemma2", "gemma3")
+POST_NORMS = ("post_attention_norm", "post_ffw_norm")
+FFN_ACTS = ("silu", "gelu")  # the C's SK_FFN_SILU, SK_FFN_GELU
 _F32, _I32 = 0, 26  # ggml type ids of the 1-D tensors (norms, biases, rope_freqs) and the head's ids
 _MAX_LAYERS = 512  # the C's SK_MAX_LAYERS
 _DIMS = ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab")
@@ -86,6 +102,9 @@ def check_record(record: dict, size: int) -> str | None:
         return f"dims: {L} layers (at most {_MAX_LAYERS}), head_dim {hd} (a multiple of 16 up to 256), {nh} heads over {nkv} KV heads"
     if not isinstance(t, dict):
         return "tensors is not a map"
+    why = _check_arch_dims(d, L)
+    if why:
+        return why
     head = t.get("head_ids")
     rows = _int(head.get("n")) if isinstance(head, dict) else V
     want: dict[str, tuple] = {"token_embd": ("m", V, E), "output": ("m", rows, E), "output_norm": ("v", E)}
@@ -104,6 +123,9 @@ def check_record(record: dict, size: int) -> str | None:
         for b, n in (("attn_q.bias", nh * hd), ("attn_k.bias", nkv * hd), ("attn_v.bias", nkv * hd), ("attn_q_norm", hd), ("attn_k_norm", hd)):
             if f"blk.{i}.{b}" in t or (b in QK_NORMS and d.get("arch") in QK_NORM_ARCHS):
                 want[f"blk.{i}.{b}"] = ("v", n)
+        for b in POST_NORMS:
+            if f"blk.{i}.{b}" in t or d.get("arch") in POST_NORM_ARCHS:
+                want[f"blk.{i}.{b}"] = ("v", E)
     if "rope_freqs" in t:
         want["rope_freqs"] = ("v", hd // 2)
     if head is not None:
@@ -132,6 +154,35 @@ def check_record(record: dict, size: int) -> str | None:
             if ty != want_ty or k != 1 or n != spec[1] or nbytes != 4 * n:
                 return f"tensor {key}: type {ty}, [{n}, {k}], {nbytes} bytes; need type {want_ty}, [{spec[1]}, 1], {4 * spec[1]} bytes"
     return None
+
+
+def _check_arch_dims(d: dict, n_layer: int) -> str | None:
+    """Why the record's optional per-architecture dims (:func:`arch_params`) are unusable, or None."""
+    if d.get("ffn_act", "silu") not in FFN_ACTS:
+        return f"dims ffn_act {d.get('ffn_act')!r} must be one of {', '.join(FFN_ACTS)}"
+    for k in ("emb_scale", "attn_scale", "attn_softcap", "final_softcap", "rope_scale", "rope_scale_swa", "rope_theta_swa"):
+        v = d.get(k, 0.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            return f"dims {k} must be a finite number >= 0, not {v!r}"
+    swa = d.get("swa", [0] * n_layer)
+    if not isinstance(swa, list) or len(swa) != n_layer or any(_int(w) is None or w < 0 for w in swa):
+        return f"dims swa must be {n_layer} sliding windows (integers >= 0; 0: none), one a layer"
+    return None
+
+
+def arch_params(dims: dict) -> dict:
+    """The per-architecture numbers of a record's dims, with the defaults of a record that has
+    none (llama, qwen2, qwen3, phi3): ``ffn_act`` (``silu`` SwiGLU, ``gelu`` GeGLU),
+    ``emb_scale`` (0: none), ``attn_scale`` (``1 / sqrt(head_dim)``), ``attn_softcap`` and
+    ``final_softcap`` (0: none), ``swa`` (a sliding window a layer, positions; 0: none),
+    RoPE ``rope_scale`` (linear: positions / scale) and, for the sliding layers,
+    ``rope_theta_swa`` and ``rope_scale_swa``."""
+    n, hd = int(dims["n_layer"]), int(dims["head_dim"])
+    out = dict(ffn_act="silu", emb_scale=0.0, attn_scale=1.0 / math.sqrt(hd), attn_softcap=0.0, final_softcap=0.0, swa=[0] * n, rope_scale=1.0)
+    out |= {k: dims[k] for k in out if k in dims}
+    out["rope_theta_swa"] = float(dims.get("rope_theta_swa", dims["rope_theta"]))
+    out["rope_scale_swa"] = float(dims.get("rope_scale_swa", out["rope_scale"]))
+    return out
 
 
 _LIVE: "weakref.WeakSet[KernelWeights]" = weakref.WeakSet()
@@ -196,8 +247,12 @@ class KernelWeights:
         self.ctx16 = (max_ctx + 15) // 16 * 16
         self.max_ctx, self.max_q = max_ctx, max_q
         hd = int(d["head_dim"])
-        factors = self._f32(t["rope_freqs"]) if "rope_freqs" in t else None
-        self.cos, self.sin = rope_tables(self.ctx16, hd, float(d["rope_theta"]), factors)
+        ap = arch_params(d)
+        freqs = self._f32(t["rope_freqs"]) if "rope_freqs" in t else np.ones(hd // 2)
+        self.cos, self.sin = rope_tables(self.ctx16, hd, float(d["rope_theta"]), freqs * ap["rope_scale"])
+        swa_rope = (ap["rope_theta_swa"], ap["rope_scale_swa"]) != (float(d["rope_theta"]), ap["rope_scale"])
+        # gemma3's sliding layers rotate with another base (and no scaling): their own tables
+        self.cos_swa, self.sin_swa = rope_tables(self.ctx16, hd, ap["rope_theta_swa"], freqs * ap["rope_scale_swa"]) if swa_rope else (None, None)
         self.layers = (SkLayer * int(d["n_layer"]))()
         for i in range(int(d["n_layer"])):
             L = self.layers[i]
@@ -207,13 +262,20 @@ class KernelWeights:
             L.ffn_norm = self._ptr(t[f"blk.{i}.ffn_norm"])
             for field, key in (("bq", "attn_q.bias"), ("bk", "attn_k.bias"), ("bv", "attn_v.bias"), ("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):
                 setattr(L, field, self._ptr(t[f"blk.{i}.{key}"]) if f"blk.{i}.{key}" in t else None)
+            for field, key in (("post_attn_norm", "post_attention_norm"), ("post_ffn_norm", "post_ffw_norm")):
+                setattr(L, field, self._ptr(t[f"blk.{i}.{key}"]) if f"blk.{i}.{key}" in t else None)
+            L.swa = int(ap["swa"][i])
+            if L.swa and self.cos_swa is not None:
+                L.rope_cos, L.rope_sin = self.cos_swa.ctypes.data, self.sin_swa.ctypes.data
         m = self.model = SkModel()
         for k in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff"):
             setattr(m, k, int(d[k]))
         m.n_vocab, m.max_ctx, m.max_q = self.n_vocab, self.ctx16, max_q
         m.rope_neox = int(bool(record["rope_neox"]))
         m.norm_eps = float(d["norm_eps"])
-        m.attn_scale = float(np.float32(1.0 / math.sqrt(hd)))
+        m.attn_scale = float(np.float32(ap["attn_scale"]))
+        m.ffn_act = FFN_ACTS.index(ap["ffn_act"])
+        m.emb_scale, m.attn_softcap, m.final_softcap = (float(np.float32(ap[k])) for k in ("emb_scale", "attn_softcap", "final_softcap"))
         m.rope_cos, m.rope_sin = self.cos.ctypes.data, self.sin.ctypes.data
         m.out_norm = self._ptr(t["output_norm"])
         m.tok_embd, m.output = self._mat(t["token_embd"]), self._mat(t["output"])

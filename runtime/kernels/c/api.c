@@ -145,6 +145,9 @@ static int sk_model_ok(const sk_model *m, const sk_scratch *s) {
     if (m->n_layer < 1 || m->n_layer > SK_MAX_LAYERS || E < 1 || F < 1 || nkv < 1 || nh < nkv || nh % nkv) return 0;
     if (hd < 16 || hd % 16 || hd > SK_HEAD_DIM_MAX || m->max_ctx < 16 || m->max_ctx % 16) return 0;
     if (!m->rope_cos || !m->rope_sin || !m->out_norm || !m->layers) return 0;
+    /* the FFN's activation one of two; scales and caps finite, >= 0 (0: none; !(x >= 0) is true for NaN) */
+    if ((m->ffn_act != SK_FFN_SILU && m->ffn_act != SK_FFN_GELU) || !(m->emb_scale >= 0.f) || !(m->attn_softcap >= 0.f) || !(m->final_softcap >= 0.f)) return 0;
+    if (isinf(m->emb_scale) || isinf(m->attn_softcap) || isinf(m->final_softcap)) return 0;
     if ((int64_t)nh * hd > INT32_MAX / 2) return 0;
     if (E > s->e || nh * hd > s->qd || nkv * hd > s->kd || F > s->f || m->max_ctx > s->ctx) return 0;
     /* the embedding has a row per id of the vocabulary; the head (a draft's may be trimmed) no more */
@@ -155,6 +158,7 @@ static int sk_model_ok(const sk_model *m, const sk_scratch *s) {
         if (!sk_mat_is(&L->wq, nh * hd, E) || !sk_mat_is(&L->wk, nkv * hd, E) || !sk_mat_is(&L->wv, nkv * hd, E) || !sk_mat_is(&L->wo, E, nh * hd) ||
             !sk_mat_is(&L->wgate, F, E) || !sk_mat_is(&L->wup, F, E) || !sk_mat_is(&L->wdown, E, F) || !L->attn_norm || !L->ffn_norm)
             return 0;
+        if (L->swa < 0 || !L->rope_cos != !L->rope_sin) return 0; /* a layer's own RoPE tables come in pairs */
     }
     return 1;
 }

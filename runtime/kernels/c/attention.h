@@ -34,7 +34,7 @@ static inline void v_rows(const uint16_t *V, size_t ldv, const float *e, int t0,
 /* scores of one row for K tile j, heads [h0, h0 + nh): sb[i][j*16 + lane]; nh a constant where
  * it is inlined. The accumulators are GCC vector values (16 lanes; lowered to what each ISA
  * has), so they live in registers: lane by lane the same multiplies and adds as scalar code */
-static inline __attribute__((always_inline)) void score_tile(const uint16_t *kt, const float *Qh, int hd, float scale, float *sb, int lds, int j,
+static inline __attribute__((always_inline)) void score_tile(const uint16_t *kt, const float *Qh, int hd, float scale, float cap, float *sb, int lds, int j,
                                                              const int nh) {
     v16 acc[SK_GROUP_MAX];
     for (int i = 0; i < nh; ++i) acc[i] = (v16){0};
@@ -46,7 +46,8 @@ static inline __attribute__((always_inline)) void score_tile(const uint16_t *kt,
         for (int i = 0; i < nh; ++i) acc[i] = acc[i] + Qh[i * hd + d] * kf;
     }
     for (int i = 0; i < nh; ++i) {
-        const v16 y = acc[i] * scale;
+        v16 y = acc[i] * scale;
+        if (cap > 0.f) softcap16(&y, cap); /* gemma2: c * tanh(score / c) before the softmax */
         memcpy(sb + i * lds + j * 16, &y, 64);
     }
 }
@@ -81,12 +82,14 @@ static inline float softmax_sum(float *si, int T) {
     return tree16(part);
 }
 static void attend(const sk_model *m, const sk_kv *kv, sk_scratch *s, int l, int r0, int nr, const int32_t *pos, int g, int h0, int h1, int tid) {
-    const int hd = m->head_dim, nkv = m->n_head_kv, nh = h1 - h0, ctx = m->max_ctx;
+    const int hd = m->head_dim, nkv = m->n_head_kv, nh = h1 - h0, ctx = m->max_ctx, swa = m->layers[l].swa;
     const uint16_t *K = kv->k + (size_t)l * ctx * nkv * hd;
     const uint16_t *V = kv->v + (size_t)l * ctx * nkv * hd;
-    int T[SK_ATT_ROWS], Tmax = 0;
+    /* row b attends to positions [T0[b], T[b]): all before it, or (a sliding layer) the last swa */
+    int T[SK_ATT_ROWS], T0[SK_ATT_ROWS], Tmax = 0;
     for (int b = 0; b < nr; ++b) {
         T[b] = pos[r0 + b] + 1;
+        T0[b] = swa > 0 && T[b] > swa ? T[b] - swa : 0;
         if (T[b] > Tmax) Tmax = T[b];
     }
     const int ntile = (Tmax + 15) / 16, lds = ntile * 16;
@@ -94,19 +97,19 @@ static void attend(const sk_model *m, const sk_kv *kv, sk_scratch *s, int l, int
     for (int j = 0; j < ntile; ++j) {
         const uint16_t *kt = K + ((size_t)j * nkv + g) * hd * 16;
         for (int b = 0; b < nr; ++b) {
-            if (j * 16 >= T[b]) continue; /* a tile past this row's position */
+            if (j * 16 >= T[b] || j * 16 + 16 <= T0[b]) continue; /* a tile past this row's position, or before its window */
             const float *Qh = s->q + (size_t)(r0 + b) * m->n_head * hd + (size_t)h0 * hd;
             float *sb = sc + (size_t)b * nh * lds;
-            const float sc_ = m->attn_scale;
+            const float sc_ = m->attn_scale, cap = m->attn_softcap;
             switch (nh) { /* a constant head count per case: see score_tile */
-            case 1: score_tile(kt, Qh, hd, sc_, sb, lds, j, 1); break;
-            case 2: score_tile(kt, Qh, hd, sc_, sb, lds, j, 2); break;
-            case 3: score_tile(kt, Qh, hd, sc_, sb, lds, j, 3); break;
-            case 4: score_tile(kt, Qh, hd, sc_, sb, lds, j, 4); break;
-            case 5: score_tile(kt, Qh, hd, sc_, sb, lds, j, 5); break;
-            case 6: score_tile(kt, Qh, hd, sc_, sb, lds, j, 6); break;
-            case 7: score_tile(kt, Qh, hd, sc_, sb, lds, j, 7); break;
-            default: score_tile(kt, Qh, hd, sc_, sb, lds, j, 8); break;
+            case 1: score_tile(kt, Qh, hd, sc_, cap, sb, lds, j, 1); break;
+            case 2: score_tile(kt, Qh, hd, sc_, cap, sb, lds, j, 2); break;
+            case 3: score_tile(kt, Qh, hd, sc_, cap, sb, lds, j, 3); break;
+            case 4: score_tile(kt, Qh, hd, sc_, cap, sb, lds, j, 4); break;
+            case 5: score_tile(kt, Qh, hd, sc_, cap, sb, lds, j, 5); break;
+            case 6: score_tile(kt, Qh, hd, sc_, cap, sb, lds, j, 6); break;
+            case 7: score_tile(kt, Qh, hd, sc_, cap, sb, lds, j, 7); break;
+            default: score_tile(kt, Qh, hd, sc_, cap, sb, lds, j, 8); break;
             }
         }
     }
@@ -114,18 +117,19 @@ static void attend(const sk_model *m, const sk_kv *kv, sk_scratch *s, int l, int
     for (int b = 0; b < nr; ++b) {
         float *out = s->att + (size_t)(r0 + b) * m->n_head * hd;
         for (int i = 0; i < nh; ++i) {
-            inv[b][i] = softmax_sum(sc + ((size_t)b * nh + i) * lds, T[b]);
+            inv[b][i] = softmax_sum(sc + ((size_t)b * nh + i) * lds + T0[b], T[b] - T0[b]);
             for (int d = 0; d < hd; ++d) out[(h0 + i) * hd + d] = 0.f;
         }
     }
     for (int t0 = 0; t0 < Tmax; t0 += SK_V_CHUNK)
         for (int b = 0; b < nr; ++b) {
-            const int t1 = t0 + SK_V_CHUNK < T[b] ? t0 + SK_V_CHUNK : T[b];
+            const int ta = t0 > T0[b] ? t0 : T0[b], t1 = t0 + SK_V_CHUNK < T[b] ? t0 + SK_V_CHUNK : T[b];
+            if (ta >= t1) continue;
             float *out = s->att + (size_t)(r0 + b) * m->n_head * hd;
             const float *sb = sc + (size_t)b * nh * lds;
             for (int i = 0; i < nh; ++i)
                 for (int d0 = 0; d0 < hd; d0 += 128) /* 8 lane groups of one head in registers */
-                    v_rows(V + g * hd + d0, nkv * hd, sb + i * lds, t0, t1, out + (h0 + i) * hd + d0, hd - d0 < 128 ? hd - d0 : 128);
+                    v_rows(V + g * hd + d0, nkv * hd, sb + i * lds, ta, t1, out + (h0 + i) * hd + d0, hd - d0 < 128 ? hd - d0 : 128);
         }
     for (int b = 0; b < nr; ++b) {
         float *out = s->att + (size_t)(r0 + b) * m->n_head * hd;
@@ -147,7 +151,8 @@ static void qkv_post(const sk_model *m, const sk_kv *const *kvs, const int32_t *
     for (int it = a; it < b; ++it) {
         const int r = it / (nh + nkv), h = it % (nh + nkv), pos = posv[r];
         const sk_kv *kv = kvs[r];
-        const float *cs = m->rope_cos + (size_t)pos * half, *sn = m->rope_sin + (size_t)pos * half;
+        const float *rc = L->rope_cos ? L->rope_cos : m->rope_cos, *rs = L->rope_sin ? L->rope_sin : m->rope_sin;
+        const float *cs = rc + (size_t)pos * half, *sn = rs + (size_t)pos * half;
         if (h < nh) {
             float *v = s->q + ((size_t)r * nh + h) * hd;
             if (L->bq)

@@ -64,6 +64,22 @@ static void silu_mul(float *g, const float *u, int n) {
     for (int i = 0; i < n; ++i) g[i] = (g[i] / (1.f + exp_cephes(-g[i]))) * u[i];
 }
 
+/* tanh(x) as 1 - 2 / (e^2x + 1) over exp_cephes: mul/add/div only, the same bits on every ISA
+ * (|error| < 1e-7 near 0, where the subtraction cancels; +-1 at the clamps) */
+static inline float tanh_sk(float x) { return 1.f - 2.f / (exp_cephes(2.f * x) + 1.f); }
+
+/* g[i] = gelu(g[i]) * u[i], GELU's tanh approximation (Hendrycks & Gimpel 2016, eq. in Sec. 2;
+ * gemma's gelu_pytorch_tanh, llama.cpp's GGML_OP_GELU): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+static void gelu_mul(float *g, const float *u, int n) {
+    for (int i = 0; i < n; ++i) {
+        const float x = g[i], t = tanh_sk(0.7978845608028654f * (x + (0.044715f * x) * (x * x)));
+        g[i] = ((0.5f * x) * (1.f + t)) * u[i];
+    }
+}
+
+/* soft-capping (gemma2's attention scores and logits): x -> c * tanh(x / c) */
+static inline float softcap_sk(float x, float c) { return c * tanh_sk(x / c); }
+
 /* exp_cephes on 16 lanes at once: lane by lane the same operations (the clamps as selects, the
  * same multiplies and adds, the exponent from the same integral n) */
 static inline __attribute__((always_inline)) void expf16(v16 *px) {
@@ -86,6 +102,13 @@ static inline __attribute__((always_inline)) void expf16(v16 *px) {
     const v16 nf = (v16)((v16i)n & (n == n)); /* NaN lanes (p NaN there) are not cast: 0 */
     const v16i e = (__builtin_convertvector(nf, v16i) + 127) << 23;
     *px = p * (v16)e;
+}
+
+/* softcap_sk on 16 lanes at once: lane by lane the same operations (expf16 is exp_cephes) */
+static inline __attribute__((always_inline)) void softcap16(v16 *py, float c) {
+    v16 z = (*py / c) * 2.f;
+    expf16(&z);
+    *py = c * (1.f - 2.f / (z + 1.f));
 }
 
 /* RoPE on one head's vector v [hd] at the position whose cos/sin rows are cs, sn [hd / 2]:

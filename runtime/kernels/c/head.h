@@ -84,7 +84,12 @@ static void head_reduce(const sk_model *m, sk_scratch *s, const void *X, int ldx
     float *buf = s->hbuf + (size_t)tid * mq * SK_HEAD_COLS;
     for (int c = a; c < b; ++c) {
         const int c0 = c * ch, c1 = c0 + ch < np ? c0 + ch : np, n0 = c0 * SK_P, n1 = c1 * SK_P < n_valid ? c1 * SK_P : n_valid;
-        if (!F) mm(&m->output, X, ldx, nq, c0, c1, buf, SK_HEAD_COLS, 0); /* panel c0 at buf[0] */
+        if (!F) {
+            mm(&m->output, X, ldx, nq, c0, c1, buf, SK_HEAD_COLS, 0); /* panel c0 at buf[0] */
+            if (m->final_softcap > 0.f)                               /* the logits the full head writes (step.h) */
+                for (int r = 0; r < nq; ++r)
+                    for (int t = 0; t < n1 - n0; ++t) buf[(size_t)r * SK_HEAD_COLS + t] = softcap_sk(buf[(size_t)r * SK_HEAD_COLS + t], m->final_softcap);
+        }
         for (int r = 0; r < nq; ++r) {
             const float *x = F ? F + (size_t)r * ldf + n0 : buf + (size_t)r * SK_HEAD_COLS;
             const float *pen = s->pens ? s->pens[r] : NULL;

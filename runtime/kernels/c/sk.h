@@ -15,7 +15,7 @@
 #define SPECRT_SK_H
 #include <stdint.h>
 
-#define SK_ABI 6
+#define SK_ABI 7
 #define SK_P 16 /* output columns per panel (one zmm of int32 lanes) */
 #define SK_MAX_THREADS 64
 
@@ -58,16 +58,25 @@ typedef struct {
 
 typedef struct {
     sk_mat wq, wk, wv, wo, wgate, wup, wdown;
-    const float *attn_norm, *ffn_norm; /* [n_embd] */
-    const float *bq, *bk, *bv;         /* biases or NULL */
-    const float *q_norm, *k_norm;      /* per-head RMSNorm of q and k before RoPE [head_dim] (qwen3) or NULL */
+    const float *attn_norm, *ffn_norm;           /* [n_embd] */
+    const float *bq, *bk, *bv;                   /* biases or NULL */
+    const float *q_norm, *k_norm;                /* per-head RMSNorm of q and k before RoPE [head_dim] (qwen3, gemma3) or NULL */
+    const float *post_attn_norm, *post_ffn_norm; /* RMSNorm of the attention / FFN output before its residual add [n_embd] (gemma2/3) or NULL */
+    const float *rope_cos, *rope_sin;            /* this layer's RoPE tables (gemma3's sliding layers: another base), or NULL: the model's */
+    int32_t swa, pad;                            /* sliding window: a row at position p attends to positions > p - swa; 0: all before it */
 } sk_layer;
 
-/* a decoder (llama / qwen2 / qwen3 / mistral families) over panel weights */
+/* the FFN's gate activation (sk_model.ffn_act) */
+enum { SK_FFN_SILU = 0, SK_FFN_GELU = 1 }; /* SwiGLU; GeGLU with GELU's tanh approximation (gemma) */
+
+/* a decoder (llama / qwen2 / qwen3 / mistral / phi3 / gemma2 / gemma3 families) over panel weights */
 typedef struct {
     int32_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, max_ctx;
-    int32_t rope_neox, max_q, pad0, pad1;
-    float norm_eps, attn_scale, pad2, pad3;
+    int32_t rope_neox, max_q, ffn_act, pad1;
+    float norm_eps, attn_scale;
+    float emb_scale;                   /* token rows times this (gemma: sqrt(n_embd)), or 0: as stored */
+    float attn_softcap, final_softcap; /* scores, logits -> c * tanh(x / c) (gemma2), or 0: none */
+    float pad2;
     const float *rope_cos, *rope_sin; /* [max_ctx][head_dim / 2] */
     const float *out_norm;            /* [n_embd] */
     sk_mat tok_embd, output;          /* token rows (n = ids, k = n_embd); the LM head (n = logits a row: n_vocab) */

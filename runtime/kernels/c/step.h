@@ -46,6 +46,24 @@ static void mm_share(sk_scratch *s, const float *xf, int ldf, const sk_mat *cons
     }
 }
 
+/* the residual add of a block's output projection w (over the activations of the float rows
+ * xf, ldf floats a row): x += w xf, or (post: gemma2/3's post-attention / post-FFN norm) x +=
+ * RMSNorm(w xf) * post, the projection written to xn first. Ends at a barrier. */
+static void out_proj(sk_scratch *s, const sk_mat *w, const float *xf, int ldf, const float *post, float eps, int E, int q, int r0, int r1, int tid, int nt) {
+    const sk_mat *mats[1] = {w};
+    float *ys[1] = {post ? s->xn : s->x};
+    const int ld[1] = {E};
+    mm_share(s, xf, ldf, mats, ys, ld, 1, q, !post, tid, nt);
+    sk_bar(tid, nt);
+    if (!post) return;
+    for (int r = r0; r < r1; ++r) {
+        float *x = s->x + (size_t)r * E, *y = s->xn + (size_t)r * E;
+        rmsnorm(y, post, E, eps, y);
+        for (int i = 0; i < E; ++i) x[i] = x[i] + y[i];
+    }
+    sk_bar(tid, nt);
+}
+
 static void step_job(void *arg, int tid, int nt) {
     const step_args *A = (const step_args *)arg;
     const sk_model *m = A->m;
@@ -53,7 +71,12 @@ static void step_job(void *arg, int tid, int nt) {
     const int q = A->q, E = m->n_embd, hd = m->head_dim, nh = m->n_head, nkv = m->n_head_kv, F = m->n_ff;
     int r0, r1;
     thread_share(q, tid, nt, &r0, &r1);
-    for (int r = r0; r < r1; ++r) sk_dequant_row(&m->tok_embd, A->tokens[r], s->x + (size_t)r * E);
+    for (int r = r0; r < r1; ++r) {
+        float *x = s->x + (size_t)r * E;
+        sk_dequant_row(&m->tok_embd, A->tokens[r], x);
+        if (m->emb_scale != 0.f) /* gemma: the token rows times sqrt(n_embd) */
+            for (int i = 0; i < E; ++i) x[i] = x[i] * m->emb_scale;
+    }
     sk_bar(tid, nt);
     for (int l = 0; l < m->n_layer; ++l) {
         const sk_layer *L = &m->layers[l];
@@ -83,13 +106,7 @@ static void step_job(void *arg, int tid, int nt) {
         sk_bar(tid, nt);
         quant_rows(s, s->att, nh * hd, nh * hd, r0, r1, act_of(&L->wo));
         sk_bar(tid, nt);
-        {
-            const sk_mat *mats[1] = {&L->wo};
-            float *ys[1] = {s->x};
-            const int ld[1] = {E};
-            mm_share(s, s->att, nh * hd, mats, ys, ld, 1, q, 1, tid, nt);
-        }
-        sk_bar(tid, nt);
+        out_proj(s, &L->wo, s->att, nh * hd, L->post_attn_norm, m->norm_eps, E, q, r0, r1, tid, nt);
         for (int r = r0; r < r1; ++r) rmsnorm(s->x + (size_t)r * E, L->ffn_norm, E, m->norm_eps, s->xn + (size_t)r * E);
         quant_rows(s, s->xn, E, E, r0, r1, act_of(&L->wgate) | act_of(&L->wup));
         sk_bar(tid, nt);
@@ -109,19 +126,14 @@ static void step_job(void *arg, int tid, int nt) {
             for (int it = a; it < b; ++it) {
                 const int r = it / nb, j = it % nb;
                 float *gg = s->g + (size_t)r * F + (size_t)j * kb;
-                silu_mul(gg, s->u + (size_t)r * F + (size_t)j * kb, kb);
+                if (m->ffn_act == SK_FFN_GELU) gelu_mul(gg, s->u + (size_t)r * F + (size_t)j * kb, kb);
+                else silu_mul(gg, s->u + (size_t)r * F + (size_t)j * kb, kb);
                 if (need & SK_ACT_Q8_K) quant_a256(gg, kb, s->a256 + (size_t)r * s->lda256 + (size_t)j);
                 if (need & SK_ACT_Q8_0) quant_a32(gg, kb, s->a32 + (size_t)r * s->lda32 + (size_t)j);
             }
         }
         sk_bar(tid, nt);
-        {
-            const sk_mat *mats[1] = {&L->wdown};
-            float *ys[1] = {s->x};
-            const int ld[1] = {E};
-            mm_share(s, s->g, F, mats, ys, ld, 1, q, 1, tid, nt);
-        }
-        sk_bar(tid, nt);
+        out_proj(s, &L->wdown, s->g, F, L->post_ffn_norm, m->norm_eps, E, q, r0, r1, tid, nt);
     }
     /* the LM head on rows [lo, q) only */
     const int lo = A->lo, nq = q - lo;
@@ -140,7 +152,11 @@ static void step_job(void *arg, int tid, int nt) {
         }
         int a, b;
         thread_share(m->output.n / SK_P, tid, nt, &a, &b);
-        mm(&m->output, X, ldx, nq, a, b, A->logits + (size_t)lo * A->ldl + (size_t)a * SK_P, A->ldl, 0);
+        float *y = A->logits + (size_t)lo * A->ldl + (size_t)a * SK_P;
+        mm(&m->output, X, ldx, nq, a, b, y, A->ldl, 0);
+        if (m->final_softcap > 0.f) /* gemma2: c * tanh(logit / c) */
+            for (int r = 0; r < nq; ++r)
+                for (int c = 0; c < (b - a) * SK_P; ++c) y[(size_t)r * A->ldl + c] = softcap_sk(y[(size_t)r * A->ldl + c], m->final_softcap);
     }
 }
 
