@@ -1,0 +1,121 @@
+"""specrt's kernels against llama.cpp on random GGUF decoders of each architecture the kernels
+run (issue 52 item 3: "the kernels' logits agree with llama.cpp's").
+
+Each file is written by ``tests/kernel_ref.py`` (random blocks of llama.cpp's Q4_K_M mix: Q4_K
+attention and FFN, Q6_K values, down projections and head, Q8_0 embeddings; a 512-token
+byte-level vocabulary so llama.cpp loads it), and scored on the same random token sequences:
+
+- by the kernels (``KernelModel.run`` from position 0, the CPU's fastest ISA path);
+- by llama.cpp (``bench/workers/llamacpp_logits.py`` in a Python that has llama-cpp-python, one
+  ``llama_decode`` a sequence).
+
+Per architecture: top-1 agreement of the next-token argmax, and the median and maximum
+absolute difference of the true next token's log-probability. Written as JSON.
+
+Usage: python scripts/arch_vs_llamacpp.py --llama-python PY [--out FILE]
+(PY: a Python with llama-cpp-python, e.g. ``.venv-llamacpp/bin/python``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+
+
+def _cpu() -> str:
+    """The CPU's model name and family/model numbers (lscpu)."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    f = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return f"{f.get('Model name', '?').strip()} family {f.get('CPU family', '?').strip()} model {f.get('Model', '?').strip()}"
+
+
+def _kernels(gguf: Path, folder: Path, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(argmax, log-probability of the true next token) at every position but the last of
+    each sequence, by specrt's kernels."""
+    from specrt.export.kernel_pack import write_panels
+    from specrt.runtime import kernels as K
+    from specrt.runtime.backends.kern import KernelModel
+    from specrt.runtime.kernels.weights import KernelWeights
+
+    rec = write_panels(gguf, folder, "target", log=lambda *_: None)
+    if rec is None:
+        raise SystemExit(f"the kernels do not run {gguf.name}")
+    K.start_team(2)
+    m = KernelModel(KernelWeights(folder / "target.panels", rec, 256, 128), K.cpu_isa())
+    arg, lp = [], []
+    for s in seqs:
+        rows = m.run(s[:-1], 0).astype(np.float64)
+        mx = rows.max(-1, keepdims=True)
+        lse = mx[:, 0] + np.log(np.exp(rows - mx).sum(-1))
+        arg.append(rows.argmax(-1))
+        lp.append(rows[np.arange(len(rows)), s[1:]] - lse)
+    return np.concatenate(arg), np.concatenate(lp)
+
+
+def main() -> None:
+    """Score every architecture with both engines and write the comparison (module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-python", required=True, help="a Python with llama-cpp-python")
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout only)")
+    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--len", type=int, default=96)
+    a = ap.parse_args()
+    sys.path.insert(0, str(REPO / "tests"))
+    from kernel_ref import byte_vocab, write_gguf
+
+    rng = np.random.default_rng(11)
+    seqs = [[int(t) for t in rng.integers(0, 512, a.len)] for _ in range(a.seqs)]
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ARCHS:
+            d = Path(tmp) / arch
+            d.mkdir()
+            # gemma ties its head to the token rows it scales by sqrt(n_embd): small rows, or
+            # every model repeats its input (a trivial agreement)
+            g = write_gguf(d / "m.gguf", arch, seed=5, vocab=byte_vocab(512), embd_scale=1 / 16 if arch.startswith("gemma") else 1.0)
+            ka, kl = _kernels(g, d, seqs)
+            (d / "in.json").write_text(json.dumps({"gguf": str(g), "threads": 2, "seqs": seqs, "first": [0] * len(seqs)}))
+            r = subprocess.run(
+                [a.llama_python, str(REPO / "bench" / "workers" / "llamacpp_logits.py"), str(d / "in.json"), str(d / "out.npz")], capture_output=True, text=True
+            )
+            if r.returncode:
+                raise SystemExit(f"llama.cpp failed on {arch}: {r.stderr[-800:]}")
+            ll = np.load(d / "out.npz")
+            dl = np.abs(kl - ll["logprob"])
+            rows[arch] = {
+                "positions": int(ka.size),
+                "top1_agreement": round(float((ka == ll["argmax"]).mean()), 4),
+                "logprob_abs_diff_median": float(np.median(dl)),
+                "logprob_abs_diff_max": float(dl.max()),
+                "llamacpp_margin_median": float(np.median(ll["margin"])),
+            }
+            print(arch, json.dumps(rows[arch]), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    ver = subprocess.run([a.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True, text=True).stdout.strip()
+    out = {
+        "what": "specrt kernels vs llama.cpp on random Q4_K_M-mix GGUF decoders (scripts/arch_vs_llamacpp.py)",
+        "cpu": _cpu(),
+        "python": platform.python_version(),
+        "specrt_commit": commit,
+        "llama_cpp_python": ver,
+        "sequences": f"{a.seqs} random sequences of {a.len} ids (vocab 512), every position scored",
+        "files": "tests/kernel_ref.write_gguf(arch, seed=5, byte_vocab(512)); gemma: token rows 1/16, gemma2 caps 1.5 / 20, sliding window 16",
+        "archs": rows,
+    }
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
