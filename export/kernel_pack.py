@@ -16,8 +16,8 @@ norms), SwiGLU (gemma: GeGLU, the embedding scale, post-attention and post-FFN n
 soft-capping, sliding-window layers with their own RoPE base: :func:`_gemma_dims`). phi3's fused projections
 (``attn_qkv``, and ``ffn_up`` holding gate and up) are split by rows at pack time into the
 panels the other families have; like llama.cpp, its sliding window is not applied.
-Anything else (another architecture, rope scaling other than rope_freqs, a block type the
-kernels do not run) writes no record, with the reason, and the runtime keeps the ONNX graph.
+Anything else (another architecture, rope scaling other than linear and rope_freqs, a block
+type the kernels do not run) writes no record, with the reason, and the runtime keeps the ONNX graph.
 """
 
 from __future__ import annotations
@@ -82,8 +82,16 @@ def _dims(reader) -> dict:
         rope_scaling=str(g("rope.scaling.type", "none")),
         norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         value_dim=int(g("attention.value_length", head_dim)),
-        rope_scale=float(g("rope.scaling.factor", 1.0)) if str(g("rope.scaling.type", "none")) == "linear" else 1.0,
+        rope_scale=_rope_scale(g),
     ) | _gemma_dims(arch, g, n_embd, n_head, head_dim, int(g("block_count")), float(g("rope.freq_base", 10000.0)))
+
+
+def _rope_scale(g) -> float:
+    """The linear RoPE factor as llama.cpp's ``llama_model::load_hparams`` reads it:
+    ``rope.scaling.factor``, else the older ``rope.scale_linear``; absent or 0: 1 (positions
+    are divided by it; plan_tensors refuses the scaling types other than none and linear)."""
+    f = float(g("rope.scaling.factor", 0.0) or g("rope.scale_linear", 0.0) or 0.0)
+    return f if f > 0 else 1.0
 
 
 def _gemma_dims(arch: str, g, n_embd: int, n_head: int, head_dim: int, n_layer: int, theta: float) -> dict:
@@ -101,10 +109,10 @@ def _gemma_dims(arch: str, g, n_embd: int, n_head: int, head_dim: int, n_layer: 
     window = int(g("attention.sliding_window", 4096 if gemma2 else 0))
     pattern = g("attention.sliding_window_pattern", SWA_PATTERN[arch])
     if isinstance(pattern, list):
-        slides = [bool(x) for x in pattern[:n_layer]]
+        slides = [bool(x) for x in pattern[:n_layer]] + [False] * (n_layer - len(pattern))  # llama.cpp: the rest global
     else:
         slides = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(n_layer)]
-    scale = float(g("rope.scaling.factor", 1.0)) if str(g("rope.scaling.type", "none")) == "linear" else 1.0
+    scale = _rope_scale(g)
     return dict(
         ffn_act="gelu",
         emb_scale=math.sqrt(n_embd),

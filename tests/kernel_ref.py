@@ -140,6 +140,7 @@ def write_gguf(
     strings: dict | None = None,
     vocab: dict | None = None,
     embd_scale: float = 1.0,
+    floats: dict | None = None,
 ) -> Path:
     """A decoder of ``arch`` (``qwen2``: q/k/v biases, NEOX RoPE; ``qwen3``: per-head q/k
     RMSNorm, NEOX RoPE, no biases; ``llama``: NORM RoPE, no biases; ``gemma2``: GeGLU, post
@@ -151,7 +152,8 @@ def write_gguf(
     string metadata (``{key: value}``, the key without the architecture prefix). ``vocab``:
     tokenizer metadata (:func:`byte_vocab`), written as llama.cpp's ``tokenizer.ggml.*``
     keys with a chat template. ``embd_scale``: the token rows' magnitude (gemma scales them by
-    sqrt(n_embd) and ties its head to them: 1 / 16 keeps a gemma model from repeating its input)."""
+    sqrt(n_embd) and ties its head to them: 1 / 16 keeps a gemma model from repeating its input).
+    ``floats``: more float32 metadata (e.g. ``{"rope.scaling.factor": 8.0}``)."""
     import gguf
 
     d = {**DIMS, **({"n_layer": 3} if arch == "gemma3" else {}), **(dims or {})}
@@ -181,6 +183,8 @@ def write_gguf(
         w.add_value_length(d["head_dim"])
     for key, value in (strings or {}).items():
         w.add_string(f"{arch}.{key}", value)
+    for key, value in (floats or {}).items():
+        w.add_float32(f"{arch}.{key}", value)
     if vocab is not None:
         w.add_tokenizer_model(vocab["model"])
         w.add_tokenizer_pre(vocab["pre"])
@@ -271,9 +275,11 @@ def reference_step(gguf_path: Path, tokens: list[int], rope_neox: bool) -> np.nd
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
     n = len(tokens)
-    tables = {base: [a.astype(np.float64) for a in rope_tables(n, hd, base)] for base in (g("rope.freq_base"), 10000.0)}
+    # linear RoPE scaling (positions / factor) on every layer but gemma3's sliding ones
+    factor = f("rope.scaling.factor", 1.0)
+    tables = {(b, s): [a.astype(np.float64) for a in rope_tables(n, hd, b, np.full(hd // 2, s))] for b in (g("rope.freq_base"), 10000.0) for s in (1.0, factor)}
 
-    def rope(v, base):  # v [n, heads, hd]
+    def rope(v, base):  # v [n, heads, hd]; base: (theta, factor)
         cos, sin = tables[base]
         c, s = cos[:, None, :], sin[:, None, :]
         if rope_neox:
@@ -301,7 +307,7 @@ def reference_step(gguf_path: Path, tokens: list[int], rope_neox: bool) -> np.nd
         q, k = q.reshape(n, H, hd), k.reshape(n, KV, hd)
         if p + "attn_q_norm.weight" in T:  # qwen3: each head RMS-normalized before RoPE
             q, k = norm(q, p + "attn_q_norm.weight"), norm(k, p + "attn_k_norm.weight")
-        base = 10000.0 if arch == "gemma3" and slides[i] else g("rope.freq_base")
+        base = (10000.0, 1.0) if arch == "gemma3" and slides[i] else (g("rope.freq_base"), factor)
         q = rope(q, base)
         k = rope(k, base).astype(np.float16).astype(np.float64)
         v = v.reshape(n, KV, hd).astype(np.float16).astype(np.float64)

@@ -139,6 +139,7 @@ def test_every_record_is_checked_against_its_block_type_and_dims(tiny):
         "tensor blk.0.attn_k is [128, 256]; the dims make it [64, 256]": lambda r: r["dims"].update(n_head_kv=1),
         "dims ffn_act 'relu' must be one of silu, gelu": lambda r: r["dims"].update(ffn_act="relu"),
         "dims attn_softcap must be a finite number >= 0": lambda r: r["dims"].update(attn_softcap=float("nan")),
+        "dims rope_scale must be a finite number > 0": lambda r: r["dims"].update(rope_scale=0.0),
         "dims swa must be 2 sliding windows": lambda r: r["dims"].update(swa=[16]),
         "tensor blk.0.post_attention_norm is missing": lambda r: r["dims"].update(arch="gemma2"),  # gemma's layers have post norms
     }
@@ -479,6 +480,23 @@ def test_an_infinite_activation_makes_its_row_nan_on_every_path(ty):
         y = K.matmul(ty, 32, 512, pan, x, isa=isa)
         assert np.isnan(y[1:]).all(), isa
         np.testing.assert_array_equal(bits(y[0]), bits(base[0]), err_msg=isa)
+
+
+def test_a_rope_scaling_factor_of_zero_is_one_and_the_legacy_key_is_read(tiny, tmp_path):
+    """llama.cpp reads the linear RoPE factor from rope.scaling.factor, else rope.scale_linear,
+    and takes 0 as 1: a 0 there must not divide the positions by 0 (NaN tables, NaN logits)."""
+    from specrt.export.kernel_pack import write_panels
+
+    folder, _, rec = tiny
+    base = model(weights(folder, rec)).run(PROMPT, 0)
+    for floats, want in (({"rope.scaling.factor": 0.0}, 1.0), ({"rope.scale_linear": 4.0}, 4.0)):
+        out = tmp_path / str(want)
+        out.mkdir()
+        r = write_panels(R.write_gguf(out / "m.gguf", "qwen2", floats=floats), out, "target", log=lambda *_: None)
+        assert r["dims"]["rope_scale"] == want
+        got = model(weights(out, r)).run(PROMPT, 0)
+        assert np.isfinite(got).all()
+        assert np.array_equal(bits(got), bits(base)) == (want == 1.0)  # the same weights (seed 0): unscaled == the fixture's
 
 
 def test_the_scratch_is_freed_with_its_weights(tiny, monkeypatch):

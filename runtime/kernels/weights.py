@@ -161,9 +161,10 @@ def _check_arch_dims(d: dict, n_layer: int) -> str | None:
     if d.get("ffn_act", "silu") not in FFN_ACTS:
         return f"dims ffn_act {d.get('ffn_act')!r} must be one of {', '.join(FFN_ACTS)}"
     for k in ("emb_scale", "attn_scale", "attn_softcap", "final_softcap", "rope_scale", "rope_scale_swa", "rope_theta_swa"):
-        v = d.get(k, 0.0)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            return f"dims {k} must be a finite number >= 0, not {v!r}"
+        v = d.get(k, 1.0)
+        positive = k.startswith("rope")  # a divisor or a base: 0 would make NaN tables
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
+            return f"dims {k} must be a finite number {'> 0' if positive else '>= 0'}, not {v!r}"
     swa = d.get("swa", [0] * n_layer)
     if not isinstance(swa, list) or len(swa) != n_layer or any(_int(w) is None or w < 0 for w in swa):
         return f"dims swa must be {n_layer} sliding windows (integers >= 0; 0: none), one a layer"
