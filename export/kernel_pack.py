@@ -69,7 +69,7 @@ def _dims(reader) -> dict:
     n_head = int(g("attention.head_count"))
     n_embd = int(g("embedding_length"))
     head_dim = int(g("attention.key_length", n_embd // n_head))
-    return dict(
+    d = dict(
         arch=arch,
         n_layer=int(g("block_count")),
         n_embd=n_embd,
@@ -83,7 +83,8 @@ def _dims(reader) -> dict:
         norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         value_dim=int(g("attention.value_length", head_dim)),
         rope_scale=_rope_scale(g),
-    ) | _gemma_dims(arch, g, n_embd, n_head, head_dim, int(g("block_count")), float(g("rope.freq_base", 10000.0)))
+    )
+    return d | _gemma_dims(g, d)
 
 
 def _rope_scale(g) -> float:
@@ -94,7 +95,7 @@ def _rope_scale(g) -> float:
     return f if f > 0 else 1.0
 
 
-def _gemma_dims(arch: str, g, n_embd: int, n_head: int, head_dim: int, n_layer: int, theta: float) -> dict:
+def _gemma_dims(g, d: dict) -> dict:
     """gemma2 / gemma3's part of the dims, as llama.cpp's ``llama_model_gemma2/3::
     load_arch_hparams`` reads the file: GeGLU, the embedding scale sqrt(n_embd), the attention
     scale (1 / sqrt(head_dim); 1 / sqrt(n_embd / n_head) for the 27B models), soft-caps
@@ -102,6 +103,7 @@ def _gemma_dims(arch: str, g, n_embd: int, n_head: int, head_dim: int, n_layer: 
     sliding layers (window ``attention.sliding_window``, gemma2's default 4096; pattern
     ``attention.sliding_window_pattern`` or every 2nd / 6th layer global) and their RoPE
     (``rope.freq_base_swa``; gemma3: 10000 unscaled by default). Other architectures: {}."""
+    arch, n_layer, n_embd, n_head, head_dim = (d[k] for k in ("arch", "n_layer", "n_embd", "n_head", "head_dim"))
     if arch not in SWA_PATTERN:
         return {}
     gemma2 = arch == "gemma2"
@@ -112,7 +114,7 @@ def _gemma_dims(arch: str, g, n_embd: int, n_head: int, head_dim: int, n_layer: 
         slides = [bool(x) for x in pattern[:n_layer]] + [False] * (n_layer - len(pattern))  # llama.cpp: the rest global
     else:
         slides = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(n_layer)]
-    scale = _rope_scale(g)
+    scale = d["rope_scale"]
     return dict(
         ffn_act="gelu",
         emb_scale=math.sqrt(n_embd),
@@ -120,7 +122,7 @@ def _gemma_dims(arch: str, g, n_embd: int, n_head: int, head_dim: int, n_layer: 
         attn_softcap=float(g("attn_logit_softcapping", 50.0)) if gemma2 else 0.0,
         final_softcap=float(g("final_logit_softcapping", 30.0 if gemma2 else 0.0)),
         swa=[window if s and window > 0 else 0 for s in slides],
-        rope_theta_swa=float(g("rope.freq_base_swa", theta if gemma2 else 10000.0)),
+        rope_theta_swa=float(g("rope.freq_base_swa", d["rope_theta"] if gemma2 else 10000.0)),
         rope_scale_swa=scale if gemma2 else 1.0,
     )
 

@@ -102,18 +102,26 @@ def test_generate_from_gguf_files_without_torch_builds_once_and_reuses(ggufs, tm
     assert first.stdout.rstrip("\n") == want.text
 
 
-def test_speculative_equals_the_target_alone_on_a_built_folder(ggufs, tmp_path):
-    m = build_engine(ggufs["target"], ggufs["draft"], tmp_path / "e", max_ctx=256, log=lambda *_: None)
-    assert m.target.graph == m.draft.graph == "kernels" and m.target.precision == "gguf"
-    assert m.draft.file == "draft.panels" and m.extra["kernels"]["draft"]["requantized"]["type"] == "Q4_0"
-    e = Engine(tmp_path / "e")
-    rejected = 0
+def _speculative_equals_target_alone(e: Engine) -> tuple[int, int]:
+    """Greedy speculative output == the target alone on every prompt at k 1, 4 and 8 (asserted);
+    returns the (rejected, accepted) candidates over all of them."""
+    rejected = accepted = 0
     for p in PROMPTS:
         base = e.generate(p, GenerationConfig(max_new_tokens=40, speculative=False))
         for k in (1, 4, 8):
             out = e.generate(p, GenerationConfig(max_new_tokens=40, k_max=k, adaptive=False, threshold=0.0))
             assert out.tokens == base.tokens, (p, k)
             rejected += out.stats.proposed - out.stats.accepted
+            accepted += out.stats.accepted
+    return rejected, accepted
+
+
+def test_speculative_equals_the_target_alone_on_a_built_folder(ggufs, tmp_path):
+    m = build_engine(ggufs["target"], ggufs["draft"], tmp_path / "e", max_ctx=256, log=lambda *_: None)
+    assert m.target.graph == m.draft.graph == "kernels" and m.target.precision == "gguf"
+    assert m.draft.file == "draft.panels" and m.extra["kernels"]["draft"]["requantized"]["type"] == "Q4_0"
+    e = Engine(tmp_path / "e")
+    rejected, _ = _speculative_equals_target_alone(e)
     assert rejected > 0  # the draft is another model: the check is not vacuous
     # batch slots route and reuse rows as the Engine does: 1-row steps on width-exact kernels
     # (the folder records no measured layout; whole 256-row calls hid every shorter history)
@@ -136,15 +144,7 @@ def test_gemma_files_run_speculatively_as_the_target_alone(tmp_path, arch):
     t, d = (write_gguf(tmp_path / f"{r}.gguf", arch, seed=1, vocab=v, embd_scale=1 / 128) for r in "td")
     m = build_engine(t, d, tmp_path / "e", max_ctx=256, log=lambda *_: None)
     assert m.target.graph == m.draft.graph == "kernels" and m.extra["kernels"]["target"]["dims"]["ffn_act"] == "gelu"
-    e = Engine(tmp_path / "e")
-    rejected = accepted = 0
-    for p in PROMPTS:
-        base = e.generate(p, GenerationConfig(max_new_tokens=40, speculative=False))
-        for k in (1, 4, 8):
-            out = e.generate(p, GenerationConfig(max_new_tokens=40, k_max=k, adaptive=False, threshold=0.0))
-            assert out.tokens == base.tokens, (p, k)
-            rejected += out.stats.proposed - out.stats.accepted
-            accepted += out.stats.accepted
+    rejected, accepted = _speculative_equals_target_alone(Engine(tmp_path / "e"))
     assert rejected > 0 and accepted > 0, (rejected, accepted)
 
 
