@@ -3,11 +3,12 @@ folder's ONNX graph and on llama.cpp, in one interleaved, repeated run.
 
 Per round, in an order rotated each round:
 
-* specrt kernels: the target's ``run`` at q = 1..9 after ``--past`` rows (10 timed calls each,
+* specrt kernels: the target's ``run`` at q = 1..9 (``--widths N``: 1..N) after ``--past`` rows (10 timed calls each,
   after one warm-up), and a prefill of each ``--prefill`` length (the decode loop's 256-row
   chunks, only the last row projected).
 * specrt's ONNX graph (``backend="ort-cpu"``): the same; a q-row call runs ``max(q,
-  exact_min_q)`` rows, as its exact decode loop does.
+  exact_min_q)`` rows, as its exact decode loop does; skipped for a folder built from GGUF files
+  alone (no graph).
 * llama.cpp: ``llama-bench -m TARGET.gguf -p 1,..,9 -n 64 -d PAST -t T -r 3`` (its 1..9-token
   calls at that depth, and its decode step, tg) and ``-p PREFILL`` at depth 0.
 
@@ -61,17 +62,17 @@ def prefill_ms(engine, n: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def specrt_round(engine, past: int, reps: int, prefills: list[int]) -> dict:
+def specrt_round(engine, past: int, reps: int, prefills: list[int], widths=WIDTHS) -> dict:
     """One round of one specrt path: ms per call by width, and ms per prefill length."""
     from specrt.runtime.chunks import feed
 
     q_min = engine.min_q
     feed(engine.target, [(13 * i) % 5000 + 100 for i in range(past)], 0)
-    calls = {q: time_calls(engine.target, max(q, q_min), past - max(0, q_min - q), reps) for q in WIDTHS}
+    calls = {q: time_calls(engine.target, max(q, q_min), past - max(0, q_min - q), reps) for q in widths}
     return dict(calls_ms=calls, prefill_ms={n: prefill_ms(engine, n) for n in prefills})
 
 
-def llama_round(bench: str, gguf: str, past: int, threads: int, prefills: list[int]) -> dict:
+def llama_round(bench: str, gguf: str, past: int, threads: int, prefills: list[int], widths=WIDTHS) -> dict:
     """One round of llama-bench: ms per call of 1..9 tokens at depth ``past``, ms per decoded
     token (tg64 at that depth), ms per prefill (depth 0)."""
     env = dict(os.environ, LD_LIBRARY_PATH=str(Path(bench).parent))
@@ -80,7 +81,7 @@ def llama_round(bench: str, gguf: str, past: int, threads: int, prefills: list[i
         out = subprocess.run([bench, "-m", gguf, "-t", str(threads), "-r", "3", "-o", "json", *args], capture_output=True, text=True, env=env, check=True)
         return json.loads(out.stdout)
 
-    rows = run(["-p", ",".join(map(str, WIDTHS)), "-n", "64", "-d", str(past)])
+    rows = run(["-p", ",".join(map(str, widths)), "-n", "64", "-d", str(past)])
     calls = {r["n_prompt"]: 1e3 * r["n_prompt"] / r["avg_ts"] for r in rows if r["n_prompt"]}
     tg = next(1e3 / r["avg_ts"] for r in rows if r["n_gen"])
     pre = run(["-p", ",".join(map(str, prefills)), "-n", "0"]) if prefills else []
@@ -117,8 +118,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefill", default="1024,2048", help="prompt lengths to prefill (comma-separated)")
+    ap.add_argument("--widths", type=int, default=9, help="time calls of 1..N rows")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
+    widths = tuple(range(1, a.widths + 1))
     from specrt import Engine
     from specrt.runtime.backends.base import ThreadConfig
     from specrt.runtime.manifest import load_manifest
@@ -130,21 +133,21 @@ def main(argv=None) -> dict:
     gguf = str(Path(os.environ.get("SPECRT_GGUF_CACHE") or Path.home() / ".cache/specrt/gguf") / m.extra["gguf"]["target"]["file"])
     prefills = [int(x) for x in a.prefill.split(",") if x.strip()]
     tc = ThreadConfig(intra_op=a.threads)
-    engines = {
-        "kernels": Engine(a.engines, threads=tc, backend="kernels", prefix_cache=False),
-        "onnx": Engine(a.engines, threads=tc, backend="ort-cpu", prefix_cache=False),
-    }
+    engines = {"kernels": Engine(a.engines, threads=tc, backend="kernels", prefix_cache=False)}
+    if m.target.graph != "kernels":  # a folder built from GGUF files alone has no ONNX graph to time
+        engines["onnx"] = Engine(a.engines, threads=tc, backend="ort-cpu", prefix_cache=False)
     load0 = os.getloadavg()
     rounds = []
     for i in range(a.rounds):
-        order = ["kernels", "onnx", "llama.cpp"][i % 3 :] + ["kernels", "onnx", "llama.cpp"][: i % 3]
+        systems = [*engines, "llama.cpp"]
+        order = systems[i % len(systems) :] + systems[: i % len(systems)]
         r = {}
         for sys_ in order:
             if sys_ == "llama.cpp":
                 if a.llama_bench:
-                    r[sys_] = llama_round(a.llama_bench, gguf, a.past, a.threads, prefills)
+                    r[sys_] = llama_round(a.llama_bench, gguf, a.past, a.threads, prefills, widths)
             else:
-                r[sys_] = specrt_round(engines[sys_], a.past, a.reps, prefills)
+                r[sys_] = specrt_round(engines[sys_], a.past, a.reps, prefills, widths)
         rounds.append(r)
         print(f"round {i + 1}/{a.rounds}: " + json.dumps({s: {q: round(v, 1) for q, v in r[s]["calls_ms"].items()} for s in r}), flush=True)
     rec = dict(
@@ -152,7 +155,7 @@ def main(argv=None) -> dict:
         engines=str(a.engines),
         gguf=gguf,
         isa=engines["kernels"].target.isa,
-        onnx_exact_min_q=engines["onnx"].min_q,
+        onnx_exact_min_q=engines["onnx"].min_q if "onnx" in engines else None,
         threads=a.threads,
         past=a.past,
         reps=a.reps,

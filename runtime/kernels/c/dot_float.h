@@ -22,7 +22,7 @@ static inline __attribute__((always_inline)) void float_rows(const uint8_t *w, i
     for (int r = 0; r < Q; ++r) e[r] = o[r] = FZERO();
     int kk = 0;
     for (; kk + 1 < k; kk += 2) {
-        if (pf && (kk & 15) == 0) sk_prefetch(w + (size_t)(kk + 16 * SK_PF_AHEAD) * bytes, 16 * (size_t)bytes);
+        if (pf && (kk & 15) == 0) sk_prefetch(w + (size_t)(kk + 16 * SK_PF_AHEAD_LEG) * bytes, 16 * (size_t)bytes);
         const vf w0 = float_weights(w, kk, h, kind), w1 = float_weights(w, kk + 1, h, kind);
 #pragma GCC unroll 8
         for (int r = 0; r < Q; ++r) {

@@ -11,7 +11,7 @@ static inline __attribute__((always_inline)) void i8_rows(const uint8_t *w, int 
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
     for (int b = 0; b < nb; ++b) {
         const uint8_t *o = w + (size_t)b * SK_I8_PSB;
-        if (pf) sk_prefetch(o + 4 * SK_PF_AHEAD * SK_I8_PSB, SK_I8_PSB);
+        if (pf) sk_prefetch(o + 4 * SK_PF_AHEAD_LEG * SK_I8_PSB, SK_I8_PSB);
         const vf dw = H2F((const uint16_t *)(o + 32 * SK_P) + h * LANES);
         vi a[RB];
         for (int r = 0; r < Q; ++r) a[r] = VZERO();
@@ -43,7 +43,7 @@ static inline __attribute__((always_inline)) void u4_rows(const uint8_t *w, int 
     const int psb = with_min ? SK_Q41_PSB : SK_Q40_PSB;
     for (int b = 0; b < nb; ++b) {
         const uint8_t *o = w + (size_t)b * psb;
-        if (pf) sk_prefetch(o + 8 * SK_PF_AHEAD * psb, psb);
+        if (pf) sk_prefetch(o + 8 * SK_PF_AHEAD_LEG * psb, psb);
         const uint16_t *dd = (const uint16_t *)(o + 16 * SK_P);
         const vf dw = H2F(dd + h * LANES);
         vi a[RB];
@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void q5_1_rows(const uint8_t *w, in
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
     for (int b = 0; b < nb; ++b) {
         const uint8_t *o = w + (size_t)b * SK_Q51_PSB;
-        if (pf) sk_prefetch(o + 4 * SK_PF_AHEAD * SK_Q51_PSB, SK_Q51_PSB);
+        if (pf) sk_prefetch(o + 4 * SK_PF_AHEAD_LEG * SK_Q51_PSB, SK_Q51_PSB);
         const uint16_t *dd = (const uint16_t *)(o + 32 * SK_P);
         const vf dw = H2F(dd + h * LANES), mw = H2F(dd + SK_P + h * LANES);
         vi a[RB];

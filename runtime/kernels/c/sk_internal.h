@@ -208,10 +208,24 @@ static inline int32_t sk_ld32(const void *p) {
 
 /* software prefetch of [p, p + bytes): a thread streaming panels keeps enough cache lines in
  * flight to approach the memory bandwidth (its hardware prefetcher alone reached ~60% of it
- * beside the kernels' arithmetic); a prefetch past the end of a mapping is harmless */
-#define SK_PF_AHEAD 2 /* K blocks (of the panel being read) ahead */
+ * beside the kernels' arithmetic); a prefetch past the end of a mapping is harmless.
+ * Into L2, not L1 (prefetcht1): on Zen 4 the L1 hint with 2 K blocks ahead left the wide calls'
+ * arithmetic waiting on memory, one after the other; the L2 hint with 4 ahead overlapped them
+ * (the 1.5B target's step 2.3x faster at 5 rows, 2.1x at 8, 1.1x at 1; same bits:
+ * docs/bench/kernel_tq/). The 32-weight types' distance (most of the 0.5B draft) is kept: the
+ * draft's step measured within the run's noise either way. The three can be set at build time
+ * (CFLAGS=-DSK_PF_AHEAD=...; scripts/kernel_builds_ab.py times builds against each other). */
+#ifndef SK_PF_AHEAD
+#define SK_PF_AHEAD 4 /* 256-weight blocks (of the panel being read) ahead */
+#endif
+#ifndef SK_PF_AHEAD_LEG
+#define SK_PF_AHEAD_LEG 2 /* the 32-weight types' and float rows' distance, in their own units */
+#endif
+#ifndef SK_PF_LOC
+#define SK_PF_LOC 2 /* __builtin_prefetch locality: 2 = prefetcht1 (L2) */
+#endif
 static inline void sk_prefetch(const uint8_t *p, size_t bytes) {
-    for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+    for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, SK_PF_LOC);
 }
 
 static inline void sk_pause(void) {
