@@ -12,9 +12,10 @@ Per round, in an order rotated each round, each build runs in its own process
 * with ``--bench-limit N``, ``specrt bench`` on the first N prompts of ``--prompts``
   (target-only, its 1-row form and the folder's speculative defaults: tok/s and output == target).
 
-Medians over rounds of each round's figure, the spread (min, max) of the rounds, and each build's
-ratio to the first. The bits do not depend on these settings (prefetches only), which the
-kernels' tests check for the build they run. The record names the machine and the load average.
+The ISA path is the CPU's best, or ``SPECRT_KERNELS_ISA`` (recorded). Medians over rounds of
+each round's figure, the spread (min, max) of the rounds, and each build's ratio to the first.
+The bits do not depend on the prefetch settings (tests/test_kernel_builds_ab.py checks a build
+with every one changed). The record names the machine and the load average.
 
     .venv/bin/python scripts/kernel_builds_ab.py --engines ENGINES \\
         --build old="-DSK_PF_AHEAD=2 -DSK_PF_LOC=3" --build new="" \\
@@ -156,6 +157,7 @@ def main(argv=None) -> dict | None:
     if len(a.build) < 2 or any("=" not in b for b in a.build):
         raise SystemExit('kernel_builds_ab: give at least two --build NAME="CFLAGS" (the first is the reference)')
     from specrt.bench.common import say_machine, write_json
+    from specrt.runtime.kernels import cpu_isa
     from specrt.runtime.machine import machine_record
 
     say_machine()
@@ -172,6 +174,7 @@ def main(argv=None) -> dict | None:
         "what": "kernels library builds (CFLAGS) compared: target step (reduced head) and draft step by width, interleaved",
         "command": "python scripts/kernel_builds_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine_record(),
+        "isa": os.environ.get("SPECRT_KERNELS_ISA") or cpu_isa(),
         "load_before": load0,
         "load_after": os.getloadavg(),
         "builds": {n: f for n, (f, _) in builds.items()},
