@@ -9,7 +9,7 @@ Per round, in an order rotated each round:
 * specrt's ONNX graph (``backend="ort-cpu"``): the same; a q-row call runs ``max(q,
   exact_min_q)`` rows, as its exact decode loop does; skipped for a folder built from GGUF files
   alone (no graph).
-* llama.cpp: ``llama-bench -m TARGET.gguf -p 1,..,9 -n 64 -d PAST -t T -r 3`` (its 1..9-token
+* llama.cpp: ``llama-bench -m TARGET.gguf -p 1,..,N -n 64 -d PAST -t T -r 3`` (its 1..N-token
   calls at that depth, and its decode step, tg) and ``-p PREFILL`` at depth 0.
 
 Medians over rounds of each round's median, with the spread (min, max) of the round medians;
@@ -73,7 +73,7 @@ def specrt_round(engine, past: int, reps: int, prefills: list[int], widths=WIDTH
 
 
 def llama_round(bench: str, gguf: str, past: int, threads: int, prefills: list[int], widths=WIDTHS) -> dict:
-    """One round of llama-bench: ms per call of 1..9 tokens at depth ``past``, ms per decoded
+    """One round of llama-bench: ms per call of each width's tokens at depth ``past``, ms per decoded
     token (tg64 at that depth), ms per prefill (depth 0)."""
     env = dict(os.environ, LD_LIBRARY_PATH=str(Path(bench).parent))
 
@@ -134,7 +134,7 @@ def main(argv=None) -> dict:
     prefills = [int(x) for x in a.prefill.split(",") if x.strip()]
     tc = ThreadConfig(intra_op=a.threads)
     engines = {"kernels": Engine(a.engines, threads=tc, backend="kernels", prefix_cache=False)}
-    if m.target.graph != "kernels":  # a folder built from GGUF files alone has no ONNX graph to time
+    if not m.kernels_only():  # a folder built from GGUF files alone has no ONNX graph to time
         engines["onnx"] = Engine(a.engines, threads=tc, backend="ort-cpu", prefix_cache=False)
     load0 = os.getloadavg()
     rounds = []
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
         rounds.append(r)
         print(f"round {i + 1}/{a.rounds}: " + json.dumps({s: {q: round(v, 1) for q, v in r[s]["calls_ms"].items()} for s in r}), flush=True)
     rec = dict(
-        what="exact target step by width (ms per call), decode step, prefill; specrt kernels vs its ONNX graph vs llama.cpp",
+        what="exact target step by width (ms per call), decode step, prefill; specrt kernels vs its ONNX graph (where the folder has one) vs llama.cpp",
         engines=str(a.engines),
         gguf=gguf,
         isa=engines["kernels"].target.isa,

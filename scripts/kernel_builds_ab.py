@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -50,17 +51,17 @@ def build(name: str, cflags: str, tmp: Path) -> Path:
     return found[0]
 
 
-def child(engines: str, widths: list[int], past: int, reps: int) -> dict:
+def child(engines: str, widths: list[int], past: int, reps: int, threads: int) -> dict:
     """In the measured process: ms per target call by width (reduced head) and per draft
-    call by width (its own head), after ``past`` rows."""
+    call by width (its own head), after ``past`` rows, on ``threads`` threads."""
     from specrt import Engine
     from specrt.runtime.backends.base import ThreadConfig
     from specrt.runtime.chunks import feed
     from specrt.runtime.kernels import library
 
-    eng = Engine(engines, threads=ThreadConfig(intra_op=2), backend="kernels", prefix_cache=False)
+    eng = Engine(engines, threads=ThreadConfig(intra_op=threads), backend="kernels", prefix_cache=False)
     vocab = eng.manifest.vocab_size
-    out = {"library": str(library()._name)}
+    out = {"library": str(library()._name), "isa": eng.target.isa}
     for role, model in (("target", eng.target), ("draft", eng.draft)):
         feed(model, [(13 * i) % 5000 + 100 for i in range(past)], 0)
         call = (lambda t, s, m=model: m.run_argmax(t, s, vocab)) if role == "target" else model.run
@@ -94,6 +95,7 @@ def bench_once(lib: Path, a) -> dict:
 def measure(lib: Path, a) -> dict:
     """One round of one build: the step timings (a child process) and, if asked, the bench."""
     cmd = [sys.executable, __file__, "--child", "--engines", a.engines, "--widths", a.widths, "--past", str(a.past), "--reps", str(a.reps)]
+    cmd += ["--threads", str(a.threads)]
     r = subprocess.run(cmd, env=dict(os.environ, SPECRT_KERNELS_LIB=str(lib)), capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"kernel_builds_ab: the step timing failed with {lib}: {r.stderr.strip()[-400:]}")
@@ -130,10 +132,14 @@ def widths_of(spec: str) -> list[int]:
     try:
         if "-" in spec:
             lo, hi = (int(x) for x in spec.split("-"))
-            return list(range(lo, hi + 1))
-        return [int(x) for x in spec.split(",")]
+            ws = list(range(lo, hi + 1))
+        else:
+            ws = [int(x) for x in spec.split(",")]
     except ValueError:
-        raise SystemExit(f"--widths {spec!r}: give A-B or a comma-separated list of widths") from None
+        ws = []
+    if not ws or min(ws) < 1:
+        raise SystemExit(f"--widths {spec!r}: give A-B or a comma-separated list of widths >= 1")
+    return ws
 
 
 def main(argv=None) -> dict | None:
@@ -144,6 +150,7 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--past", type=int, default=128)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", default=str(ROOT.parent / "shared/data/humaneval_dev.jsonl"))
     ap.add_argument("--bench-limit", type=int, default=0, help="also run `specrt bench` on this many prompts per round and build")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -152,19 +159,21 @@ def main(argv=None) -> dict | None:
     a = ap.parse_args(argv)
     widths = widths_of(a.widths)
     if a.child:
-        print(json.dumps(child(a.engines, widths, a.past, a.reps)))
+        print(json.dumps(child(a.engines, widths, a.past, a.reps, a.threads)))
         return None
-    if len(a.build) < 2 or any("=" not in b for b in a.build):
-        raise SystemExit('kernel_builds_ab: give at least two --build NAME="CFLAGS" (the first is the reference)')
+    names = [b.split("=", 1)[0] for b in a.build]
+    if len(a.build) < 2 or any("=" not in b for b in a.build) or len(set(names)) < len(names):
+        raise SystemExit('kernel_builds_ab: give at least two --build NAME="CFLAGS" with distinct names (the first is the reference)')
+    if a.rounds < 1 or a.reps < 1:
+        raise SystemExit(f"kernel_builds_ab: --rounds and --reps must be >= 1 (got {a.rounds}, {a.reps})")
     from specrt.bench.common import say_machine, write_json
-    from specrt.runtime.kernels import cpu_isa
     from specrt.runtime.machine import machine_record
 
     say_machine()
-    load0 = os.getloadavg()
+    machine, load0 = machine_record(), os.getloadavg()
+    isa_env = os.environ.get("SPECRT_KERNELS_ISA")
     with tempfile.TemporaryDirectory(prefix="kernel_builds_") as d:
         builds = {n: (f, build(n, f, Path(d))) for n, f in (b.split("=", 1) for b in a.build)}
-        names = list(builds)
         rounds: dict[str, list[dict]] = {n: [] for n in names}
         for i in range(a.rounds):
             for n in names[i % len(names) :] + names[: i % len(names)]:
@@ -172,9 +181,11 @@ def main(argv=None) -> dict | None:
                 print(f"round {i + 1} {n}: target {rounds[n][-1]['target']}", flush=True)
     rec = {
         "what": "kernels library builds (CFLAGS) compared: target step (reduced head) and draft step by width, interleaved",
-        "command": "python scripts/kernel_builds_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": machine_record(),
-        "isa": os.environ.get("SPECRT_KERNELS_ISA") or cpu_isa(),
+        "command": (f"SPECRT_KERNELS_ISA={isa_env} " if isa_env else "")
+        + shlex.join(["python", "scripts/kernel_builds_ab.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine,
+        "isa": rounds[names[0]][0]["isa"],
+        "threads": a.threads,
         "load_before": load0,
         "load_after": os.getloadavg(),
         "builds": {n: f for n, (f, _) in builds.items()},

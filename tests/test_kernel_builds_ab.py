@@ -63,11 +63,14 @@ for ty in (int(t) for t in sys.argv[2].split(",")):
 
 def test_other_prefetch_settings_compute_the_same_bits(tmp_path):
     """A build with every prefetch constant changed (1 block ahead, the 32-weight types 7, no
-    cache level) gives each type's rows bit for bit on every ISA path, at 1, 5 and 9 rows."""
+    cache level) gives each type's rows bit for bit on every ISA path, at 1, 5 and 9 rows (and
+    the flags do reach the compiler: a locality that is not a number does not build)."""
+    with pytest.raises(SystemExit, match="failed"):
+        ab.build("bad", "-DSK_PF_LOC=not_a_level", tmp_path)
     lib = ab.build("other", "-DSK_PF_AHEAD=1 -DSK_PF_AHEAD_LEG=7 -DSK_PF_LOC=0", tmp_path)
     assert lib.is_file() and tmp_path in lib.parents
     rng = np.random.default_rng(11)
-    types = (R.Q4_K, R.Q6_K, R.Q5_K, R.Q8_0, R.Q4_0, R.Q5_1, R.F16)
+    types = (R.Q2_K, R.Q4_K, R.Q5_K, R.Q6_K, R.IQ4_XS, R.Q8_0, R.Q4_0, R.Q4_1, R.Q5_1, R.F16)
     isas = K.ISAS[: K.ISAS.index(K.cpu_isa()) + 1]  # every path this CPU runs
     want = {}
     for ty in types:

@@ -212,14 +212,15 @@ static inline int32_t sk_ld32(const void *p) {
  * Into L2, not L1 (prefetcht1): on Zen 4 the L1 hint with 2 K blocks ahead left the wide calls'
  * arithmetic waiting on memory, one after the other; the L2 hint with 4 ahead overlapped them
  * (the 1.5B target's step 2.3x faster at 5 rows, 2.1x at 8, 1.1x at 1; same bits:
- * docs/bench/kernel_tq/). The 32-weight types' distance (most of the 0.5B draft) is kept: the
- * draft's step measured within the run's noise either way. The three can be set at build time
- * (CFLAGS=-DSK_PF_AHEAD=...; scripts/kernel_builds_ab.py times builds against each other). */
+ * docs/bench/kernel_tq/). The 32-weight types and float rows go into L2 too, at their old
+ * distance: the draft (mostly those types) measured 0.80x-0.93x at 1 row, within that machine's
+ * noise (docs/results/speed.md). The three can be set at build time (CFLAGS=-DSK_PF_AHEAD=...;
+ * scripts/kernel_builds_ab.py times builds against each other). */
 #ifndef SK_PF_AHEAD
 #define SK_PF_AHEAD 4 /* 256-weight blocks (of the panel being read) ahead */
 #endif
 #ifndef SK_PF_AHEAD_LEG
-#define SK_PF_AHEAD_LEG 2 /* the 32-weight types' and float rows' distance, in their own units */
+#define SK_PF_AHEAD_LEG 2 /* the 32-weight types' and float rows' distance: x 4 or 8 blocks, x 16 float rows */
 #endif
 #ifndef SK_PF_LOC
 #define SK_PF_LOC 2 /* __builtin_prefetch locality: 2 = prefetcht1 (L2) */
