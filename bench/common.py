@@ -4,6 +4,7 @@ command line and the JSON record (printed, and written to ``--out``)."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,18 @@ def command() -> str:
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     first = [f"-m {spec.name}"] if spec is not None and spec.name else sys.argv[:1]
     return " ".join([Path(sys.executable).name, *first, *sys.argv[1:]])
+
+
+def source_commit() -> str | None:
+    """specrt's git commit as records store it (``HEAD``'s hash, ``+dirty`` when tracked files
+    differ from it), or None outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def logger(tag: str = "") -> Callable[[str], None]:

@@ -30,20 +30,22 @@ import subprocess
 import time
 from pathlib import Path
 
-from specrt.bench.common import say_machine, write_json
+from specrt.bench.common import say_machine, source_commit, write_json
 from specrt.runtime.machine import machine_record
 
 WIDTHS = tuple(range(1, 10))
 
 
-def time_calls(model, q: int, start: int, reps: int) -> float:
-    """Median ms of ``reps`` calls of ``q`` rows at ``start`` (one warm-up)."""
+def time_calls(model, q: int, start: int, reps: int, call=None) -> float:
+    """Median ms of ``reps`` calls of ``q`` rows at ``start`` (one warm-up); ``call(tokens,
+    start)`` is ``model.run`` unless given (e.g. the reduced head's ``run_argmax``)."""
+    call = call or model.run
     toks = [101 + i for i in range(q)]
-    model.run(toks, start)
+    call(toks, start)
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        model.run(toks, start)
+        call(toks, start)
         ts.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(ts)
 
@@ -86,6 +88,13 @@ def llama_round(bench: str, gguf: str, past: int, threads: int, prefills: list[i
     tg = next(1e3 / r["avg_ts"] for r in rows if r["n_gen"])
     pre = run(["-p", ",".join(map(str, prefills)), "-n", "0"]) if prefills else []
     return dict(calls_ms=calls, decode_ms=tg, prefill_ms={r["n_prompt"]: 1e3 * r["n_prompt"] / r["avg_ts"] for r in pre})
+
+
+def llama_version(bench: str) -> str:
+    """llama-bench's ``--version`` line (llama.cpp's version and commit)."""
+    env = dict(os.environ, LD_LIBRARY_PATH=str(Path(bench).parent))
+    out = subprocess.run([bench, "--version"], capture_output=True, text=True, env=env)
+    return (out.stdout + out.stderr).strip().splitlines()[0]
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -155,6 +164,8 @@ def main(argv=None) -> dict:
         engines=str(a.engines),
         gguf=gguf,
         isa=engines["kernels"].target.isa,
+        specrt_commit=source_commit(),
+        llama_cpp=llama_version(a.llama_bench) if a.llama_bench else None,
         onnx_exact_min_q=engines["onnx"].min_q if "onnx" in engines else None,
         threads=a.threads,
         past=a.past,

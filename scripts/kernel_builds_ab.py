@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +54,7 @@ def child(engines: str, widths: list[int], past: int, reps: int, threads: int) -
     """In the measured process: ms per target call by width (reduced head) and per draft
     call by width (its own head), after ``past`` rows, on ``threads`` threads."""
     from specrt import Engine
+    from specrt.bench.kernel_step import time_calls
     from specrt.runtime.backends.base import ThreadConfig
     from specrt.runtime.chunks import feed
     from specrt.runtime.kernels import library
@@ -64,18 +64,8 @@ def child(engines: str, widths: list[int], past: int, reps: int, threads: int) -
     out = {"library": str(library()._name), "isa": eng.target.isa}
     for role, model in (("target", eng.target), ("draft", eng.draft)):
         feed(model, [(13 * i) % 5000 + 100 for i in range(past)], 0)
-        call = (lambda t, s, m=model: m.run_argmax(t, s, vocab)) if role == "target" else model.run
-        ms = {}
-        for q in widths:
-            toks = [101 + i for i in range(q)]
-            call(toks, past)
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                call(toks, past)
-                ts.append((time.perf_counter() - t0) * 1e3)
-            ms[q] = statistics.median(ts)
-        out[role] = ms
+        call = (lambda t, s, m=model: m.run_argmax(t, s, vocab)) if role == "target" else None
+        out[role] = {q: time_calls(model, q, past, reps, call) for q in widths}
     return out
 
 
@@ -166,7 +156,7 @@ def main(argv=None) -> dict | None:
         raise SystemExit('kernel_builds_ab: give at least two --build NAME="CFLAGS" with distinct names (the first is the reference)')
     if a.rounds < 1 or a.reps < 1:
         raise SystemExit(f"kernel_builds_ab: --rounds and --reps must be >= 1 (got {a.rounds}, {a.reps})")
-    from specrt.bench.common import say_machine, write_json
+    from specrt.bench.common import say_machine, source_commit, write_json
     from specrt.runtime.machine import machine_record
 
     say_machine()
@@ -184,6 +174,7 @@ def main(argv=None) -> dict | None:
         "command": (f"SPECRT_KERNELS_ISA={isa_env} " if isa_env else "")
         + shlex.join(["python", "scripts/kernel_builds_ab.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine,
+        "specrt_commit": source_commit(),
         "isa": rounds[names[0]][0]["isa"],
         "threads": a.threads,
         "load_before": load0,
