@@ -61,6 +61,7 @@ import numpy as np
 
 from specrt.bench.common import command, logger, say_machine, write_json
 from specrt.bench.compare_plots import make_plots
+from specrt.bench.servers import DRAFT_SIMPLE
 from specrt.runtime.machine import machine_record
 from specrt.runtime.stats import acceptance_rate
 
@@ -623,7 +624,7 @@ def _rows_llamacpp(c, rows: _Rows) -> None:
         miss = None if (c.py_ll and c.server_bin) else f"no llama-server at {a.llama_server} or python at {a.python_llamacpp}: run `make bench-envs`"
         srv = dict(c.common, gguf=str(ll / "target-Q4_0.gguf"), server=c.server_bin, log_dir=str(c.logs.resolve()))
         b = "llama-server Q4_0 target-only"
-        draft_args = ["--spec-draft-model", str(ll / "draft-Q4_0.gguf"), "--spec-draft-n-max", k, "--spec-draft-threads", a.threads]
+        draft_args = [*DRAFT_SIMPLE, "--spec-draft-model", str(ll / "draft-Q4_0.gguf"), "--spec-draft-n-max", k, "--spec-draft-threads", a.threads]
         rows.add(b, "llama-server", c.py_ll, "llamacpp_worker.py", dict(srv, variant=dict(kind="server", args=[])), miss, build=["target-Q4_0"])
         for pmin in (0.0, 0.5):
             v = dict(kind="server", args=draft_args + ["--spec-draft-p-min", pmin])

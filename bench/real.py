@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ from types import SimpleNamespace
 
 from specrt.bench.common import command, logger, say_machine, write_json
 from specrt.bench.compare import WORKERS, Worker, _build_step, build_ortgenai, call_row, run_record, summarize, venv_python
+from specrt.bench.servers import DRAFT_SIMPLE
 from specrt.runtime.machine import machine_record
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository (bench/ sits at its top)
@@ -146,6 +148,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="model:adaptive,ngram:fixed,hybrid:adaptive",
         help="more specrt speculative rows, DRAFTER:adaptive|fixed comma-separated (drafters: model, ngram, hybrid)",
     )
+    ap.add_argument("--llama-draft-args", default="", help="llama-server's draft-model settings, fixed (no search); DRAFT stands for the draft GGUF")
+    ap.add_argument("--llama-ngram-args", default="", help="llama-server's n-gram settings, fixed (no search)")
     ap.add_argument("--call-timeout", type=float, default=900)
     ap.add_argument("--out", default="bench_out/real_pair")
     return ap.parse_args(argv)
@@ -206,11 +210,12 @@ def search_llama_server(c: SimpleNamespace, result: dict) -> dict:
     not measured (into ``result["llama_server_search"]``); ``{"draft": args, "ngram": args}``
     of the winners (None each when not searched)."""
     a = c.a
-    best = {"draft": None, "ngram": None}
-    if "llamaserver" in c.skip or not (c.py_ll and c.server) or a.search_prompts <= 0:
+    fixed = {"draft": a.llama_draft_args, "ngram": a.llama_ngram_args}
+    best = {f: (_server_args(v, c.gguf["draft"]) if v else None) for f, v in fixed.items()}
+    if "llamaserver" in c.skip or not (c.py_ll and c.server) or a.search_prompts <= 0 or all(best.values()):
         return best
     t_labels, t_ids = prompt_sets(c.eng, ROOT / a.prompts, 0, a.search_prompts)
-    md = ["--spec-draft-model", c.gguf["draft"]]
+    md = DRAFT_SIMPLE + ["--spec-draft-model", c.gguf["draft"]]
     cands = []
     for n_max in (4, 8, 16):
         for p_min in (0.0, 0.5, 0.8):
@@ -225,7 +230,8 @@ def search_llama_server(c: SimpleNamespace, result: dict) -> dict:
     ]
     srv = c.srv
     rows_d = [
-        row(f"draft {' '.join(map(str, x[2:]))}", "llama-server", c.py_ll, "llamacpp_worker.py", dict(srv, variant=dict(kind="server", args=x))) for x in cands
+        row(f"draft {' '.join(map(str, x[len(md) :]))}", "llama-server", c.py_ll, "llamacpp_worker.py", dict(srv, variant=dict(kind="server", args=x)))
+        for x in cands
     ]
     rows_g = [
         row(f"ngram {' '.join(map(str, x))}", "llama-server", c.py_ll, "llamacpp_worker.py", dict(srv, variant=dict(kind="server", args=x))) for x in grams
@@ -233,7 +239,26 @@ def search_llama_server(c: SimpleNamespace, result: dict) -> dict:
     log(f"searching llama-server settings: {len(rows_d)} draft and {len(rows_g)} n-gram settings on {len(t_ids)} tuning prompts")
     result["llama_server_search"] = dict(draft=search(rows_d, t_ids, t_labels, 64, a.call_timeout, c.logs, c.env))
     result["llama_server_search"]["ngram"] = search(rows_g, t_ids, t_labels, 64, a.call_timeout, c.logs, c.env)
-    return {f: result["llama_server_search"][f][0]["args"] for f in ("draft", "ngram")}
+    return {f: best[f] or result["llama_server_search"][f][0]["args"] for f in ("draft", "ngram")}
+
+
+def _server_args(text: str, draft: str) -> list:
+    """``--llama-draft-args``/``--llama-ngram-args`` as llama-server arguments (``DRAFT`` is the
+    draft GGUF's path)."""
+    return [draft if x == "DRAFT" else x for x in shlex.split(text)]
+
+
+def _without_spec_type(args: list) -> list:
+    """``args`` less any ``--spec-type X`` pair (the combined row names both types once)."""
+    out, skip = [], False
+    for x in args:
+        if skip:
+            skip = False
+        elif x == "--spec-type":
+            skip = True
+        else:
+            out.append(x)
+    return out
 
 
 def specrt_rows(c: SimpleNamespace) -> list[dict]:
@@ -258,7 +283,7 @@ def specrt_rows(c: SimpleNamespace) -> list[dict]:
             own_base=BASE,
         ),
     ]
-    if (c.m.extra.get("kernels") or {}).get("target"):  # the target runs specrt's kernels: the onnxruntime graph beside them
+    if (c.m.extra.get("kernels") or {}).get("target") and not c.m.kernels_only():  # the target runs specrt's kernels: the onnxruntime graph beside them
         ort = dict(c.common, engines=eng, backend="ort-cpu")
         rows.append(row(ORT_BASE, "specrt", c.py, "specrt_worker.py", dict(ort, variant=dict(speculative=False))))
         rows.append(
@@ -286,17 +311,13 @@ def llama_server_rows(c: SimpleNamespace, best: dict) -> list[dict]:
     miss = None if (c.py_ll and c.server) else f"no llama-server at {c.a.llama_server}: run `make bench-envs`"
     lb = "llama-server target-only"
     rows = [row(lb, "llama-server", py_ll, "llamacpp_worker.py", dict(srv, variant=dict(kind="server", args=[])), error=miss)]
-    d_args = best["draft"] or ["--spec-draft-model", draft]
+    d_args = best["draft"] or DRAFT_SIMPLE + ["--spec-draft-model", draft]
     g_args = best["ngram"] or ["--spec-type", "ngram-simple"]
     for name, args in (("draft", d_args), ("n-gram", g_args)):
         label = f"llama-server {name} ({' '.join(map(str, args)).replace(draft, 'DRAFT')})"
         rows.append(row(label, "llama-server", py_ll, "llamacpp_worker.py", dict(srv, variant=dict(kind="server", args=args)), lb, miss))
-    types = [x for x in (g_args[g_args.index("--spec-type") + 1],) if "--spec-type" in g_args] + ["draft-simple"]
-    both = (
-        [a_ for a_ in d_args]
-        + ["--spec-type", ",".join(types)]
-        + [x for i, x in enumerate(g_args) if i not in (g_args.index("--spec-type"), g_args.index("--spec-type") + 1)]
-    )
+    types = [g_args[g_args.index("--spec-type") + 1]] if "--spec-type" in g_args else []
+    both = _without_spec_type(d_args) + ["--spec-type", ",".join(types + ["draft-simple"])] + _without_spec_type(g_args)
     rows.append(row("llama-server n-gram + draft", "llama-server", py_ll, "llamacpp_worker.py", dict(srv, variant=dict(kind="server", args=both)), lb, miss))
     return rows
 

@@ -1,8 +1,8 @@
 """Start times of ``specrt serve --target T.gguf [--draft D.gguf]`` (issue 52): cold (an empty
 engine cache and digest cache: the GGUF files are hashed and the folder is built) and warm
 (the folder reused), each to the first streamed token of one chat request and to the end of
-its answer; the build's peak RSS and the folder's size against the GGUF files, from its
-manifest.
+its answer, and with ``--llama-server`` llama-server's starts on the same files; the build's
+peak RSS and the folder's size against the GGUF files, from its manifest.
 
 The GGUF files sit in the page cache in both (they were read before); a cold start on a
 machine that has not read them adds the disk's time to read 1.6 GB.
@@ -25,7 +25,7 @@ from pathlib import Path
 from specrt.runtime.machine import this_machine
 
 from .common import command, emit, say_machine
-from .servers import free_port, stop_all, stream, wait_up
+from .servers import DRAFT_SIMPLE, free_port, stop_all, stream, wait_up
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
@@ -43,17 +43,22 @@ def first_token(port: int, model: str, max_tokens: int = 32) -> tuple[float, flo
     return r["ttft"], r["seconds"], r["text"]
 
 
-def one_start(args, cache: Path, digests: Path, log: Path) -> dict:
-    """Start the server on the cache, time it to its first token and answer, stop it."""
+def one_start(args, cache: Path, digests: Path, log: Path, llama: bool = False) -> dict:
+    """Start the server (specrt's on the cache, or ``args.llama_server`` on the same files
+    with its draft-model mode), time it to its first token and answer, stop it."""
     port = free_port()
     env = {**os.environ, "SPECRT_ENGINE_CACHE": str(cache), "SPECRT_DIGEST_CACHE": str(digests)}
-    cmd = [sys.executable, "-m", "specrt.cli", "serve", "--target", args.target, "--port", str(port), "--threads", str(args.threads)]
-    cmd += ["--draft", args.draft] if args.draft else []
+    if llama:
+        cmd = [args.llama_server, "-m", args.target, "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads), "-c", "4096", "-np", "1"]
+        cmd += [*DRAFT_SIMPLE, "--spec-draft-model", args.draft] if args.draft else []
+    else:
+        cmd = [sys.executable, "-m", "specrt.cli", "serve", "--target", args.target, "--port", str(port), "--threads", str(args.threads)]
+        cmd += ["--draft", args.draft] if args.draft else []
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
-        wait_up(proc, port, "/v1/models", log, limit=900)
+        wait_up(proc, port, "/health" if llama else "/v1/models", log, limit=900)
         up = time.perf_counter() - t0
         ttft, total, text = first_token(port, Path(args.target).stem)
         return {"up_s": round(up, 2), "first_token_s": round(up + ttft, 2), "answer_s": round(up + total, 2), "text": text}
@@ -67,6 +72,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--draft", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warm", type=int, default=3, help="warm starts after the cold one")
+    ap.add_argument("--llama-server", default=None, help="also start llama-server on the same files (its draft-model mode), as many times")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     say_machine()
@@ -75,6 +81,8 @@ def main(argv=None) -> dict:
         cache, digests = root / "engines", root / "digests.json"
         runs = [{"kind": "cold", **one_start(args, cache, digests, root / "cold.log")}]
         runs += [{"kind": "warm", **one_start(args, cache, digests, root / f"warm{i}.log")} for i in range(args.warm)]
+        if args.llama_server:  # its first start reads files the page cache holds already, as specrt's
+            runs += [{"kind": "llama-server", **one_start(args, cache, digests, root / f"llama{i}.log", llama=True)} for i in range(1 + args.warm)]
         (folder,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "ranks"]
         m = json.loads((folder / "manifest.json").read_text())
         gguf_bytes = sum(Path(p).stat().st_size for p in (args.target, args.draft) if p)

@@ -12,6 +12,10 @@ from pathlib import Path
 
 HOST = "127.0.0.1"
 
+# llama-server's draft-model mode: in this llama.cpp ``--spec-draft-model`` alone loads the
+# draft and never drafts (``--spec-type`` defaults to none); the type must be named
+DRAFT_SIMPLE = ["--spec-type", "draft-simple"]
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 at the call (the OS's choice)."""
@@ -74,7 +78,10 @@ def start_llama_servers(
     common = [binary, "-m", target_gguf, *extra, "-t", threads, "-tb", threads, "-c", ctx, "-np", 1, "--host", HOST]
     for name, args in (
         ("llama", []),
-        ("llama-draft", ["--spec-draft-model", draft_gguf, "--spec-draft-n-max", 16, "--spec-draft-p-min", 0.5, "--spec-draft-threads", threads]),
+        (
+            "llama-draft",
+            [*DRAFT_SIMPLE, "--spec-draft-model", draft_gguf, "--spec-draft-n-max", 16, "--spec-draft-p-min", 0.5, "--spec-draft-threads", threads],
+        ),
         ("llama-ngram", ["--spec-type", "ngram-simple"]),
     ):
         ports[name] = free_port()
