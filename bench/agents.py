@@ -68,10 +68,13 @@ ROWS = [
     dict(label="specrt speculative, cache on", server="specrt", extra={}),
     dict(label="specrt speculative, cache off", server="specrt-nocache", extra={}),
     dict(label="specrt target-only, cache on", server="specrt", extra=dict(speculative=False)),
-    dict(label="specrt ngram, cache on", server="specrt", extra=dict(drafter="ngram")),
+    # its own server: on the shared one, whichever row ran a conversation second found its
+    # prompts in the prefix cache (the flush prompt does not evict them)
+    dict(label="specrt ngram, cache on", server="specrt-ngram", extra=dict(drafter="ngram")),
     # its own server: the shared suffix index then holds only this row's requests (another
     # row's identical answers to the same conversations would draft it perfectly)
     dict(label="specrt suffix, cache on", server="specrt-suffix", extra=dict(drafter="suffix")),
+    dict(label="specrt suffix-model, cache on", server="specrt-suffix-model", extra=dict(drafter="suffix-model")),
     dict(label="llama-server target-only, cache on", server="llama", extra=dict(cache_prompt=True)),
     dict(label="llama-server draft, cache on", server="llama-draft", extra=dict(cache_prompt=True)),
     dict(label="llama-server ngram-simple, cache on", server="llama-ngram", extra=dict(cache_prompt=True)),
@@ -153,10 +156,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def start_servers(a: argparse.Namespace, out: Path, env: dict, has_llama: bool, procs: dict, ports: dict, need: set) -> None:
     """Those of the servers that rows use (``need``: server names): specrt serve with the
     prefix cache on (``specrt``) and off (``specrt-nocache``), one for the suffix drafter's
-    row alone (``specrt-suffix``: its shared index sees no other row's answers), and the three llama-server
+    row alone (``specrt-suffix``: its shared index sees no other row's answers) and one for
+    the suffix-model drafter's (``specrt-suffix-model``) and the n-gram's (``specrt-ngram``),
+    and the three llama-server
     variants when there is one; into ``procs`` and ``ports``. Raises what
     :func:`~specrt.bench.servers.start` raises."""
-    for name, args in (("specrt", []), ("specrt-nocache", ["--prefix-cache-tokens", "0"]), ("specrt-suffix", [])):
+    for name, args in (
+        ("specrt", []),
+        ("specrt-nocache", ["--prefix-cache-tokens", "0"]),
+        ("specrt-ngram", []),
+        ("specrt-suffix", []),
+        ("specrt-suffix-model", []),
+    ):
         if name not in need:
             continue
         ports[name] = free_port()

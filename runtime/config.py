@@ -123,9 +123,11 @@ class GenerationConfig:
         drafter: where candidates come from (None = the manifest's default, else
             ``model``): ``model`` (the draft model), ``ngram`` (prompt lookup: the sequence's
             own earlier continuation of its longest matching suffix, no model call),
-            ``hybrid`` (the n-gram when there is one, else the draft model) or ``suffix``
+            ``hybrid`` (the n-gram when there is one, else the draft model), ``suffix``
             (frequency-weighted suffix lookup over the sequence and the process's recent
-            requests, no model call: :mod:`specrt.runtime.suffix`);
+            requests, no model call: :mod:`specrt.runtime.suffix`) or ``suffix-model``
+            (per round the suffix proposal or the draft model, whichever the measured
+            costs favour);
             :mod:`specrt.runtime.drafters`. The output is the same with all of them.
         adaptive: choose each round's number of candidates (0 = a plain target step) from
             this machine's per-call costs and the request's running acceptance

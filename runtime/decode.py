@@ -6,7 +6,7 @@ Face assisted generation's ``assistant_confidence_threshold``)::
     propose   the draft feeds the tokens it has not seen, then proposes c_1, c_2, ... one
               call per step, until the threshold rule, k_max, EOS or the budget stops it
               (speculative.propose, speculative.draft_limit); or an n-gram of the sequence
-              proposes them (drafters: model, ngram, hybrid, suffix)
+              proposes them (drafters: model, ngram, hybrid, suffix, suffix-model)
     verify    target logits for [pending, c_1..c_n] arrive in blocks; ONE acceptance loop
               (verify) reads them left to right and stops at the first rejection, so no
               block after it is computed
@@ -157,8 +157,8 @@ class Plan:
             ``avoid`` was measured exact (:mod:`specrt.runtime.prefix`, "Any layout"):
             every committed row is reusable and a cache hit reuses the whole common prefix.
         avoid: call widths the prefill never makes (measured inexact; under ``any_layout``).
-        drafter: where candidates come from: ``model``, ``ngram`` or ``hybrid``
-            (:mod:`specrt.runtime.drafters`).
+        drafter: where candidates come from: one of
+            :func:`~specrt.runtime.drafters.drafter_names` (:mod:`specrt.runtime.drafters`).
         adaptive: None (draft up to ``k_max`` every round), or ``(target_s, draft_s,
             prior)``: each round's candidates are chosen by
             :class:`~specrt.runtime.adaptive.AdaptiveK` from these per-call costs (seconds of
@@ -395,6 +395,9 @@ def end_round(
     commit, roll back, and the round's record (``target_s``: seconds of its verification)."""
     if policy is not None:
         policy.update(len(d.cands), m)
+    observe = getattr(drafter, "observe", None)  # optional (Drafter's docstring)
+    if observe is not None:
+        observe(len(d.cands), m)
     new, ended, forced = commit_forced(commit(d.cands, m, token, plan.eos), d.seq_len, n_prompt, plan, acc)
     seq.extend(new)
     kv.target, kept = rollback_lengths(d.seq_len, drafter.kv, m)
@@ -571,7 +574,7 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     if plan.argmax and not reads_reduced_rows(acc, target):  # a caller's acceptor may read whole rows (a LogprobRecorder does)
         plan = replace(plan, argmax=0)
     rec = prefill(target, seq, plan, acc, kv)
-    drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max)
+    drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max, costs=plan.adaptive if plan.speculative else None)
     policy = adaptive_policy(plan)
     while True:
         yield observe_tail(rec, drafter, seq, n_prompt, plan, acc)

@@ -19,6 +19,11 @@ output stays the target's own, sampled output its distribution.
   over the committed tokens of the process's recent requests (SuffixDecoding, Oliaro et al.
   2024; :mod:`specrt.runtime.suffix`): the proposal with the larger expected accepted
   length, its length adapted to how unambiguous the match is. No model call.
+* ``suffix-model`` (:class:`SuffixModelDrafter`): per round, the suffix proposal or the draft
+  model, whichever is expected to commit more tokens per second from the measured call costs
+  (:func:`suffix_pays`: Leviathan et al. 2023, section 3.4's expected tokens per round over
+  its cost, with the suffix path's score as its acceptance and the draft model's running
+  acceptance); the draft model's rounds choose their own length the same way.
 
 Under a constraint or a ``logit_bias`` (:mod:`specrt.runtime.constraints`) the acceptor
 masks and biases every draft row as it does the target's, so the draft model proposes only
@@ -41,6 +46,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from .adaptive import AdaptiveK
 from .backends.base import DraftsTop1, Model
 from .speculative import GreedyAcceptor
 from .suffix import SharedSuffixIndex, SuffixIndex, expected_accepted, propose, shared_index
@@ -55,13 +61,15 @@ __all__ = [
     "NgramDrafter",
     "HybridDrafter",
     "SuffixDrafter",
+    "SuffixModelDrafter",
+    "suffix_pays",
     "make_drafter",
     "register_drafter",
     "drafter_names",
     "drafter_is_free",
 ]
 
-DRAFTERS = ("model", "ngram", "hybrid", "suffix")  # the built-in drafters (the CLI's choices)
+DRAFTERS = ("model", "ngram", "hybrid", "suffix", "suffix-model")  # the built-in drafters (the CLI's choices)
 NGRAM_MIN, NGRAM_MAX = 2, 4  # suffix lengths tried, longest first (HF's default lookup is 2..)
 
 
@@ -108,6 +116,10 @@ class Drafter(Protocol):
         """Keep only the KV rows of the first ``committed`` positions (rows beyond are
         stale and never read: :func:`~specrt.runtime.speculative.rollback_lengths`)."""
         ...
+
+    # Optional: ``observe(proposed, accepted)``, called once per round after verification
+    # with the round's candidate count and how many the target accepted
+    # (:class:`SuffixModelDrafter` prices its draft model's rounds with it).
 
 
 class ModelDrafter:
@@ -253,12 +265,13 @@ class NgramDrafter:
             yield step
 
 
-class HybridDrafter(NgramDrafter):
-    """The n-gram proposal when the sequence has one, else the draft model."""
+class _ModelSide:
+    """A lookup drafter's draft model (``self.model``, a :class:`ModelDrafter`): the model's
+    call count, forced steps, KV length and reusable rows are the drafter's (the lookup's
+    own assignments in ``NgramDrafter.__init__`` are ignored). Set ``self.model`` before
+    the lookup's ``__init__`` runs."""
 
-    def __init__(self, draft: Model, vocab: int, k_max: int, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX, kv: int = 0):
-        self.model = ModelDrafter(draft, kv)  # first: NgramDrafter.__init__ sets model_calls
-        super().__init__(vocab, k_max, min_n, max_n)
+    model: ModelDrafter
 
     @property
     def model_calls(self) -> int:
@@ -299,6 +312,14 @@ class HybridDrafter(NgramDrafter):
     def rollback(self, committed: int) -> None:
         self.model.rollback(committed)
 
+
+class HybridDrafter(_ModelSide, NgramDrafter):
+    """The n-gram proposal when the sequence has one, else the draft model."""
+
+    def __init__(self, draft: Model, vocab: int, k_max: int, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX, kv: int = 0):
+        self.model = ModelDrafter(draft, kv)  # first: NgramDrafter.__init__ sets model_calls
+        super().__init__(vocab, k_max, min_n, max_n)
+
     def steps(self, seq, acc, steps, pre) -> Iterator[tuple[int, float]]:
         toks = self.proposal(seq, acc)
         return self._one_hot(toks, acc, steps) if toks else self.model.steps(seq, acc, steps, pre)
@@ -321,6 +342,11 @@ class SuffixDrafter(NgramDrafter):
     def proposal(self, seq: list[int], acc) -> list[int]:
         """This round's candidates (class docstring), cut to the longest prefix the target's
         masked row allows (as :meth:`NgramDrafter.proposal`)."""
+        return self.scored_proposal(seq, acc)[0]
+
+    def scored_proposal(self, seq: list[int], acc) -> tuple[list[int], list[float]]:
+        """:meth:`proposal` with its path scores (:func:`~specrt.runtime.suffix.propose`),
+        both cut to the allowed prefix."""
         self.local.add(seq, self.upto)
         self.upto = len(seq)
         toks, scores = propose(self.local, seq, self.k_max)
@@ -328,8 +354,69 @@ class SuffixDrafter(NgramDrafter):
             self.shared.extend(self.key, seq)
             other, s2 = self.shared.propose(seq, self.k_max)
             if expected_accepted(s2) > expected_accepted(scores):
-                toks = other
-        return self._allowed(toks, acc)
+                toks, scores = other, s2
+        toks = self._allowed(toks, acc)
+        return toks, scores[: len(toks)]
+
+
+def suffix_pays(scores: Sequence[float], target_s: Sequence[float], model_rate: float) -> bool:
+    """Whether a suffix proposal is expected to commit more tokens per second than the draft
+    model's best round (Leviathan et al. 2023, section 3.4: expected tokens per round over
+    the round's cost).
+
+    Args:
+        scores: the proposal's path scores (:func:`~specrt.runtime.suffix.propose`; score i is
+            the probability that candidates 0..i are all accepted), length n >= 1.
+        target_s: seconds of a target call by width (``target_s[q - 1]``, q = 1..); a
+            proposal longer than the widest measured call is priced at the widest.
+        model_rate: the draft model's best expected tokens per second
+            (:meth:`~specrt.runtime.adaptive.AdaptiveK.rate` at its chosen length).
+
+    Returns:
+        ``(1 + sum(scores)) / target_s[n] >= model_rate``: the suffix round is free to
+        draft, so its cost is the verification call alone.
+    """
+    n = min(len(scores), len(target_s) - 1)
+    return (1.0 + expected_accepted(scores[:n])) / target_s[n] >= model_rate
+
+
+class SuffixModelDrafter(_ModelSide, SuffixDrafter):
+    """Per round, the suffix proposal (:class:`SuffixDrafter`) or the draft model, whichever
+    :func:`suffix_pays` expects to commit more tokens per second; the draft model's rounds
+    draft the length its own running acceptance and the costs favour
+    (:class:`~specrt.runtime.adaptive.AdaptiveK` over the draft model's rounds alone).
+
+    Args:
+        draft, vocab, k_max, kv, shared: as :class:`ModelDrafter` and :class:`SuffixDrafter`.
+        costs: ``(target_s, draft_s, prior)`` (the plan's measured costs and tuned acceptance,
+            :class:`~specrt.runtime.adaptive.AdaptiveK`'s arguments), or None: no measured
+            costs, the suffix proposal whenever there is one (as :class:`HybridDrafter`).
+    """
+
+    def __init__(self, draft: Model, vocab: int, k_max: int, kv: int = 0, shared: SharedSuffixIndex | None = None, costs=None):
+        self.model = ModelDrafter(draft, kv)  # first: the lookup's __init__ sets model_calls
+        super().__init__(vocab, k_max, kv=kv, shared=shared)
+        self.costs = AdaptiveK(*costs) if costs is not None else None
+        self.model_round = False  # whether the round in flight is the draft model's
+
+    def steps(self, seq, acc, steps, pre) -> Iterator[tuple[int, float]]:
+        toks, scores = self.scored_proposal(seq, acc)
+        k = self.costs
+        if k is None:
+            self.model_round = not toks
+            return self.model.steps(seq, acc, steps, pre) if self.model_round else self._one_hot(toks, acc, steps)
+        n = k.choose(self.k_max)  # the draft model's best length (probes when it has stopped)
+        rate = k.rate(n) if n > 0 else 1.0 / k.target_s[0]
+        self.model_round = not (toks and suffix_pays(scores, k.target_s, rate))
+        if not self.model_round:
+            return self._one_hot(toks, acc, steps)
+        return itertools.islice(self.model.steps(seq, acc, steps, pre), n)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """The round's outcome (:func:`~specrt.runtime.decode.end_round`): a draft-model
+        round's counts update the model's running acceptance."""
+        if self.model_round and self.costs is not None:
+            self.costs.update(proposed, accepted)
 
 
 @dataclass(frozen=True)
@@ -344,10 +431,13 @@ class DrafterKind:
             this prompt (0 for a drafter that does not use the draft model).
         free: its steps cost no model call, so adaptive k prices a draft step at 0 s
             (:func:`specrt.runtime.decode.adaptive_policy`).
+        costs: ``make`` also takes ``costs=`` (the plan's ``(target_s, draft_s, prior)`` or
+            None) and prices its own model steps, so adaptive k prices its steps at 0 s.
     """
 
-    make: Callable[[Model, int, int, int], Drafter]
+    make: Callable[..., Drafter]
     free: bool = False
+    costs: bool = False
 
 
 _KINDS: dict[str, DrafterKind] = {
@@ -355,6 +445,9 @@ _KINDS: dict[str, DrafterKind] = {
     "ngram": DrafterKind(lambda draft, vocab, k_max, kv: NgramDrafter(vocab, k_max, kv=kv), free=True),
     "hybrid": DrafterKind(lambda draft, vocab, k_max, kv: HybridDrafter(draft, vocab, k_max, kv=kv)),
     "suffix": DrafterKind(lambda draft, vocab, k_max, kv: SuffixDrafter(vocab, k_max, kv=kv, shared=shared_index()), free=True),
+    "suffix-model": DrafterKind(
+        lambda draft, vocab, k_max, kv, costs: SuffixModelDrafter(draft, vocab, k_max, kv=kv, shared=shared_index(), costs=costs), costs=True
+    ),
 }
 
 
@@ -385,14 +478,17 @@ def drafter_names() -> tuple[str, ...]:
 
 
 def drafter_is_free(name: str) -> bool:
-    """Whether drafter ``name`` drafts without a model call (False for an unknown name)."""
+    """Whether adaptive k prices drafter ``name``'s steps at 0 s: it drafts without a model
+    call, or prices its own model steps (:attr:`DrafterKind.costs`); False for an unknown name."""
     kind = _KINDS.get(name)
-    return kind is not None and kind.free
+    return kind is not None and (kind.free or kind.costs)
 
 
-def make_drafter(name: str, draft: Model, vocab: int, k_max: int, kv: int = 0) -> Drafter:
+def make_drafter(name: str, draft: Model, vocab: int, k_max: int, kv: int = 0, costs=None) -> Drafter:
     """The drafter ``name`` (one of :func:`drafter_names`) of one generation; ``kv``: rows
-    the draft's KV already holds for its prompt (prefix reuse, a multiple of ``draft.max_q``).
+    the draft's KV already holds for its prompt (prefix reuse, a multiple of ``draft.max_q``);
+    ``costs``: the plan's measured ``(target_s, draft_s, prior)`` or None, for a drafter that
+    prices its own steps (:attr:`DrafterKind.costs`; the others ignore it).
 
     Raises:
         ValueError: an unknown name.
@@ -400,4 +496,4 @@ def make_drafter(name: str, draft: Model, vocab: int, k_max: int, kv: int = 0) -
     kind = _KINDS.get(name)
     if kind is None:
         raise ValueError(f"drafter={name!r}; choose one of {', '.join(_KINDS)}")
-    return kind.make(draft, vocab, k_max, kv)
+    return kind.make(draft, vocab, k_max, kv, costs) if kind.costs else kind.make(draft, vocab, k_max, kv)

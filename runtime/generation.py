@@ -164,7 +164,8 @@ class Generation:
         cold run's."""
         self.cached = cached
         plan = self.plan
-        self.drafter = make_drafter(plan.drafter, self.draft, self.draft.vocab, plan.k_max, reuse_draft(cached, self.seq, self.draft.max_q))
+        kv = reuse_draft(cached, self.seq, self.draft.max_q)
+        self.drafter = make_drafter(plan.drafter, self.draft, self.draft.vocab, plan.k_max, kv, plan.adaptive if plan.speculative else None)
 
     def prefix(self) -> KVPrefix | None:
         """What the target's and the draft's KV buffers hold for a later request once this

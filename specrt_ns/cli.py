@@ -505,7 +505,7 @@ def plans(ctx, engines, precision, workspace_gb, prefill_q, past_pad, opt_level,
     "--drafter",
     type=click.Choice(DRAFTERS),
     default=None,
-    help="where candidates come from: the draft model, n-gram prompt lookup (no model), or hybrid (default: manifest, else model)",
+    help="where candidates come from: the draft model, n-gram prompt lookup (no model), hybrid, suffix lookup (no model) or suffix-model (default: manifest, else model)",
 )
 @click.option(
     "--adaptive/--no-adaptive",

@@ -125,3 +125,57 @@ def test_another_clients_text_in_the_shared_index_changes_no_output(eng, fresh_s
         fresh_shared.extend(10_000 + i, ids + rng.integers(1, eng.manifest.vocab_size, 40).tolist())
     r = eng.generate(p, GenerationConfig(max_new_tokens=40, drafter="suffix", k_max=4, threshold=0.0))
     assert r.tokens == base and r.stats.proposed > r.stats.accepted  # it drafted the other text, rejected
+
+
+def test_suffix_pays_compares_expected_tokens_per_second():
+    """(1 + sum of path scores) / the verification call's seconds against the model's rate."""
+    from specrt.runtime.drafters import suffix_pays
+
+    t = [0.030, 0.031, 0.032, 0.034, 0.036]  # seconds of a target call, q = 1..5
+    # 3 candidates at scores 0.9, 0.8, 0.7: 3.4 tokens / 0.034 s = 100 tok/s
+    assert suffix_pays([0.9, 0.8, 0.7], t, 99.0) and not suffix_pays([0.9, 0.8, 0.7], t, 101.0)
+    # longer than the widest measured call: priced at the widest (4 candidates, 0.036 s)
+    assert suffix_pays([1.0] * 9, t, 5.0 / 0.036 - 1e-6) and not suffix_pays([1.0] * 9, t, 5.0 / 0.036 + 1e-6)
+
+
+def test_suffix_model_takes_the_suffix_when_it_pays_and_the_model_otherwise(eng, fresh_shared):
+    """Output == target-only with costs (measured: the engine's), without (suffix whenever
+    there is one), greedy and seeded; a repeat of a prompt drafts from the suffix index with
+    fewer draft-model calls than the first run, which drafts with the model."""
+    from specrt.runtime.drafters import SuffixModelDrafter, drafter_is_free, make_drafter
+
+    assert drafter_is_free("suffix-model")  # adaptive k leaves the model's length to the drafter
+    d = make_drafter("suffix-model", eng.draft, eng.draft.vocab, 4, costs=([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.8))
+    assert isinstance(d, SuffixModelDrafter) and d.costs is not None and d.draft is eng.draft
+    assert make_drafter("suffix-model", eng.draft, eng.draft.vocab, 4).costs is None
+    for p in PROMPTS[:2]:
+        base = eng.generate(p, GenerationConfig(max_new_tokens=48, speculative=False))
+        runs = [eng.generate(p, GenerationConfig(max_new_tokens=48, drafter="suffix-model", k_max=4, adaptive=a)) for a in (True, True, False)]
+        assert all(r.tokens == base.tokens for r in runs), p[:40]
+        assert runs[0].stats.draft_calls > 0 and runs[1].stats.draft_calls < runs[0].stats.draft_calls, (runs[0].stats, runs[1].stats)
+    cfg = GenerationConfig(max_new_tokens=32, temperature=0.8, seed=5)
+    want = eng.generate(PROMPTS[0], GenerationConfig(**{**cfg.__dict__, "speculative": False})).tokens
+    assert eng.generate(PROMPTS[0], GenerationConfig(**{**cfg.__dict__, "drafter": "suffix-model"})).tokens == want
+
+
+def test_suffix_model_prices_the_model_rounds_by_their_own_acceptance():
+    """observe() updates the model's acceptance only after a model round; with the model
+    accepting everything its rate beats a weak suffix proposal, after rejections it does not."""
+    from specrt.runtime.drafters import SuffixModelDrafter, suffix_pays
+
+    class FakeDraft:
+        vocab, max_q = 8, 4
+
+    d = SuffixModelDrafter(FakeDraft(), 8, 4, costs=([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.5))
+    d.model_round = False
+    d.observe(4, 0)
+    assert d.costs.rejected == 0.0  # a suffix round tells nothing about the model
+    d.model_round = True
+    for _ in range(20):
+        d.observe(4, 4)
+    good = d.costs.rate(d.costs.choose(4))
+    assert not suffix_pays([0.5], d.costs.target_s, good)
+    for _ in range(20):
+        d.observe(4, 0)
+    bad = d.costs.rate(d.costs.choose(4)) if d.costs.choose(4) else 1 / 0.03
+    assert bad < good and suffix_pays([0.5], d.costs.target_s, bad)

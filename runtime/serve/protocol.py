@@ -93,7 +93,7 @@ def _common_fields():
         k_max: Optional[StrictInt] = Field(None, description="specrt extension: most draft candidates per verification")
         threshold: Optional[StrictFloat] = Field(None, description="specrt extension: draft confidence threshold in [0, 1]")
         speculative: Optional[StrictBool] = Field(None, description="specrt extension: false runs the target alone")
-        drafter: Optional[StrictStr] = Field(None, description="specrt extension: model, ngram, hybrid or suffix (default: the engine's)")
+        drafter: Optional[StrictStr] = Field(None, description="specrt extension: model, ngram, hybrid, suffix or suffix-model (default: the engine's)")
         response_format: Optional[dict[str, Any]] = Field(
             None, description='{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}'
         )
