@@ -138,14 +138,20 @@ def test_suffix_pays_compares_expected_tokens_per_second():
     assert suffix_pays([1.0] * 9, t, 5.0 / 0.036 - 1e-6) and not suffix_pays([1.0] * 9, t, 5.0 / 0.036 + 1e-6)
 
 
-def test_suffix_model_takes_the_suffix_when_it_pays_and_the_model_otherwise(eng, fresh_shared):
-    """Output == target-only with costs (measured: the engine's), without (suffix whenever
-    there is one), greedy and seeded; a repeat of a prompt drafts from the suffix index with
-    fewer draft-model calls than the first run, which drafts with the model."""
+COSTS = ([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.8)  # fixed (target_s by width, draft_s, prior): no timing in the tests
+
+
+def test_suffix_model_takes_the_suffix_when_it_pays_and_the_model_otherwise(eng, fresh_shared, monkeypatch):
+    """Output == target-only with costs (fixed, in place of the engine's measured ones),
+    without (suffix whenever there is one), greedy and seeded; a repeat of a prompt drafts
+    from the suffix index with fewer draft-model calls than the first run, which drafts with
+    the model."""
     from specrt.runtime.drafters import SuffixModelDrafter, drafter_is_free, make_drafter
 
+    monkeypatch.setattr(eng, "_adaptive", COSTS)
+
     assert drafter_is_free("suffix-model")  # adaptive k leaves the model's length to the drafter
-    d = make_drafter("suffix-model", eng.draft, eng.draft.vocab, 4, costs=([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.8))
+    d = make_drafter("suffix-model", eng.draft, eng.draft.vocab, 4, costs=COSTS)
     assert isinstance(d, SuffixModelDrafter) and d.costs is not None and d.draft is eng.draft
     assert make_drafter("suffix-model", eng.draft, eng.draft.vocab, 4).costs is None
     for p in PROMPTS[:2]:
@@ -179,3 +185,26 @@ def test_suffix_model_prices_the_model_rounds_by_their_own_acceptance():
         d.observe(4, 0)
     bad = d.costs.rate(d.costs.choose(4)) if d.costs.choose(4) else 1 / 0.03
     assert bad < good and suffix_pays([0.5], d.costs.target_s, bad)
+
+
+def test_the_loop_reports_each_round_and_model_rounds_draft_the_models_length(eng, fresh_shared, monkeypatch):
+    """end_round calls observe() once a round with its counts; a model round drafts at most
+    the length the model's own acceptance chose: with a prior of 0 that is 0, or 1 on a
+    probe round, where the engine's k_max would allow 4 at threshold 0."""
+    from specrt.runtime.drafters import SuffixModelDrafter
+
+    seen = []
+    real = SuffixModelDrafter.observe
+
+    def record(self, proposed, accepted):
+        seen.append((self.model_round, proposed, accepted))
+        real(self, proposed, accepted)
+
+    monkeypatch.setattr(SuffixModelDrafter, "observe", record)
+    monkeypatch.setattr(eng, "_adaptive", (COSTS[0], COSTS[1], 0.0))
+    r = eng.generate(PROMPTS[2], GenerationConfig(max_new_tokens=48, drafter="suffix-model", k_max=4, threshold=0.0, adaptive=True))
+    assert r.tokens == eng.generate(PROMPTS[2], GenerationConfig(max_new_tokens=48, speculative=False)).tokens
+    assert seen and r.stats.proposed > 0
+    assert sum(p for m, p, _ in seen) == r.stats.proposed and sum(a for _, _, a in seen) == r.stats.accepted
+    model = [p for m, p, _ in seen if m]
+    assert model and max(model) <= 1 and any(p == 1 for p in model), seen  # probes only
