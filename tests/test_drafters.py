@@ -55,7 +55,7 @@ def _repetitive_prompts(engine):
 
 
 @pytest.mark.parametrize("pair", ["tiny_pair", "int4_pair"])
-@pytest.mark.parametrize("drafter", ["ngram", "hybrid", "suffix"])
+@pytest.mark.parametrize("drafter", ["ngram", "hybrid", "suffix", "suffix-model"])
 def test_greedy_output_equals_target_only(request, pair, drafter):
     e = Engine(request.getfixturevalue(pair)[2])
     proposed = 0

@@ -123,7 +123,7 @@ def test_registration_rules(tiny_pair):
     with pytest.raises(ValueError, match="make must be callable"):
         register_drafter("other", 3)
     e = Engine(tiny_pair[2])
-    with pytest.raises(InputError, match=r"drafter='nope'; drafter must be one of model, ngram, hybrid, suffix, successor"):
+    with pytest.raises(InputError, match=r"drafter='nope'; drafter must be one of model, ngram, hybrid, suffix, suffix-model, successor"):
         e.generate("x", GenerationConfig(max_new_tokens=4, drafter="nope"))
     # adaptive k prices a step of the registered (free) drafter at 0 s, a draft-model step at its cost
     costs = ((0.01, 0.011, 0.012), 0.004, 0.7)
