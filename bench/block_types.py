@@ -31,6 +31,7 @@ from pathlib import Path
 from specrt.runtime.machine import machine_record
 
 from .common import command, logger, say_machine, source_commit, write_json
+from .kernel_step import llama_version
 
 log = logger()
 SOURCE = "source"  # the --types entry that names --target itself, unquantized
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
     files.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     server = Path(".venv-llamacpp/bin/llama-server").resolve()
-    version = subprocess.run([str(server), "--version"], capture_output=True, text=True).stderr.strip() if server.exists() else None
+    version = llama_version(str(server)) if server.exists() else None
     settings = dict(
         command=command(), specrt_commit=source_commit(), llama_cpp=version, machine=machine_record(), source=Path(a.target).name, draft=Path(a.draft).name
     )
