@@ -43,7 +43,7 @@ from specrt.runtime.errors import ExportError, PairError, UnsupportedModelError
 
 __all__ = ["ENGINE_BUILD_VERSION", "CACHE_ENV", "DEFAULT_MAX_CTX", "DEFAULT_K_MAX", "GgufInput", "default_cache", "read_input", "build_engine", "engine_for"]
 
-ENGINE_BUILD_VERSION = 2  # bump when the folder written for the same files changes (2: adaptive-k defaults)
+ENGINE_BUILD_VERSION = 3  # bump when the folder written for the same files changes (2: adaptive-k defaults; 3: IQ4_NL/IQ4_XS panels of nibbles)
 CACHE_ENV = "SPECRT_ENGINE_CACHE"
 DEFAULT_MAX_CTX = 4096  # KV rows (llama-server's default context per slot)
 DEFAULT_K_MAX = 8

@@ -23,25 +23,24 @@ Q6_K    3360     ql[8 p][4 t][16 c][4 e] = lo4 q(32p+4t+e) | lo4 q(32p+16+4t+e) 
 Q3_K    3360     as Q6_K with q = v + 32 (v = -4..3) and sc = s - 32 (its 6-bit scale)
 Q2_K    1600     qs[2 g][8 t][16 c][4 e] = GGUF's byte 32g+4t+e (value 128g+32s+4t+e in bits
                  2s); sc[16][16] u8; mn[16][16] u8 (the scale bytes' nibbles); d, dmin f16
-IQ4_XS  4256     v[8 j][8 t][16 c][4 e] = table value (int8) of sub-block j's 4t+e;
-                 sc[8][16] i8 = ls - 32; d[16] f16
+IQ4_XS  2208     qs[8 j][4 t][16 c][4 e] = GGUF's byte 16j+4t+e (sub-block j's nibbles, as
+                 Q4_0's); sc[8][16] i8 = ls - 32; d[16] f16
 Q8_0    544      qs[8 t][16 c][4 e] = q(4t+e) (int8); d[16] f16
 Q5_0    544      as Q8_0 with q - 16 (int8, -16..15)
-IQ4_NL  544      as Q8_0 with the table value (int8, -127..113)
 Q5_1    576      qs[8 t][16 c][4 e] = q(4t+e) (uint8, 0..31); d[16] f16; m[16] f16
 Q4_0    288      qs[4 t][16 c][4 e] = q(4t+e) | q(16+4t+e) << 4 (GGUF's bytes); d[16] f16
 Q4_1    320      as Q4_0; d[16] f16; m[16] f16
+IQ4_NL  288      as Q4_0 (the kernels look each nibble up in the table, -127..113)
 F32     64       per k: w[16 c] f32 (a "block" is one k)
 F16     32       per k: w[16 c] f16
 BF16    32       per k: w[16 c] bf16
 ======= ======== ==================================================================
 
-Q4_K, Q4_0/Q4_1 and Q2_K hold the GGUF's bytes per column (Q4_K adds 4 bytes a block: its
-6-bit scales unpacked; Q2_K 16: its scale bytes split), Q5_K adds 4; Q6_K, Q8_0 and the
-floats are the same size as the GGUF. Five types are unpacked to bytes so that a simple (or an
-existing) kernel reads them: Q5_0 grows from 22 to 34 bytes a block and IQ4_NL from 18 to 34
-(Q8_0's kernel), Q5_1 from 24 to 36, Q3_K from 110 to 210 (Q6_K's kernel), IQ4_XS from 136
-to 266.
+Q4_K, Q4_0/Q4_1, IQ4_NL, IQ4_XS and Q2_K hold the GGUF's bytes per column (Q4_K adds 4 bytes
+a block: its 6-bit scales unpacked; IQ4_XS 2: its scales unpacked; Q2_K 16: its scale bytes
+split), Q5_K adds 4; Q6_K, Q8_0 and the floats are the same size as the GGUF. Three types are
+unpacked to bytes so that a simple (or an existing) kernel reads them: Q5_0 grows from 22 to
+34 bytes a block (Q8_0's kernel), Q5_1 from 24 to 36, Q3_K from 110 to 210 (Q6_K's kernel).
 """
 
 from __future__ import annotations
@@ -190,35 +189,21 @@ def _q2k(b: np.ndarray) -> list[np.ndarray]:
     ]
 
 
-def _iq4_values(qs: np.ndarray) -> np.ndarray:
-    """IQ4_NL/IQ4_XS nibbles ``[..., 16 j + l]`` -> int8 values ``[..., 32 j + l]`` of gguf-py's
-    table (element l < 16: low nibble of byte l, else high nibble of byte l - 16)."""
-    from gguf.quants import IQ4_NL
-
-    kv = np.array(IQ4_NL.kvalues, dtype=np.int8)
-    lead = qs.shape[:-1]
-    q = qs.reshape(*lead, -1, 1, 16) >> np.array([0, 4], np.uint8).reshape(2, 1)
-    return kv[(q & 0x0F).reshape(*lead, -1)]
-
-
 def _iq4_nl(b: np.ndarray) -> list[np.ndarray]:
-    """IQ4_NL as Q8_0 panels: its table values as signed bytes (-127..113), d as is."""
-    npan, _, nb, _ = b.shape
-    v = _iq4_values(b[..., 2:18]).view(np.uint8)
-    return [_lanes(v.reshape(npan, P, nb, 8, 4)), _lanes(b[..., 0:2].reshape(npan, P, nb, 1, 2))]
+    """IQ4_NL as Q4_0 panels: the file's nibble bytes and d (the kernels look the nibbles up)."""
+    return _q4_0(b)
 
 
 def _iq4_xs(b: np.ndarray) -> list[np.ndarray]:
-    """IQ4_XS: its table values as signed bytes, the 6-bit scale of each 32 as the int8
-    ls - 32 (gguf-py's unpacking: 4 low bits from scales_l, 2 high from scales_h), d as is."""
+    """IQ4_XS: the file's nibble bytes (16 a sub-block of 32), the 6-bit scale of each 32 as
+    the int8 ls - 32 (gguf-py's unpacking: 4 low bits from scales_l, 2 high from scales_h), d as is."""
     npan, _, nb, _ = b.shape
     d, sh, sl, qs = b[..., 0:2], b[..., 2:4], b[..., 4:8], b[..., 8:136]
     lo = ((sl[..., None] >> np.array([0, 4], np.uint8)) & 0x0F).reshape(npan, P, nb, 8)
     h16 = np.ascontiguousarray(sh).view(np.uint16)  # [.., 1]
     hi = ((h16 >> (2 * np.arange(8, dtype=np.uint16))) & 0x03).astype(np.uint8)
     sc = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).view(np.uint8)
-    v = _iq4_values(qs).view(np.uint8)
-    return [_lanes(v.reshape(npan, P, nb, 64, 4)), _cols_last(sc), _lanes(d.reshape(npan, P, nb, 1, 2))]
+    return [_lanes(qs.reshape(npan, P, nb, 32, 4)), _cols_last(sc), _lanes(d.reshape(npan, P, nb, 1, 2))]
 
 
 def _q8_0(b: np.ndarray) -> list[np.ndarray]:
@@ -308,8 +293,8 @@ TABLE: tuple[BlockType, ...] = (
     BlockType(12, "Q4_K", 256, 144, 2368, "q8_k", _q4k),
     BlockType(13, "Q5_K", 256, 176, 2880, "q8_k", _q5k),
     BlockType(14, "Q6_K", 256, 210, 3360, "q8_k", _q6k),
-    BlockType(20, "IQ4_NL", 32, 18, 544, "q8_0", _iq4_nl),
-    BlockType(23, "IQ4_XS", 256, 136, 4256, "q8_k", _iq4_xs),
+    BlockType(20, "IQ4_NL", 32, 18, 288, "q8_0", _iq4_nl),
+    BlockType(23, "IQ4_XS", 256, 136, 2208, "q8_k", _iq4_xs),
     BlockType(30, "BF16", 1, 2, 32, "f32", _float),
 )
 _BY_ID = {t.ggml_type: t for t in TABLE}

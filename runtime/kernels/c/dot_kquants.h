@@ -217,27 +217,33 @@ static inline __attribute__((always_inline)) void q2k_rows(const uint8_t *w, int
     }
 }
 
-/* IQ4_XS: the non-linear 4-bit values (IQ4_NL's table) unpacked to signed bytes at export,
- * a 6-bit signed scale per 32 and d per 256: y[r][c] += xd * (d * float(sum_j sc_j * a_j)),
- * the sum exact int32 (|sum| < 2^28) */
+/* IQ4_XS: the file's nibbles (per sub-block of 32 as Q4_0's: value l in byte l's low nibble,
+ * 16 + l in its high) looked up in IQ4_NL's table as they are read, a 6-bit signed scale per 32
+ * and d per 256: y[r][c] += xd * (d * float(sum_j sc_j * a_j)), the sum exact int32 (|sum| < 2^28) */
 static inline __attribute__((always_inline)) void iq4xs_rows(const uint8_t *w, int nb, const sk_a256 *X, int ldx, int Q, float *y, int ldy, int h, int accum,
                                                              int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
+    const vi m4 = VI32(0x0F0F0F0F), tab = VTAB16(sk_iq4nl_values);
     for (int b = 0; b < nb; ++b) {
         const uint8_t *o = w + (size_t)b * SK_IQ4XS_PSB;
         if (pf) sk_prefetch(o + SK_PF_AHEAD * SK_IQ4XS_PSB, SK_IQ4XS_PSB);
-        const int8_t *sc = (const int8_t *)(o + 256 * SK_P);
+        const int8_t *sc = (const int8_t *)(o + 128 * SK_P);
         const vf d = H2F((const uint16_t *)(sc + 8 * SK_P) + h * LANES);
         vi is[RB];
         for (int r = 0; r < Q; ++r) is[r] = VZERO();
         for (int j = 0; j < 8; ++j) {
             vi a[RB];
             for (int r = 0; r < Q; ++r) a[r] = VZERO();
-            for (int t = 0; t < 8; ++t) {
-                const vi v = VLOADW(o + (size_t)((j * 8 + t) * SK_P) * 4 + h * LANES * 4);
+            for (int t = 0; t < 4; ++t) {
+                const vi v = VLOADW(o + (size_t)((j * 4 + t) * SK_P) * 4 + h * LANES * 4);
+                const vi wl = VLUT(tab, VAND(v, m4)), wh = VLUT(tab, VAND(VSRL16(v, 4), m4));
 #pragma GCC unroll 8
-                for (int r = 0; r < Q; ++r) a[r] = DOTS(a[r], v, XSET(X[(size_t)r * ldx + b].q + 32 * j + 4 * t));
+                for (int r = 0; r < Q; ++r) {
+                    const int8_t *xq = X[(size_t)r * ldx + b].q + 32 * j;
+                    a[r] = DOTS(a[r], wl, XSET(xq + 4 * t));
+                    a[r] = DOTS(a[r], wh, XSET(xq + 16 + 4 * t));
+                }
             }
             const vi scv = I8TO32(sc + j * SK_P + h * LANES);
 #pragma GCC unroll 8

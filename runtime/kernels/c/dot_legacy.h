@@ -1,6 +1,6 @@
 /* Panel kernels of the 32-weight blocks (Q8_0 activations): Q8_0 and Q5_0 (signed bytes:
  * Q5_0's 5-bit values are unpacked to bytes at export), Q5_1 (unsigned bytes 0..31 and a
- * min), Q4_0 and Q4_1 (nibbles).
+ * min), Q4_0 and Q4_1 (nibbles), IQ4_NL (nibbles looked up in its table).
  * Kernel body: included by kernels.h once per ISA path, as dot_kquants.h.
  */
 
@@ -81,6 +81,44 @@ static inline __attribute__((always_inline)) void u4_rows(const uint8_t *w, int 
     }
 }
 
+/* IQ4_NL panels (Q4_0's layout: the file's nibbles, d): each nibble looked up in the table
+ * (sk_iq4nl_values) as it is read, so a block streams 18 bytes, not the 34 of its values as
+ * bytes; per 32-block y += isum * (dw * dx), isum exact: the same int32 sums and float
+ * operations as those values in Q8_0 panels (i8_rows) */
+static inline __attribute__((always_inline)) void iq4nl_rows(const uint8_t *w, int nb, const sk_a32 *X, int ldx, int Q, float *y, int ldy, int h, int accum,
+                                                             int pf) {
+    vf yacc[RB];
+    for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
+    const vi m4 = VI32(0x0F0F0F0F), tab = VTAB16(sk_iq4nl_values);
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *o = w + (size_t)b * SK_IQ4NL_PSB;
+        if (pf) sk_prefetch(o + 8 * SK_PF_AHEAD_LEG * SK_IQ4NL_PSB, SK_IQ4NL_PSB);
+        const vf dw = H2F((const uint16_t *)(o + 16 * SK_P) + h * LANES);
+        vi a[RB];
+        for (int r = 0; r < Q; ++r) a[r] = VZERO();
+        for (int t = 0; t < 4; ++t) {
+            const vi v = VLOADW(o + (size_t)(t * SK_P) * 4 + h * LANES * 4);
+            const vi wl = VLUT(tab, VAND(v, m4)), wh = VLUT(tab, VAND(VSRL16(v, 4), m4));
+#pragma GCC unroll 4
+            for (int r = 0; r < Q; ++r) {
+                const int8_t *xq = X[(size_t)r * ldx + b].q;
+                a[r] = DOTS(a[r], wl, XSET(xq + 4 * t));
+                a[r] = DOTS(a[r], wh, XSET(xq + 16 + 4 * t));
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < Q; ++r) {
+            const sk_a32 *xb = &X[(size_t)r * ldx + b];
+            const vi isum = VSUB32(a[r], VI32(I8_BIAS * xb->sum));
+            yacc[r] = FMA(VCVT(isum), FMUL(dw, FSET1(xb->d)), yacc[r]);
+        }
+    }
+    for (int r = 0; r < Q; ++r) {
+        float *yr = y + (size_t)r * ldy + h * LANES;
+        FSTORE(yr, accum ? FADD(FLOAD(yr), yacc[r]) : yacc[r]);
+    }
+}
+
 /* Q5_1 panels (5-bit values 0..31 unpacked to bytes at export, min m): per 32-block
  * y += isum * (dw * dx); y += (mw * dx) * xsum, as Q4_1 (u4_rows) */
 static inline __attribute__((always_inline)) void q5_1_rows(const uint8_t *w, int nb, const sk_a32 *X, int ldx, int Q, float *y, int ldy, int h, int accum,
@@ -144,6 +182,25 @@ static void q5_1_panels(const sk_mat *m, const void *X, int ldx, int q, int p0, 
             for (int h = 0; h < HALVES; ++h) {
                 const int pf = r0 == 0 && h == 0;
 #define CALL(QQ) q5_1_rows(w, nb, x, ldx, QQ, yp, ldy, h, accum, pf)
+                SK_ROWS_CASES(CALL)
+#undef CALL
+            }
+        }
+    }
+}
+
+/* IQ4_NL panels [p0, p1) of m for q rows (sk_panels_fn) */
+static void iq4nl_panels(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    const int nb = m->k / 32;
+    for (int p = p0; p < p1; ++p) {
+        const uint8_t *w = m->w + (size_t)p * nb * SK_IQ4NL_PSB;
+        for (int r0 = 0; r0 < q; r0 += RB) {
+            const int Q = q - r0 < RB ? q - r0 : RB;
+            const sk_a32 *x = (const sk_a32 *)X + (size_t)r0 * ldx;
+            float *yp = y + (size_t)r0 * ldy + (size_t)(p - p0) * SK_P;
+            for (int h = 0; h < HALVES; ++h) {
+                const int pf = r0 == 0 && h == 0;
+#define CALL(QQ) iq4nl_rows(w, nb, x, ldx, QQ, yp, ldy, h, accum, pf)
                 SK_ROWS_CASES(CALL)
 #undef CALL
             }

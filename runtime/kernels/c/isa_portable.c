@@ -36,6 +36,9 @@ void sk_q5k_panels_portable(const sk_mat *m, const void *X, int ldx, int q, int 
 void sk_q2k_panels_portable(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
     q2k_panels(m, X, ldx, q, p0, p1, y, ldy, accum);
 }
+void sk_iq4nl_panels_portable(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
+    iq4nl_panels(m, X, ldx, q, p0, p1, y, ldy, accum);
+}
 void sk_iq4xs_panels_portable(const sk_mat *m, const void *X, int ldx, int q, int p0, int p1, float *y, int ldy, int accum) {
     iq4xs_panels(m, X, ldx, q, p0, p1, y, ldy, accum);
 }

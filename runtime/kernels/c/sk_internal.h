@@ -12,10 +12,9 @@
  * Kernel bodies, written once and compiled once per ISA path:
  *   quant.h          activation quantizers (Q8_K, Q8_0)
  *   dot_kquants.h    panel kernels of the K-quant family (Q2_K, Q4_K, Q5_K, Q6_K; Q3_K's
- *                    panels are Q6_K's) and IQ4_XS
+ *                    panels are Q6_K's) and IQ4_XS (nibbles looked up in IQ4_NL's table)
  *   dot_float.h      panel kernels of float weights (F32, F16, BF16) on float activations
- *   dot_legacy.h     panel kernels of the 32-blocks (Q8_0, Q5_0, Q4_0, Q4_1, Q5_1; IQ4_NL's
- *                    panels are Q8_0's)
+ *   dot_legacy.h     panel kernels of the 32-blocks (Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, IQ4_NL)
  *   elementwise.h    lane-structured sums, RMSNorm, exp, SiLU, RoPE
  *   attention.h      grouped-query attention over the f16 KV cache
  *   head.h           the reduced LM head (each row's first maximum)
@@ -92,7 +91,8 @@ typedef struct {
 #define SK_Q51_PSB (32 * SK_P + 2 * SK_P + 2 * SK_P)                                    /* 576: Q5_1 */
 #define SK_Q5K_PSB (128 * SK_P + 32 * SK_P + 8 * SK_P + 8 * SK_P + 2 * SK_P + 2 * SK_P) /* 2880 */
 #define SK_Q2K_PSB (64 * SK_P + 16 * SK_P + 16 * SK_P + 2 * SK_P + 2 * SK_P)            /* 1600 */
-#define SK_IQ4XS_PSB (256 * SK_P + 8 * SK_P + 2 * SK_P)                                 /* 4256 */
+#define SK_IQ4XS_PSB (128 * SK_P + 8 * SK_P + 2 * SK_P)                                 /* 2208 */
+#define SK_IQ4NL_PSB SK_Q40_PSB                                                         /* 288: Q4_0's layout */
 #define SK_F16_PSB (2 * SK_P)                                                           /* 32 a k: F16, BF16 */
 #define SK_F32_PSB (4 * SK_P)                                                           /* 64 a k: F32 */
 
@@ -125,14 +125,14 @@ void sk_dequant_row(const sk_mat *m, int n, float *out);
 
 /* each ISA path's panel kernels (defined in isa_<path>.c, listed in the table in types.c) */
 sk_panels_fn sk_q4k_panels_portable, sk_q6k_panels_portable, sk_q8_0_panels_portable, sk_q5_0_panels_portable, sk_q4_0_panels_portable, sk_q4_1_panels_portable,
-    sk_q5_1_panels_portable, sk_q5k_panels_portable, sk_q2k_panels_portable, sk_iq4xs_panels_portable, sk_f16_panels_portable, sk_bf16_panels_portable,
-    sk_f32_panels_portable;
+    sk_q5_1_panels_portable, sk_q5k_panels_portable, sk_q2k_panels_portable, sk_iq4xs_panels_portable, sk_iq4nl_panels_portable, sk_f16_panels_portable,
+    sk_bf16_panels_portable, sk_f32_panels_portable;
 #if SK_X86
 sk_panels_fn sk_q4k_panels_avx2, sk_q6k_panels_avx2, sk_q8_0_panels_avx2, sk_q5_0_panels_avx2, sk_q4_0_panels_avx2, sk_q4_1_panels_avx2, sk_q5_1_panels_avx2,
-    sk_q5k_panels_avx2, sk_q2k_panels_avx2, sk_iq4xs_panels_avx2, sk_f16_panels_avx2, sk_bf16_panels_avx2, sk_f32_panels_avx2;
+    sk_q5k_panels_avx2, sk_q2k_panels_avx2, sk_iq4xs_panels_avx2, sk_iq4nl_panels_avx2, sk_f16_panels_avx2, sk_bf16_panels_avx2, sk_f32_panels_avx2;
 sk_panels_fn sk_q4k_panels_avx512, sk_q6k_panels_avx512, sk_q8_0_panels_avx512, sk_q5_0_panels_avx512, sk_q4_0_panels_avx512, sk_q4_1_panels_avx512,
-    sk_q5_1_panels_avx512, sk_q5k_panels_avx512, sk_q2k_panels_avx512, sk_iq4xs_panels_avx512, sk_f16_panels_avx512, sk_bf16_panels_avx512,
-    sk_f32_panels_avx512;
+    sk_q5_1_panels_avx512, sk_q5k_panels_avx512, sk_q2k_panels_avx512, sk_iq4xs_panels_avx512, sk_iq4nl_panels_avx512, sk_f16_panels_avx512,
+    sk_bf16_panels_avx512, sk_f32_panels_avx512;
 #endif
 
 /* ---------------------------------------------------------------- the ISA table */
@@ -205,6 +205,10 @@ static inline int32_t sk_ld32(const void *p) {
     memcpy(&v, p, 4);
     return v;
 }
+
+/* IQ4_NL's 16 non-linear values, which IQ4_XS shares (ggml's kvalues_iq4nl, gguf-py's
+ * IQ4_NL.kvalues): the IQ4 panels keep the file's nibbles and the kernels look them up here */
+static const int8_t sk_iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* software prefetch of [p, p + bytes): a thread streaming panels keeps enough cache lines in
  * flight to approach the memory bandwidth (its hardware prefetcher alone reached ~60% of it

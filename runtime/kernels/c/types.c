@@ -67,17 +67,35 @@ static void dequant_q2k(const uint8_t *o, int c, float *y) {
     }
 }
 
-/* IQ4_XS: signed byte values, a signed scale per 32, d per 256 */
+/* IQ4_XS: per sub-block j of 32, nibbles as Q4_0's (value l low in byte l, 16 + l high) looked
+ * up in IQ4_NL's table; a signed scale per 32, d per 256 */
 static void dequant_iq4xs(const uint8_t *o, int c, float *y) {
-    const int8_t *sc = (const int8_t *)(o + 256 * SK_P);
+    const int8_t *sc = (const int8_t *)(o + 128 * SK_P);
     const float d = sk_h2f(sk_ld16((const uint8_t *)(sc + 8 * SK_P) + 2 * c));
-    for (int k = 0; k < 256; ++k) y[k] = (d * (float)sc[(k / 32) * SK_P + c]) * (float)(int8_t)o[((k / 4) * SK_P + c) * 4 + k % 4];
+    for (int j = 0; j < 8; ++j) {
+        const float ds = d * (float)sc[j * SK_P + c];
+        for (int l = 0; l < 16; ++l) {
+            const uint8_t v = o[((j * 4 + l / 4) * SK_P + c) * 4 + l % 4];
+            y[32 * j + l] = ds * (float)sk_iq4nl_values[v & 15];
+            y[32 * j + 16 + l] = ds * (float)sk_iq4nl_values[v >> 4];
+        }
+    }
 }
 
-/* Q8_0, and Q5_0 and IQ4_NL (their values unpacked to signed bytes at export) */
+/* Q8_0, and Q5_0 (its values unpacked to signed bytes at export) */
 static void dequant_i8(const uint8_t *o, int c, float *y) {
     const float d = sk_h2f(sk_ld16(o + 32 * SK_P + 2 * c));
     for (int k = 0; k < 32; ++k) y[k] = d * (float)(int8_t)o[((k / 4) * SK_P + c) * 4 + k % 4];
+}
+
+/* IQ4_NL: Q4_0's layout, each nibble looked up in the table */
+static void dequant_iq4nl(const uint8_t *o, int c, float *y) {
+    const float d = sk_h2f(sk_ld16(o + 16 * SK_P + 2 * c));
+    for (int k = 0; k < 16; ++k) {
+        const uint8_t v = o[((k / 4) * SK_P + c) * 4 + k % 4];
+        y[k] = d * (float)sk_iq4nl_values[v & 15];
+        y[k + 16] = d * (float)sk_iq4nl_values[v >> 4];
+    }
 }
 
 static void dequant_q4_0(const uint8_t *o, int c, float *y) {
@@ -132,7 +150,7 @@ const sk_type sk_types[SK_TYPE_IDS] = {
     [SK_Q4_K] = {"Q4_K",    256,  144,  SK_Q4K_PSB,  SK_ACT_Q8_K,  dequant_q4k,  SK_KERNELS(q4k)},
     [SK_Q5_K] = {"Q5_K",    256,  176,  SK_Q5K_PSB,  SK_ACT_Q8_K,  dequant_q5k,  SK_KERNELS(q5k)},
     [SK_Q6_K] = {"Q6_K",    256,  210,  SK_Q6K_PSB,  SK_ACT_Q8_K,  dequant_q6k,  SK_KERNELS(q6k)},
-    [SK_IQ4_NL] = {"IQ4_NL", 32,  18,   SK_I8_PSB,   SK_ACT_Q8_0,  dequant_i8,   SK_KERNELS(q8_0)},
+    [SK_IQ4_NL] = {"IQ4_NL", 32,  18,   SK_IQ4NL_PSB, SK_ACT_Q8_0, dequant_iq4nl, SK_KERNELS(iq4nl)},
     [SK_IQ4_XS] = {"IQ4_XS", 256, 136,  SK_IQ4XS_PSB, SK_ACT_Q8_K, dequant_iq4xs, SK_KERNELS(iq4xs)},
     [SK_BF16] = {"BF16",    1,    2,    SK_F16_PSB,  SK_ACT_F32,   dequant_bf16, SK_KERNELS(bf16)},
 };

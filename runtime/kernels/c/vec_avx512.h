@@ -10,6 +10,8 @@
  *   DOTS(acc, w, x)  acc + sum of 4 (s8 w_byte * s8 x_byte) per lane, minus I8_BIAS * (x bytes sum)
  *   DOT16(acc, a, b) acc + lo16(a)*lo16(b) + hi16(a)*hi16(b) per lane (int16 pairs)
  *   XSET(p)          the 4 activation bytes at p broadcast to every lane (kernels.h)
+ *   VTAB16(p)        the 16 bytes at p as a lookup table for VLUT (each 128-bit lane holds them)
+ *   VLUT(t, i)       per byte: t's byte number i (every byte of i is 0..15)
  *   H2F, BF2F(p)     LANES f16 / bf16 values at p as floats (exact)
  *   RB, RB_Q4K       rows per register-blocked pass (Q4_K keeps more registers a row)
  *   HI_X16           1: Q4_K's high nibble is used in place (x16), its scale / 16
@@ -51,6 +53,8 @@ typedef __m512 vf;
 #define U8TO32(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define I8TO32(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define VMUL32(a, b) _mm512_mullo_epi32(a, b)
+#define VTAB16(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
+#define VLUT(t, i) _mm512_shuffle_epi8(t, i)
 #define DOTU(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
 /* s8 x s8 through the u8 x s8 instruction: (w + 128) * x, the 128 * sum(x) taken off per block */
 #define DOTS(acc, w, x) _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi32((int)0x80808080)), x)

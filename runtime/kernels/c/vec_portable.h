@@ -10,6 +10,8 @@
  *   DOTS(acc, w, x)  acc + sum of 4 (s8 w_byte * s8 x_byte) per lane, minus I8_BIAS * (x bytes sum)
  *   DOT16(acc, a, b) acc + lo16(a)*lo16(b) + hi16(a)*hi16(b) per lane (int16 pairs)
  *   XSET(p)          the 4 activation bytes at p broadcast to every lane (kernels.h)
+ *   VTAB16(p)        the 16 bytes at p as a lookup table for VLUT (each 128-bit lane holds them)
+ *   VLUT(t, i)       per byte: t's byte number i (every byte of i is 0..15)
  *   H2F, BF2F(p)     LANES f16 / bf16 values at p as floats (exact)
  *   RB, RB_Q4K       rows per register-blocked pass (Q4_K keeps more registers a row)
  *   HI_X16           1: Q4_K's high nibble is used in place (x16), its scale / 16
@@ -200,6 +202,21 @@ static inline vi vdot16(vi acc, vi a, vi b) {
     }
     return acc;
 }
+/* the table in the first 16 bytes of a vector; VLUT reads each byte of i as an index into them */
+static inline vi vtab16(const void *p) {
+    vi r = vi32(0);
+    memcpy(r.v, p, 16);
+    return r;
+}
+static inline vi vlut(vi t, vi i) {
+    vi r;
+    const uint8_t *tb = (const uint8_t *)t.v, *ib = (const uint8_t *)i.v;
+    uint8_t *rb = (uint8_t *)r.v;
+    for (int b = 0; b < 64; ++b) rb[b] = tb[ib[b] & 15];
+    return r;
+}
+#define VTAB16(p) vtab16(p)
+#define VLUT(t, i) vlut(t, i)
 #define DOTU(acc, w, x) vdotu(acc, w, x)
 #define DOTS(acc, w, x) vdots(acc, w, x)
 #define DOT16(acc, a, b) vdot16(acc, a, b)
