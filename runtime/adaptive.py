@@ -85,13 +85,19 @@ class AdaptiveK:
         """Expected tokens per second of a round with ``n`` candidates."""
         return expected_tokens(self.alpha, n) / (n * self.draft_s + self.target_s[n])
 
+    def best(self, cap: int) -> int:
+        """The length in ``0..cap`` of the highest :meth:`rate`, without the probe's
+        bookkeeping (a pure look: :meth:`choose` is the round's decision)."""
+        cap = min(cap, len(self.target_s) - 1)
+        return max(range(cap + 1), key=self.rate) if cap > 0 else 0
+
     def choose(self, cap: int) -> int:
         """Candidates for the next round, in ``0..cap`` (``cap``: the loop's own limit:
-        k_max, the token budget, the context)."""
-        cap = min(cap, len(self.target_s) - 1)
-        if cap <= 0:
+        k_max, the token budget, the context): :meth:`best`, or 1 on a probe round (after
+        ``probe_every`` rounds at 0 in a row)."""
+        if min(cap, len(self.target_s) - 1) <= 0:
             return 0
-        n = max(range(cap + 1), key=self.rate)
+        n = self.best(cap)
         if n == 0:
             self.idle += 1
             if self.idle >= self.probe_every:

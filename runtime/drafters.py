@@ -41,6 +41,8 @@ without x) holds unchanged, and a greedy confidence is 1.
 from __future__ import annotations
 
 import itertools
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
@@ -380,11 +382,45 @@ def suffix_pays(scores: Sequence[float], target_s: Sequence[float], model_rate: 
     return (1.0 + expected_accepted(scores[:n])) / target_s[n] >= model_rate
 
 
+def catch_up_pays(catch_up_s: float, model_rate: float, other_rate: float, horizon: int) -> bool:
+    """Whether feeding the draft model the tokens it has not seen is worth it now: the draft
+    model's rounds save ``1 / other_rate - 1 / model_rate`` seconds a token against the other
+    option (the suffix proposal, or target-only steps), and that saving over the next
+    ``horizon`` tokens must exceed the one-off catch-up (a rent-or-buy rule: pay a fixed cost
+    once the use it buys is expected to cover it). A free catch-up always pays.
+
+    Args:
+        catch_up_s: seconds to feed the unseen tokens (>= 0).
+        model_rate, other_rate: expected tokens per second of a model round and of the
+            alternative (> 0).
+        horizon: tokens the saving is counted over (>= 0).
+    """
+    if catch_up_s <= 0:
+        return True  # nothing to pay
+    saving = 1.0 / other_rate - 1.0 / model_rate
+    return saving > 0 and saving * horizon > catch_up_s
+
+
+# seconds a token of the draft model's catch-up feed (its wide calls), measured per draft model
+# by SuffixModelDrafter and kept for the process's later requests (speed only, never output)
+_FEED_S: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+FEED_GUESS = 0.125  # a fed token's cost as a fraction of a 1-row draft step, until one is measured
+HORIZON_MIN = 32  # tokens a catch-up is amortized over at a request's start
+
+
 class SuffixModelDrafter(_ModelSide, SuffixDrafter):
     """Per round, the suffix proposal (:class:`SuffixDrafter`) or the draft model, whichever
     :func:`suffix_pays` expects to commit more tokens per second; the draft model's rounds
     draft the length its own running acceptance and the costs favour
     (:class:`~specrt.runtime.adaptive.AdaptiveK` over the draft model's rounds alone).
+
+    A draft model that has fallen behind (the suffix path's rounds, a new prompt not in its
+    prefix cache) must first be fed the tokens it has not seen. That catch-up is priced:
+    :func:`catch_up_pays` over a horizon of the tokens generated so far (at least
+    :data:`HORIZON_MIN`: a request is expected to go on about as long as it has run), else
+    the round takes the suffix proposal, or none (a target-only step). A fed token's seconds
+    are measured on each catch-up, per draft model (a guess, :data:`FEED_GUESS` of a draft
+    step, before the first).
 
     Args:
         draft, vocab, k_max, kv, shared: as :class:`ModelDrafter` and :class:`SuffixDrafter`.
@@ -398,6 +434,14 @@ class SuffixModelDrafter(_ModelSide, SuffixDrafter):
         super().__init__(vocab, k_max, kv=kv, shared=shared)
         self.costs = AdaptiveK(*costs) if costs is not None else None
         self.model_round = False  # whether the round in flight is the draft model's
+        self.start = None  # the sequence's length at the first round (the prompt)
+
+    def feed_s(self) -> float:
+        """Seconds a token of the draft model's catch-up (measured, or the guess)."""
+        try:
+            return _FEED_S.get(self.model.draft, FEED_GUESS * self.costs.draft_s)
+        except TypeError:  # a draft model that cannot be weakly referenced: the guess
+            return FEED_GUESS * self.costs.draft_s
 
     def steps(self, seq, acc, steps, pre) -> Iterator[tuple[int, float]]:
         toks, scores = self.scored_proposal(seq, acc)
@@ -405,12 +449,36 @@ class SuffixModelDrafter(_ModelSide, SuffixDrafter):
         if k is None:
             self.model_round = not toks
             return self.model.steps(seq, acc, steps, pre) if self.model_round else self._one_hot(toks, acc, steps)
-        n = k.choose(self.k_max)  # the draft model's best length (probes when it has stopped)
+        self.start = len(seq) if self.start is None else self.start
+        n = k.best(self.k_max)  # the draft model's best length, looked at without a probe's count
         rate = k.rate(n) if n > 0 else 1.0 / k.target_s[0]
-        self.model_round = not (toks and suffix_pays(scores, k.target_s, rate))
-        if not self.model_round:
-            return self._one_hot(toks, acc, steps)
-        return itertools.islice(self.model.steps(seq, acc, steps, pre), n)
+        suffix = bool(toks) and suffix_pays(scores, k.target_s, rate)
+        unseen = len(seq) - self.model.kv
+        behind = unseen - (self.k_max + 1)  # beyond what a model round feeds anyway
+        if not suffix and behind > 0:
+            m = min(len(toks), len(k.target_s) - 1)
+            other = (1.0 + expected_accepted(scores[:m])) / k.target_s[m]  # toks, or a target-only step
+            suffix = not catch_up_pays(behind * self.feed_s(), rate, other, max(HORIZON_MIN, len(seq) - self.start))
+        self.model_round = not suffix
+        if suffix:
+            return self._one_hot(toks, acc, steps)  # no toks: no candidates, a target-only step
+        # the model's own decision (probes after its rounds at 0): suffix rounds do not count
+        gen = self.model.steps(seq, acc, steps, pre)
+        return itertools.islice(self._timed(gen, unseen) if behind > 0 else gen, k.choose(self.k_max))
+
+    def _timed(self, gen: Iterator[tuple[int, float]], unseen: int) -> Iterator[tuple[int, float]]:
+        """``gen``'s steps; its first step, which feeds the ``unseen`` tokens, is timed and sets
+        the draft model's seconds a fed token (one draft step's own seconds taken off)."""
+        t0 = time.perf_counter()
+        step = next(gen, None)
+        if step is None:
+            return
+        try:
+            _FEED_S[self.model.draft] = max(0.0, time.perf_counter() - t0 - self.costs.draft_s) / unseen
+        except TypeError:  # a draft model that cannot be weakly referenced keeps the guess
+            pass
+        yield step
+        yield from gen
 
     def observe(self, proposed: int, accepted: int) -> None:
         """The round's outcome (:func:`~specrt.runtime.decode.end_round`): a draft-model

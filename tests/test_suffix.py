@@ -189,8 +189,8 @@ def test_suffix_model_prices_the_model_rounds_by_their_own_acceptance():
 
 def test_the_loop_reports_each_round_and_model_rounds_draft_the_models_length(eng, fresh_shared, monkeypatch):
     """end_round calls observe() once a round with its counts; a model round drafts at most
-    the length the model's own acceptance chose: with a prior of 0 that is 0, or 1 on a
-    probe round, where the engine's k_max would allow 4 at threshold 0."""
+    the length the model's own acceptance chose over its own rounds: with a prior of 0 that
+    is 0, or 1 on a probe round (the engine's k_max would allow 4 at threshold 0)."""
     from specrt.runtime.drafters import SuffixModelDrafter
 
     seen = []
@@ -201,10 +201,81 @@ def test_the_loop_reports_each_round_and_model_rounds_draft_the_models_length(en
         real(self, proposed, accepted)
 
     monkeypatch.setattr(SuffixModelDrafter, "observe", record)
+    monkeypatch.setattr(SuffixModelDrafter, "feed_s", lambda self: 0.0)  # catch-ups free: the model's own rule alone
     monkeypatch.setattr(eng, "_adaptive", (COSTS[0], COSTS[1], 0.0))
     r = eng.generate(PROMPTS[2], GenerationConfig(max_new_tokens=48, drafter="suffix-model", k_max=4, threshold=0.0, adaptive=True))
     assert r.tokens == eng.generate(PROMPTS[2], GenerationConfig(max_new_tokens=48, speculative=False)).tokens
     assert seen and r.stats.proposed > 0
     assert sum(p for m, p, _ in seen) == r.stats.proposed and sum(a for _, _, a in seen) == r.stats.accepted
     model = [p for m, p, _ in seen if m]
-    assert model and max(model) <= 1 and any(p == 1 for p in model), seen  # probes only
+    assert model and max(model) <= 1, seen  # 0, or 1 on the model's own probe
+
+
+def test_suffix_rounds_leave_the_models_probe_count_alone():
+    """The model's probe (one candidate after probe_every of its own rounds at 0) counts only
+    model rounds: suffix rounds look at the model's best length (AdaptiveK.best, pure) and do
+    not advance it, so the first model round after many suffix rounds is not a probe."""
+    from specrt.runtime.adaptive import AdaptiveK
+    from specrt.runtime.drafters import SuffixModelDrafter
+
+    k = AdaptiveK([0.03, 0.031, 0.032], 0.006, prior=0.0, probe_every=3)
+    assert [k.best(2) for _ in range(5)] == [0] * 5 and k.idle == 0
+    assert [k.choose(2) for _ in range(6)] == [0, 0, 1, 0, 0, 1]
+
+    class FakeDraft:
+        vocab, max_q = 8, 4
+
+    d = SuffixModelDrafter(FakeDraft(), 8, 4, costs=([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.0))
+    d.scored_proposal = lambda seq, acc: ([3, 4], [0.99, 0.99])  # a strong suffix proposal
+    d._one_hot = lambda toks, acc, steps: iter(())
+    for _ in range(20):
+        d.steps([1, 2, 3], None, [], None)
+        assert not d.model_round
+    assert d.costs.idle == 0
+
+
+
+def test_catch_up_pays_when_the_saving_over_the_horizon_covers_it():
+    """The rent-or-buy rule: (1/other - 1/model) * horizon > catch-up, never when the model
+    is not faster than the alternative."""
+    from specrt.runtime.drafters import catch_up_pays
+
+    # model 40 tok/s against 25: 0.015 s saved a token
+    assert catch_up_pays(0.4, 40.0, 25.0, 32) and not catch_up_pays(0.5, 40.0, 25.0, 32)
+    assert catch_up_pays(0.5, 40.0, 25.0, 34)
+    assert not catch_up_pays(0.1, 25.0, 25.0, 10_000) and not catch_up_pays(0.1, 20.0, 25.0, 10_000)
+    assert catch_up_pays(0.0, 20.0, 25.0, 0)  # nothing to pay
+
+
+def test_a_draft_model_far_behind_waits_until_its_catch_up_pays():
+    """A model round that would first feed many unseen tokens is replaced by the suffix
+    proposal or a target-only step until the horizon (tokens generated so far) makes the
+    catch-up worth it; a model that is current drafts at once. The measured feed cost is
+    kept per draft model."""
+    from specrt.runtime import drafters as D
+
+    class FakeDraft:
+        vocab, max_q = 8, 4
+
+    draft = FakeDraft()
+    costs = ([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.9)  # the model: well over target-only
+    D._FEED_S[draft] = 0.01  # 10 ms a fed token
+    d = D.SuffixModelDrafter(draft, 8, 4, costs=costs)
+    d.scored_proposal = lambda seq, acc: ([], [])  # no suffix proposal
+    pulled = []
+    d.model.steps = lambda seq, acc, steps, pre: iter(pulled.append(len(seq)) or [(1, 0.9)] * 8)
+    k = d.costs
+    saving = k.target_s[0] - 1.0 / k.rate(k.best(4))
+    prompt = [0] * 1000
+    assert list(d.steps(prompt, None, [], None)) == [] and not d.model_round  # 995 behind: a target-only step
+    # g generated tokens pay when saving * g > (995 + g) * 0.01 (the catch-up grows with g too)
+    need = int((len(prompt) - 5) * 0.01 / (saving - 0.01)) + 1
+    assert need > D.HORIZON_MIN
+    assert list(d.steps(prompt + [1] * (need - 10), None, [], None)) == [] and not d.model_round
+    out = list(d.steps(prompt + [1] * (need + 10), None, [], None))
+    assert d.model_round and len(out) >= 1 and pulled == [len(prompt) + need + 10]
+    assert D._FEED_S[draft] < 0.01  # measured on that catch-up (the fake feeds at once)
+    d2 = D.SuffixModelDrafter(draft, 8, 4, kv=998, costs=costs)  # current: its KV holds the prompt
+    d2.scored_proposal = lambda seq, acc: ([], [])
+    d2.model.steps = lambda seq, acc, steps, pre: iter([(1, 0.9)] * 8)
+    assert list(d2.steps(prompt, None, [], None)) and d2.model_round
