@@ -234,7 +234,6 @@ def test_suffix_rounds_leave_the_models_probe_count_alone():
     assert d.costs.idle == 0
 
 
-
 def test_catch_up_pays_when_the_saving_over_the_horizon_covers_it():
     """The rent-or-buy rule: (1/other - 1/model) * horizon > catch-up, never when the model
     is not faster than the alternative."""
