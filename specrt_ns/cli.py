@@ -1085,6 +1085,12 @@ def _print_tune_report(result: dict, out: Path) -> None:
     show_default=True,
     help="/v1/completions text prompts: special = control-token text such as <|im_start|> becomes its control id (as llama-server and vLLM); text = it stays text (chat content, tool results and FIM prefix/suffix are always text)",
 )
+@click.option(
+    "--agent-drafter",
+    default=serve_default("agent_drafter"),
+    show_default=True,
+    help="the drafter of agent traffic (chat requests with tools, tool results or tool calls that name no drafter) on an engine whose default is the draft model; engine = the engine's default",
+)
 @_threads_option
 @_backend_option
 @_clean_errors
@@ -1110,6 +1116,7 @@ def serve(
     slot_wait_ms,
     slot_wait_requests,
     completions_special_tokens,
+    agent_drafter,
     threads,
     spinning,
     backend,
@@ -1144,6 +1151,7 @@ def serve(
             slot_wait_ms=slot_wait_ms,
             slot_wait_requests=slot_wait_requests,
             completions_special_tokens=completions_special_tokens,
+            agent_drafter=agent_drafter,
         )
     )
 

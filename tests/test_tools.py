@@ -605,3 +605,41 @@ def test_fim_prompt_layout_and_suffix_lookup():
         drafter = NgramDrafter(16, 4)
         assert drafter.proposal(seq, GreedyAcceptor(16, 16)) == [tid("e"), fim.middle, tid("c"), tid("d")]
     assert fim_tokens(Codec(["<x>"])) is None
+
+
+def test_agent_traffic_gets_the_agent_drafter():
+    """A chat request that offers tools, holds a tool result or an earlier tool call, and
+    names no drafter drafts with the server's agent drafter (suffix-model by default); a
+    plain chat, or one naming its drafter, keeps its own; ``agent_drafter="engine"`` turns
+    the override off; an unknown name is refused in one line before the engine loads."""
+    pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+    from specrt.runtime.serve.protocol import chat_request_model
+    from specrt.runtime.serve.server import ServeError, build_service
+
+    if not (ENGINES / "manifest.json").is_file():
+        pytest.skip("engines/default not exported: run `make export`")
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    bodies = {
+        "tools": dict(messages=ASK, tools=TOOLS),
+        "tool result": dict(
+            messages=ASK + [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]
+        ),
+        "tool call": dict(messages=ASK + [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "user", "content": "and Rome?"}]),
+        "plain": dict(messages=ASK),
+        "named": dict(messages=ASK, tools=TOOLS, drafter="ngram"),
+    }
+    for agent, want in (("suffix-model", dict(plain="model", named="ngram")), ("engine", dict(plain="model", named="ngram"))):
+        svc = (
+            build_service(ENGINES, chat_template=QWEN_TEMPLATE, agent_drafter=agent)
+            if agent != "suffix-model"
+            else build_service(ENGINES, chat_template=QWEN_TEMPLATE)
+        )
+        try:
+            for name, body in bodies.items():
+                work = svc.prepare_chat(chat_request_model()(model=None, max_tokens=4, temperature=0, **body))
+                expect = want.get(name, "suffix-model" if agent == "suffix-model" else "model")
+                assert work.gens[0].config.drafter == expect, (agent, name)
+        finally:
+            svc.pool.close()
+    with pytest.raises(ServeError, match=r"agent_drafter: drafter='nope'; drafter must be one of model, ngram"):
+        build_service(ENGINES, chat_template=QWEN_TEMPLATE, agent_drafter="nope")

@@ -27,7 +27,7 @@ from .app import create_app, require_serve_extra
 from .jobs import Job, Pool, ServeError, ServerBusy, WorkerPool
 from .responses import LOGPROB_FLOOR, GenerationRequest, Responses, Work, error_body, usage_block
 from .service import CompletionService, RequestError
-from .settings import COMPLETIONS_SPECIAL_TOKENS, DEFAULT_MAX_BODY_BYTES, ServeConfig
+from .settings import COMPLETIONS_SPECIAL_TOKENS, DEFAULT_MAX_BODY_BYTES, ENGINE_DRAFTER, ServeConfig
 
 __all__ = [
     "ServeConfig",
@@ -110,6 +110,13 @@ def build_service(cfg: ServeConfig | str | Path, **kw) -> CompletionService:
     cfg = cfg if isinstance(cfg, ServeConfig) else ServeConfig(cfg, **kw)
     if cfg.completions_special_tokens not in COMPLETIONS_SPECIAL_TOKENS:
         raise ServeError(f"completions_special_tokens={cfg.completions_special_tokens!r}; allowed: {', '.join(COMPLETIONS_SPECIAL_TOKENS)}")
+    if cfg.agent_drafter != ENGINE_DRAFTER:
+        from ..config import check_drafter
+
+        try:
+            check_drafter(cfg.agent_drafter)
+        except InputError as e:
+            raise ServeError(f"agent_drafter: {e} (or {ENGINE_DRAFTER!r}: the engine's default)") from None
     pool = _load_pool(cfg)
     engine = pool.engines[0]
     special = special_token_strings(engine)
@@ -123,7 +130,8 @@ def build_service(cfg: ServeConfig | str | Path, **kw) -> CompletionService:
     except TemplateSourceError as e:
         pool.close()
         raise ServeError(str(e)) from None
-    return CompletionService(pool, cfg.model_name or Path(cfg.engines).resolve().name, template, cfg.completions_special_tokens)
+    agent = None if cfg.agent_drafter == ENGINE_DRAFTER else cfg.agent_drafter
+    return CompletionService(pool, cfg.model_name or Path(cfg.engines).resolve().name, template, cfg.completions_special_tokens, agent)
 
 
 def available_cores() -> int:

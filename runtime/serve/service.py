@@ -55,6 +55,10 @@ class CompletionService:
         completions_special_tokens: ``"special"`` (a ``/v1/completions`` text prompt's
             control-token strings become their control ids) or ``"text"`` (they stay text);
             :data:`~specrt.runtime.serve.settings.COMPLETIONS_SPECIAL_TOKENS`.
+        agent_drafter: the drafter of a chat request that carries tools, a tool result or
+            an earlier tool call and names no drafter, where the engine's default drafter is
+            the draft model (:attr:`~specrt.runtime.serve.settings.ServeConfig.agent_drafter`);
+            None: the engine's default for every request.
 
     Attributes:
         created: server start (Unix seconds), the ``created`` of ``/v1/models``.
@@ -65,7 +69,7 @@ class CompletionService:
             tokenizers that normalise text).
     """
 
-    def __init__(self, pool, model_name: str, chat_template=None, completions_special_tokens: str = "special"):
+    def __init__(self, pool, model_name: str, chat_template=None, completions_special_tokens: str = "special", agent_drafter: str | None = None):
         from .metrics import ServerMetrics
 
         self.pool = pool
@@ -76,6 +80,7 @@ class CompletionService:
         pool.attach_metrics(self.metrics)  # a pool's own metrics (the BatchPool's) join this registry
         self.chat_template = chat_template
         self.completions_special_tokens = completions_special_tokens
+        self.agent_drafter = agent_drafter if manifest.defaults.get("drafter", "model") == "model" else None
         self.created = int(time.time())
         self.prompt_char_limit = 2 * (manifest.max_ctx - 1) * self.engine.codec.max_token_bytes
         self.responses = Responses(model_name, self.engine.codec, manifest.stop_ids())
@@ -89,9 +94,10 @@ class CompletionService:
                 f"The model {model!r} does not exist: this server serves {self.model_name!r} (GET /v1/models)", "model", 404, code="model_not_found"
             )
 
-    def _base_config(self, req, max_new_tokens: int, logprobs: int | None, constraint=None):
+    def _base_config(self, req, max_new_tokens: int, logprobs: int | None, constraint=None, drafter: str | None = None):
         """The request's resolved GenerationConfig (seed of choice 0), its constraint compiled
-        (``constraint``, else the one the request's fields ask for)."""
+        (``constraint``, else the one the request's fields ask for); ``drafter``: the one
+        used when the request names none (None: the engine's default)."""
         from ..config import GenerationConfig
 
         try:
@@ -114,7 +120,7 @@ class CompletionService:
             logprobs=logprobs,
             constraint=constraint,
             logit_bias=req.logit_bias or (),
-            drafter=req.drafter,
+            drafter=req.drafter if req.drafter is not None else drafter,
         )
         try:
             return self.engine.resolve(cfg)
@@ -289,7 +295,8 @@ class CompletionService:
             raise RequestError(f"the rendered conversation: {e}", "messages") from None
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens or (self.engine.manifest.max_ctx - len(ids))
-        cfg = self._base_config(req, max_tokens, top_n, tools.constraint if tools is not None else None)
+        agent = self.agent_drafter if self.agent_drafter and is_agent_traffic(req) else None
+        cfg = self._base_config(req, max_tokens, top_n, tools.constraint if tools is not None else None, agent)
         gens = [GenerationRequest(0, ids, _choice_config(cfg, j)) for j in range(n)]
         return Work(True, gens, n, n, stream, _include_usage(req), top_n, len(ids), tools)
 
@@ -333,6 +340,17 @@ class CompletionService:
         return jobs, events
 
     # -- responses --
+
+
+def is_agent_traffic(req) -> bool:
+    """Whether a chat request is an agent's: it offers ``tools``, or its messages hold a tool
+    result (role ``tool``) or an assistant's tool call."""
+    if req.tools:
+        return True
+    for m in req.messages:
+        if m.role == "tool" or (m.role == "assistant" and getattr(m, "tool_calls", None)):
+            return True
+    return False
 
 
 def _choice_config(cfg, j: int):
