@@ -41,7 +41,19 @@ import numpy as np
 
 from specrt.runtime.errors import ExportError, PairError, UnsupportedModelError
 
-__all__ = ["ENGINE_BUILD_VERSION", "CACHE_ENV", "DEFAULT_MAX_CTX", "DEFAULT_K_MAX", "GgufInput", "default_cache", "read_input", "build_engine", "engine_for"]
+__all__ = [
+    "ENGINE_BUILD_VERSION",
+    "CACHE_ENV",
+    "DEFAULT_MAX_CTX",
+    "DEFAULT_K_MAX",
+    "GgufInput",
+    "default_cache",
+    "read_input",
+    "build_engine",
+    "engine_for",
+    "call_costs",
+    "record_call_costs",
+]
 
 ENGINE_BUILD_VERSION = 3  # bump when the folder written for the same files changes (2: adaptive-k defaults; 3: IQ4_NL/IQ4_XS panels of nibbles)
 CACHE_ENV = "SPECRT_ENGINE_CACHE"
@@ -561,7 +573,7 @@ def _sigterm_exits():
         signal.signal(signal.SIGTERM, old)
 
 
-def _call_costs(folder: Path, log) -> dict:
+def call_costs(folder: Path, log) -> dict:
     """``extra["tune"]`` with the per-call costs adaptive k decides with
     (:meth:`specrt.runtime.engine.Engine.adaptive_costs`), measured here once as the Engine
     would at its first adaptive request (5 interleaved repetitions, 256 rows of past; about
@@ -582,6 +594,30 @@ def _call_costs(folder: Path, log) -> dict:
     return {"costs": {**costs.to_json(), "backend": "kernels"}, "machine": this_machine().to_json(), "source": "measured at build (specrt tune re-measures)"}
 
 
+def record_call_costs(folder: str | Path, log=print) -> bool:
+    """Measure the kernels' per-call costs on ``folder`` (:func:`call_costs`) and record them
+    in its manifest (``extra.tune``), as a cached ``serve --target`` folder has them, so the
+    first adaptive request does not measure them. Nothing is recorded where the kernels
+    library is not built (this machine would not run them).
+
+    Returns:
+        whether the costs were recorded.
+    """
+    from dataclasses import replace
+
+    from specrt.runtime import kernels
+    from specrt.runtime.manifest import load_manifest
+
+    why = kernels.status()
+    if why is not None:
+        log(f"  per-call costs not recorded: {why}")
+        return False
+    folder = Path(folder)
+    m = load_manifest(folder, verify_hashes=False)
+    replace(m, extra={**m.extra, "tune": call_costs(folder, log)}).write(folder)
+    return True
+
+
 def _build_into(folder: Path, target, draft, shas: list, max_ctx: int | None, k_max: int, log) -> None:
     """Build in a fresh temporary folder beside ``folder``, check it loads, rename it into
     place (a stale ``folder`` renamed aside first, then removed)."""
@@ -595,7 +631,7 @@ def _build_into(folder: Path, target, draft, shas: list, max_ctx: int | None, k_
         m = build_engine(target, draft, tmp, max_ctx, k_max, log, cache=folder.parent)
         extra = dict(m.extra)
         extra["gguf"] = {r: {**extra["gguf"][r], "sha256": s} for r, s in zip(("target", "draft"), shas) if r in extra["gguf"]}
-        extra["tune"] = _call_costs(tmp, log)
+        extra["tune"] = call_costs(tmp, log)
         replace(m, name=folder.name, extra=extra).write(tmp)
         load_manifest(tmp, verify_hashes=False)  # the folder as the runtime reads it (its digests were just computed)
         if folder.exists():

@@ -273,7 +273,12 @@ def _defaults_file(path: str, k_max: int) -> tuple[dict, dict | None]:
 @click.option("--target", "target", required=True, type=click.Path(exists=True), help="target model: a local HF checkpoint folder or a .gguf file")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="engine folder to write")
 @click.option("--k-max", type=click.IntRange(1, 64), default=8, show_default=True, help="largest number of candidates per verification")
-@click.option("--max-ctx", type=click.IntRange(2, 1 << 20), default=1024, show_default=True, help="context size (KV rows)")
+@click.option(
+    "--max-ctx",
+    type=click.IntRange(2, 1 << 20),
+    default=None,
+    help="context size (KV rows); default: 1024 for ONNX graphs, and for a GGUF pair's kernels folder the smaller of 4096 and the target's context (as serve --target)",
+)
 @click.option(
     "--precision",
     type=click.Choice(PRECISIONS),
@@ -410,7 +415,7 @@ def export(
             target,
             out,
             k_max=k_max,
-            max_ctx=max_ctx,
+            max_ctx=max_ctx or 1024,
             log=lambda m: click.echo(m, err=True),
             lazy_head=lazy_head,
             precision=precision,
@@ -448,10 +453,14 @@ def _export_kernels_folder(draft, target, out, k_max, max_ctx, lazy_head, qualit
     given = [k for k, v in graph_only.items() if v]
     if given:
         raise click.ClickException(f"{given[0]} applies to ONNX graphs: add --precision (fp32|fp16|bf16|int8|int4) to write them beside the kernels' panels")
-    from .export.gguf_engine import build_engine
+    from .export.gguf_engine import build_engine, record_call_costs
+
+    def log(m):
+        click.echo(m, err=True)
 
     try:
-        build_engine(target, draft, out, max_ctx=max_ctx, k_max=k_max, log=lambda m: click.echo(m, err=True))
+        build_engine(target, draft, out, max_ctx=max_ctx, k_max=k_max, log=log)
+        record_call_costs(out, log)  # adaptive k's costs, as serve --target's cached folder has them
     except SpecRTError as e:
         raise click.ClickException(str(e)) from None
 

@@ -247,6 +247,19 @@ def test_export_of_a_gguf_pair_without_precision_writes_the_kernels_folder(ggufs
     assert e.generate(p, GenerationConfig(max_new_tokens=20)).tokens == e.generate(p, GenerationConfig(max_new_tokens=20, speculative=False)).tokens
     res = CliRunner().invoke(cli, [*args, "--lazy-head"])
     assert res.exit_code == 1 and "--lazy-head applies to ONNX graphs: add --precision" in res.output
+    # without --max-ctx: serve --target's context (4096, or the target's own if smaller), and
+    # adaptive k's call costs recorded, so the first adaptive request measures nothing
+    res = CliRunner().invoke(cli, ["export", "--draft", str(ggufs["draft"]), "--target", str(ggufs["target"]), "--out", str(tmp_path / "d")])
+    assert res.exit_code == 0, res.output
+    from specrt.export.gguf_engine import read_input
+
+    m = Engine(tmp_path / "d").manifest
+    t = read_input(ggufs["target"], "target")
+    key = f"{t.dims['arch']}.context_length"
+    ctx = int(t.reader.fields[key].contents()) if key in t.reader.fields else 1 << 20
+    assert m.max_ctx == min(4096, ctx), (m.max_ctx, ctx)
+    costs = m.extra["tune"]["costs"]
+    assert costs["backend"] == "kernels" and sorted(map(int, costs["target_s_by_q"])) == list(range(1, m.k_max + 2)) and costs["draft_s_per_call"] > 0
 
 
 def test_serve_and_bench_take_gguf_files(ggufs, tmp_path, monkeypatch):
