@@ -172,7 +172,9 @@ def start_servers(a: argparse.Namespace, out: Path, env: dict, has_llama: bool, 
             continue
         ports[name] = free_port()
         cmd = [sys.executable, "-m", "specrt.cli", "serve", "--engines", a.engines, "--port", ports[name], "--threads", a.threads, "--log-level", "warning"]
-        procs[name] = start(cmd + args, ports[name], "/health", out / f"{name}.log", env)
+        # each row's drafter is its own (the requests are completions, which --agent-drafter never
+        # touches; off all the same, so a row never measures the server's agent default)
+        procs[name] = start(cmd + ["--agent-drafter", "engine"] + args, ports[name], "/health", out / f"{name}.log", env)
     if has_llama and any(n.startswith("llama") for n in need):
         start_llama_servers(a.llama_server, a.target_gguf, a.draft_gguf, a.threads, a.ctx, out, env, procs, ports)
 

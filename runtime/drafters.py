@@ -418,9 +418,11 @@ class SuffixModelDrafter(_ModelSide, SuffixDrafter):
     prefix cache) must first be fed the tokens it has not seen. That catch-up is priced:
     :func:`catch_up_pays` over a horizon of the tokens generated so far (at least
     :data:`HORIZON_MIN`: a request is expected to go on about as long as it has run), else
-    the round takes the suffix proposal, or none (a target-only step). A fed token's seconds
-    are measured on each catch-up, per draft model (a guess, :data:`FEED_GUESS` of a draft
-    step, before the first).
+    the round takes the suffix proposal, or none (a target-only step). A model whose best
+    length is 0 is not priced: its round drafts nothing, or its probe. A fed token's seconds
+    are measured on each catch-up that called the model, per draft model (a guess,
+    :data:`FEED_GUESS` of a draft step, before the first). The horizon does not see the
+    request's remaining token budget.
 
     Args:
         draft, vocab, k_max, kv, shared: as :class:`ModelDrafter` and :class:`SuffixDrafter`.
@@ -455,7 +457,9 @@ class SuffixModelDrafter(_ModelSide, SuffixDrafter):
         suffix = bool(toks) and suffix_pays(scores, k.target_s, rate)
         unseen = len(seq) - self.model.kv
         behind = unseen - (self.k_max + 1)  # beyond what a model round feeds anyway
-        if not suffix and behind > 0:
+        # n == 0: the model's round drafts nothing (or its probe, one candidate every
+        # probe_every of its rounds), so it is not priced: its probe keeps counting
+        if not suffix and behind > 0 and n > 0:
             m = min(len(toks), len(k.target_s) - 1)
             other = (1.0 + expected_accepted(scores[:m])) / k.target_s[m]  # toks, or a target-only step
             suffix = not catch_up_pays(behind * self.feed_s(), rate, other, max(HORIZON_MIN, len(seq) - self.start))
@@ -469,14 +473,15 @@ class SuffixModelDrafter(_ModelSide, SuffixDrafter):
     def _timed(self, gen: Iterator[tuple[int, float]], unseen: int) -> Iterator[tuple[int, float]]:
         """``gen``'s steps; its first step, which feeds the ``unseen`` tokens, is timed and sets
         the draft model's seconds a fed token (one draft step's own seconds taken off)."""
-        t0 = time.perf_counter()
+        t0, calls = time.perf_counter(), self.model.model_calls
         step = next(gen, None)
         if step is None:
             return
-        try:
-            _FEED_S[self.model.draft] = max(0.0, time.perf_counter() - t0 - self.costs.draft_s) / unseen
-        except TypeError:  # a draft model that cannot be weakly referenced keeps the guess
-            pass
+        if self.model.model_calls > calls:  # a forced first step feeds nothing: nothing measured
+            try:
+                _FEED_S[self.model.draft] = max(0.0, time.perf_counter() - t0 - self.costs.draft_s) / unseen
+            except TypeError:  # a draft model that cannot be weakly referenced keeps the guess
+                pass
         yield step
         yield from gen
 

@@ -1098,7 +1098,7 @@ def _print_tune_report(result: dict, out: Path) -> None:
     "--agent-drafter",
     default=serve_default("agent_drafter"),
     show_default=True,
-    help="the drafter of agent traffic (chat requests with tools, tool results or tool calls that name no drafter) on an engine whose default is the draft model; engine = the engine's default",
+    help="the drafter of agent traffic (chat requests with tools, tool results or tool calls that name no drafter) on an engine whose defaults are the draft model with adaptive k; engine = the engine's default",
 )
 @_threads_option
 @_backend_option

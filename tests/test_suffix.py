@@ -262,7 +262,14 @@ def test_a_draft_model_far_behind_waits_until_its_catch_up_pays():
     d = D.SuffixModelDrafter(draft, 8, 4, costs=costs)
     d.scored_proposal = lambda seq, acc: ([], [])  # no suffix proposal
     pulled = []
-    d.model.steps = lambda seq, acc, steps, pre: iter(pulled.append(len(seq)) or [(1, 0.9)] * 8)
+
+    def model_steps(seq, acc, steps, pre):  # one model call a step, the first feeding the catch-up
+        pulled.append(len(seq))
+        for _ in range(8):
+            d.model.model_calls += 1
+            yield 1, 0.9
+
+    d.model.steps = model_steps
     k = d.costs
     saving = k.target_s[0] - 1.0 / k.rate(k.best(4))
     prompt = [0] * 1000
@@ -278,3 +285,24 @@ def test_a_draft_model_far_behind_waits_until_its_catch_up_pays():
     d2.scored_proposal = lambda seq, acc: ([], [])
     d2.model.steps = lambda seq, acc, steps, pre: iter([(1, 0.9)] * 8)
     assert list(d2.steps(prompt, None, [], None)) and d2.model_round
+
+
+def test_a_model_at_length_0_far_behind_still_probes():
+    """A model whose best length is 0 is not priced for its catch-up: its rounds draft
+    nothing, and every probe_every-th of them probes one candidate (feeding what it has not
+    seen), so its acceptance can recover; a forced first step (no model call) measures no
+    feed cost."""
+    from specrt.runtime import drafters as D
+
+    class FakeDraft:
+        vocab, max_q = 8, 4
+
+    draft = FakeDraft()
+    D._FEED_S[draft] = 0.01
+    d = D.SuffixModelDrafter(draft, 8, 4, costs=([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.0))
+    d.scored_proposal = lambda seq, acc: ([], [])
+    d.model.steps = lambda seq, acc, steps, pre: iter([(1, 0.9)] * 8)  # calls nothing: as a forced step
+    prompt = [0] * 1000
+    got = [len(list(d.steps(prompt, None, [], None))) for _ in range(d.costs.probe_every)]
+    assert got == [0] * (d.costs.probe_every - 1) + [1] and d.model_round
+    assert D._FEED_S[draft] == 0.01  # no model call in that step: the measured cost is kept

@@ -609,12 +609,17 @@ def test_fim_prompt_layout_and_suffix_lookup():
 
 def test_agent_traffic_gets_the_agent_drafter():
     """A chat request that offers tools, holds a tool result or an earlier tool call, and
-    names no drafter drafts with the server's agent drafter (suffix-model by default); a
-    plain chat, or one naming its drafter, keeps its own; ``agent_drafter="engine"`` turns
-    the override off; an unknown name is refused in one line before the engine loads."""
+    names no drafter drafts with the server's agent drafter (suffix-model by default) where
+    the engine's defaults are the draft model with adaptive k; a plain chat, or one naming its
+    drafter, keeps its own; ``agent_drafter="engine"`` turns the override off, and so does an
+    engine without adaptive k (engines/default's manifest, until given one here); an unknown
+    name is refused in one line before the engine loads."""
     pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+    from dataclasses import replace
+
     from specrt.runtime.serve.protocol import chat_request_model
     from specrt.runtime.serve.server import ServeError, build_service
+    from specrt.runtime.serve.service import CompletionService
 
     if not (ENGINES / "manifest.json").is_file():
         pytest.skip("engines/default not exported: run `make export`")
@@ -628,18 +633,32 @@ def test_agent_traffic_gets_the_agent_drafter():
         "plain": dict(messages=ASK),
         "named": dict(messages=ASK, tools=TOOLS, drafter="ngram"),
     }
-    for agent, want in (("suffix-model", dict(plain="model", named="ngram")), ("engine", dict(plain="model", named="ngram"))):
-        svc = (
-            build_service(ENGINES, chat_template=QWEN_TEMPLATE, agent_drafter=agent)
-            if agent != "suffix-model"
-            else build_service(ENGINES, chat_template=QWEN_TEMPLATE)
-        )
-        try:
-            for name, body in bodies.items():
-                work = svc.prepare_chat(chat_request_model()(model=None, max_tokens=4, temperature=0, **body))
-                expect = want.get(name, "suffix-model" if agent == "suffix-model" else "model")
-                assert work.gens[0].config.drafter == expect, (agent, name)
-        finally:
-            svc.pool.close()
+
+    def drafters(svc) -> dict:
+        out = {}
+        for name, body in bodies.items():
+            work = svc.prepare_chat(chat_request_model()(model=None, max_tokens=4, temperature=0, **body))
+            out[name] = work.gens[0].config.drafter
+        return out
+
+    own = dict(tools="model", plain="model", named="ngram", **{"tool result": "model", "tool call": "model"})
+    agent = {**own, "tools": "suffix-model", "tool result": "suffix-model", "tool call": "suffix-model"}
+    svc = build_service(ENGINES, chat_template=QWEN_TEMPLATE)
+    try:
+        assert not svc.engine.manifest.defaults.get("adaptive") and svc.agent_drafter is None
+        assert drafters(svc) == own  # no adaptive k: the engine's default
+        m = svc.engine.manifest
+        m2 = replace(m, defaults={**m.defaults, "adaptive": True})
+        for eng in svc.pool.engines:
+            eng.manifest = m2
+        assert drafters(CompletionService(svc.pool, "tiny", svc.chat_template, "special", "suffix-model")) == agent
+        assert drafters(CompletionService(svc.pool, "tiny", svc.chat_template, "special", None)) == own  # --agent-drafter engine
+        for eng in svc.pool.engines:
+            eng.manifest = replace(m2, defaults={**m2.defaults, "drafter": "ngram"})
+        assert CompletionService(svc.pool, "tiny", svc.chat_template, "special", "suffix-model").agent_drafter is None  # not the draft model
+        for eng in svc.pool.engines:
+            eng.manifest = m
+    finally:
+        svc.pool.close()
     with pytest.raises(ServeError, match=r"agent_drafter: drafter='nope'; drafter must be one of model, ngram"):
         build_service(ENGINES, chat_template=QWEN_TEMPLATE, agent_drafter="nope")

@@ -56,8 +56,8 @@ class CompletionService:
             control-token strings become their control ids) or ``"text"`` (they stay text);
             :data:`~specrt.runtime.serve.settings.COMPLETIONS_SPECIAL_TOKENS`.
         agent_drafter: the drafter of a chat request that carries tools, a tool result or
-            an earlier tool call and names no drafter, where the engine's default drafter is
-            the draft model (:attr:`~specrt.runtime.serve.settings.ServeConfig.agent_drafter`);
+            an earlier tool call and names no drafter, where the engine's defaults are the draft
+            model with adaptive k (:attr:`~specrt.runtime.serve.settings.ServeConfig.agent_drafter`);
             None: the engine's default for every request.
 
     Attributes:
@@ -80,7 +80,8 @@ class CompletionService:
         pool.attach_metrics(self.metrics)  # a pool's own metrics (the BatchPool's) join this registry
         self.chat_template = chat_template
         self.completions_special_tokens = completions_special_tokens
-        self.agent_drafter = agent_drafter if manifest.defaults.get("drafter", "model") == "model" else None
+        # where it was measured: a draft-model default with adaptive k (suffix-model prices its rounds by those costs)
+        self.agent_drafter = agent_drafter if manifest.defaults.get("drafter", "model") == "model" and manifest.defaults.get("adaptive") else None
         self.created = int(time.time())
         self.prompt_char_limit = 2 * (manifest.max_ctx - 1) * self.engine.codec.max_token_bytes
         self.responses = Responses(model_name, self.engine.codec, manifest.stop_ids())

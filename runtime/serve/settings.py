@@ -83,8 +83,9 @@ class ServeConfig:
             prefix/suffix are always text.
         agent_drafter: the drafter of agent traffic: a chat request that carries ``tools``,
             a tool result or an earlier tool call and names no ``drafter``, on an engine
-            whose default drafter is the draft model (measured on agent traces: the draft
-            model took 1.37x the time of the suffix-based drafters, docs/guide/agents.md).
+            whose defaults are the draft model with adaptive k (a GGUF pair's kernels folder;
+            measured there on agent traces: the draft model took 1.37x the time of the
+            suffix-based drafters, docs/guide/agents.md).
             :data:`ENGINE_DRAFTER` (``"engine"``): the engine's default, as other requests.
     """
 
