@@ -65,6 +65,7 @@ __all__ = [
     "prefill",
     "one_round",
     "Drafted",
+    "output_end",
     "draft_round",
     "verification_call",
     "end_round",
@@ -357,6 +358,12 @@ class Drafted:
     t2: float
 
 
+def output_end(n_prompt: int, plan: Plan) -> int:
+    """The sequence length (prompt + output) a generation of ``n_prompt`` prompt tokens stops
+    at, at the latest: its token budget or the context, whichever comes first."""
+    return min(n_prompt + plan.budget, plan.max_ctx)
+
+
 def draft_round(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter, policy=None) -> Drafted:
     """The first half of :func:`one_round`: bring the target's KV up to the pending token
     (:func:`catch_up`) and propose this round's candidates (the draft's calls happen here)."""
@@ -574,7 +581,7 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     if plan.argmax and not reads_reduced_rows(acc, target):  # a caller's acceptor may read whole rows (a LogprobRecorder does)
         plan = replace(plan, argmax=0)
     rec = prefill(target, seq, plan, acc, kv)
-    drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max, costs=plan.adaptive if plan.speculative else None)
+    drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max, costs=plan.adaptive if plan.speculative else None, end=output_end(n_prompt, plan))
     policy = adaptive_policy(plan)
     while True:
         yield observe_tail(rec, drafter, seq, n_prompt, plan, acc)

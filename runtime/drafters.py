@@ -421,22 +421,25 @@ class SuffixModelDrafter(_ModelSide, SuffixDrafter):
     the round takes the suffix proposal, or none (a target-only step). A model whose best
     length is 0 is not priced: its round drafts nothing, or its probe. A fed token's seconds
     are measured on each catch-up that called the model, per draft model (a guess,
-    :data:`FEED_GUESS` of a draft step, before the first). The horizon does not see the
-    request's remaining token budget.
+    :data:`FEED_GUESS` of a draft step, before the first). The horizon never runs past
+    ``end``: a catch-up near the request's last tokens has few tokens left to pay it back.
 
     Args:
         draft, vocab, k_max, kv, shared: as :class:`ModelDrafter` and :class:`SuffixDrafter`.
         costs: ``(target_s, draft_s, prior)`` (the plan's measured costs and tuned acceptance,
             :class:`~specrt.runtime.adaptive.AdaptiveK`'s arguments), or None: no measured
             costs, the suffix proposal whenever there is one (as :class:`HybridDrafter`).
+        end: the sequence length (prompt + output) the generation stops at, at the latest
+            (its token budget or the context), or None: unknown.
     """
 
-    def __init__(self, draft: Model, vocab: int, k_max: int, kv: int = 0, shared: SharedSuffixIndex | None = None, costs=None):
+    def __init__(self, draft: Model, vocab: int, k_max: int, kv: int = 0, shared: SharedSuffixIndex | None = None, costs=None, end: int | None = None):
         self.model = ModelDrafter(draft, kv)  # first: the lookup's __init__ sets model_calls
         super().__init__(vocab, k_max, kv=kv, shared=shared)
         self.costs = AdaptiveK(*costs) if costs is not None else None
         self.model_round = False  # whether the round in flight is the draft model's
         self.start = None  # the sequence's length at the first round (the prompt)
+        self.end = end
 
     def feed_s(self) -> float:
         """Seconds a token of the draft model's catch-up (measured, or the guess)."""
@@ -444,6 +447,12 @@ class SuffixModelDrafter(_ModelSide, SuffixDrafter):
             return _FEED_S.get(self.model.draft, FEED_GUESS * self.costs.draft_s)
         except TypeError:  # a draft model that cannot be weakly referenced: the guess
             return FEED_GUESS * self.costs.draft_s
+
+    def horizon(self, n: int) -> int:
+        """Tokens a catch-up at sequence length ``n`` is amortized over: those generated so
+        far, at least :data:`HORIZON_MIN`, and never more than remain before ``end``."""
+        h = max(HORIZON_MIN, n - self.start)
+        return h if self.end is None else max(0, min(h, self.end - n))
 
     def steps(self, seq, acc, steps, pre) -> Iterator[tuple[int, float]]:
         toks, scores = self.scored_proposal(seq, acc)
@@ -462,7 +471,7 @@ class SuffixModelDrafter(_ModelSide, SuffixDrafter):
         if not suffix and behind > 0 and n > 0:
             m = min(len(toks), len(k.target_s) - 1)
             other = (1.0 + expected_accepted(scores[:m])) / k.target_s[m]  # toks, or a target-only step
-            suffix = not catch_up_pays(behind * self.feed_s(), rate, other, max(HORIZON_MIN, len(seq) - self.start))
+            suffix = not catch_up_pays(behind * self.feed_s(), rate, other, self.horizon(len(seq)))
         self.model_round = not suffix
         if suffix:
             return self._one_hot(toks, acc, steps)  # no toks: no candidates, a target-only step
@@ -504,8 +513,10 @@ class DrafterKind:
             this prompt (0 for a drafter that does not use the draft model).
         free: its steps cost no model call, so adaptive k prices a draft step at 0 s
             (:func:`specrt.runtime.decode.adaptive_policy`).
-        costs: ``make`` also takes ``costs=`` (the plan's ``(target_s, draft_s, prior)`` or
-            None) and prices its own model steps, so adaptive k prices its steps at 0 s.
+        costs: ``make`` also takes ``costs`` (the plan's ``(target_s, draft_s, prior)`` or
+            None) and ``end`` (the sequence length the generation stops at, or None), as
+            positional arguments after ``kv``, and prices its own model steps, so adaptive k
+            prices its steps at 0 s.
     """
 
     make: Callable[..., Drafter]
@@ -519,7 +530,7 @@ _KINDS: dict[str, DrafterKind] = {
     "hybrid": DrafterKind(lambda draft, vocab, k_max, kv: HybridDrafter(draft, vocab, k_max, kv=kv)),
     "suffix": DrafterKind(lambda draft, vocab, k_max, kv: SuffixDrafter(vocab, k_max, kv=kv, shared=shared_index()), free=True),
     "suffix-model": DrafterKind(
-        lambda draft, vocab, k_max, kv, costs: SuffixModelDrafter(draft, vocab, k_max, kv=kv, shared=shared_index(), costs=costs), costs=True
+        lambda draft, vocab, k_max, kv, costs, end: SuffixModelDrafter(draft, vocab, k_max, kv=kv, shared=shared_index(), costs=costs, end=end), costs=True
     ),
 }
 
@@ -557,11 +568,13 @@ def drafter_is_free(name: str) -> bool:
     return kind is not None and (kind.free or kind.costs)
 
 
-def make_drafter(name: str, draft: Model, vocab: int, k_max: int, kv: int = 0, costs=None) -> Drafter:
+def make_drafter(name: str, draft: Model, vocab: int, k_max: int, kv: int = 0, costs=None, end: int | None = None) -> Drafter:
     """The drafter ``name`` (one of :func:`drafter_names`) of one generation; ``kv``: rows
     the draft's KV already holds for its prompt (prefix reuse, a multiple of ``draft.max_q``);
-    ``costs``: the plan's measured ``(target_s, draft_s, prior)`` or None, for a drafter that
-    prices its own steps (:attr:`DrafterKind.costs`; the others ignore it).
+    ``costs``: the plan's measured ``(target_s, draft_s, prior)`` or None, and ``end``: the
+    sequence length the generation stops at, at the latest (prompt + budget, within the
+    context) or None, both for a drafter that prices its own steps
+    (:attr:`DrafterKind.costs`; the others ignore them).
 
     Raises:
         ValueError: an unknown name.
@@ -569,4 +582,4 @@ def make_drafter(name: str, draft: Model, vocab: int, k_max: int, kv: int = 0, c
     kind = _KINDS.get(name)
     if kind is None:
         raise ValueError(f"drafter={name!r}; choose one of {', '.join(_KINDS)}")
-    return kind.make(draft, vocab, k_max, kv, costs) if kind.costs else kind.make(draft, vocab, k_max, kv)
+    return kind.make(draft, vocab, k_max, kv, costs, end) if kind.costs else kind.make(draft, vocab, k_max, kv)

@@ -50,6 +50,7 @@ from .decode import (
     end_round,
     observe_tail,
     one_round,
+    output_end,
     prefill,
     verification_call,
     verify,
@@ -165,7 +166,8 @@ class Generation:
         self.cached = cached
         plan = self.plan
         kv = reuse_draft(cached, self.seq, self.draft.max_q)
-        self.drafter = make_drafter(plan.drafter, self.draft, self.draft.vocab, plan.k_max, kv, plan.adaptive if plan.speculative else None)
+        costs = plan.adaptive if plan.speculative else None
+        self.drafter = make_drafter(plan.drafter, self.draft, self.draft.vocab, plan.k_max, kv, costs, output_end(self.n_prompt, plan))
 
     def prefix(self) -> KVPrefix | None:
         """What the target's and the draft's KV buffers hold for a later request once this

@@ -306,3 +306,69 @@ def test_a_model_at_length_0_far_behind_still_probes():
     got = [len(list(d.steps(prompt, None, [], None))) for _ in range(d.costs.probe_every)]
     assert got == [0] * (d.costs.probe_every - 1) + [1] and d.model_round
     assert D._FEED_S[draft] == 0.01  # no model call in that step: the measured cost is kept
+
+
+def test_the_catch_up_horizon_ends_at_the_requests_last_token():
+    """The horizon is the tokens generated so far (at least HORIZON_MIN) but never more than
+    remain before ``end`` (prompt + budget, within the context): near a request's end a
+    catch-up that would pay over a longer run waits, and a drafter made by the decode loop
+    knows its end."""
+    from specrt.runtime import drafters as D
+
+    class FakeDraft:
+        vocab, max_q = 8, 4
+
+    draft = FakeDraft()
+    costs = ([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.9)
+    D._FEED_S[draft] = 0.01
+    free = D.SuffixModelDrafter(draft, 8, 4, costs=costs)
+    free.start = 100
+    assert [free.horizon(n) for n in (100, 131, 133, 1000)] == [32, 32, 33, 900]
+    ends = D.SuffixModelDrafter(draft, 8, 4, costs=costs, end=1050)
+    ends.start = 100
+    assert [ends.horizon(n) for n in (100, 1000, 1040, 1050, 1060)] == [32, 50, 10, 0, 0]
+    # the scenario of the test above: enough generated to pay, but too few tokens left
+    ends.start = None
+    ends.scored_proposal = lambda seq, acc: ([], [])
+    pulled = []
+
+    def model_steps(seq, acc, steps, pre):
+        pulled.append(len(seq))
+        ends.model.model_calls += 1
+        yield 1, 0.9
+
+    ends.model.steps = model_steps
+    k = ends.costs
+    saving = k.target_s[0] - 1.0 / k.rate(k.best(4))
+    prompt = [0] * 1000
+    need = int((len(prompt) - 5) * 0.01 / (saving - 0.01)) + 1
+    ends.end = len(prompt) + need + 20  # 10 tokens left at need + 10 generated
+    assert list(ends.steps(prompt, None, [], None)) == []
+    assert list(ends.steps(prompt + [1] * (need + 10), None, [], None)) == [] and not ends.model_round and not pulled
+    assert D.make_drafter("suffix-model", draft, 8, 4, costs=costs, end=77).end == 77
+
+
+def test_the_decode_loop_tells_the_drafter_where_the_request_ends(eng, fresh_shared, monkeypatch):
+    """The drafter of Engine.generate, Engine.start (the server's) and Engine.rounds (the
+    one-shot loop) gets ``end`` = prompt + max_new_tokens (the context is longer), the length
+    its catch-up horizon stops at."""
+    from specrt.runtime.drafters import SuffixModelDrafter
+
+    ends = []
+    real = SuffixModelDrafter.observe
+
+    def record(self, proposed, accepted):
+        ends.append(self.end)
+        real(self, proposed, accepted)
+
+    monkeypatch.setattr(SuffixModelDrafter, "observe", record)
+    monkeypatch.setattr(eng, "_adaptive", (COSTS[0], COSTS[1], 0.5))
+    r = eng.generate(PROMPTS[1], GenerationConfig(max_new_tokens=24, drafter="suffix-model", k_max=4, threshold=0.0, adaptive=True))
+    assert ends and set(ends) == {r.stats.prompt_tokens + 24}
+    # the server's path (Engine.start: a Generation) makes its drafter with the same end
+    ids = eng.prompt_ids(PROMPTS[1])
+    g = eng.start(ids, eng.resolve(GenerationConfig(max_new_tokens=24, drafter="suffix-model", k_max=4, threshold=0.0, adaptive=True)))
+    assert isinstance(g.drafter, SuffixModelDrafter) and g.drafter.end == len(ids) + 24
+    ends.clear()  # and the one-shot loop (Engine.rounds: decode.decode)
+    assert list(eng.rounds(ids, eng.resolve(GenerationConfig(max_new_tokens=24, drafter="suffix-model", k_max=4, threshold=0.0, adaptive=True))))
+    assert ends and set(ends) == {len(ids) + 24}
