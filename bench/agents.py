@@ -45,8 +45,9 @@ import sys
 import time
 from pathlib import Path
 
-from specrt.bench.common import GGUF_CACHE, command, say_machine, write_json
+from specrt.bench.common import GGUF_CACHE, command, say_machine, source_commit, write_json
 from specrt.bench.compare import Worker, build_ortgenai, venv_python
+from specrt.bench.kernel_step import llama_version
 from specrt.bench.servers import free_port, start, start_llama_servers, stop_all, stream
 from specrt.runtime.machine import machine_record
 
@@ -365,6 +366,8 @@ def main(argv=None) -> int:
     result = dict(
         command=command(),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
+        specrt_commit=source_commit(),
+        llama_cpp=llama_version(a.llama_server) if has_llama else None,
         machine=dict(machine_record(), loadavg_start=load_start, loadavg_end=os.getloadavg()),
         threads=a.threads,
         repeats=a.repeats,

@@ -29,7 +29,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from specrt.bench.common import write_json
+from specrt.bench.common import source_commit, write_json
+from specrt.bench.kernel_step import llama_version
 from specrt.bench.servers import free_port
 
 
@@ -116,6 +117,8 @@ def main(argv=None) -> int:
 
     result = dict(
         command=" ".join(["python -m specrt.bench.load_vs_llama_server", *sys.argv[1:]]),
+        specrt_commit=source_commit(),
+        llama_cpp=llama_version(a.llama_server),
         machine=this_machine().to_json(),
         load_average_after=os.getloadavg(),
         completion_tokens_per_s=table,
