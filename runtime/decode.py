@@ -65,7 +65,7 @@ __all__ = [
     "prefill",
     "one_round",
     "Drafted",
-    "output_end",
+    "plan_drafter",
     "draft_round",
     "verification_call",
     "end_round",
@@ -358,10 +358,13 @@ class Drafted:
     t2: float
 
 
-def output_end(n_prompt: int, plan: Plan) -> int:
-    """The sequence length (prompt + output) a generation of ``n_prompt`` prompt tokens stops
-    at, at the latest: its token budget or the context, whichever comes first."""
-    return min(n_prompt + plan.budget, plan.max_ctx)
+def plan_drafter(plan: Plan, draft: Model, n_prompt: int, kv: int = 0) -> Drafter:
+    """The drafter of a generation of ``n_prompt`` prompt tokens under ``plan``
+    (:func:`~specrt.runtime.drafters.make_drafter`): the plan's measured costs when it
+    speculates, and the sequence length it stops at, at the latest (its token budget or the
+    context, whichever comes first); ``kv``: draft KV rows already holding the prompt."""
+    end = min(n_prompt + plan.budget, plan.max_ctx)
+    return make_drafter(plan.drafter, draft, draft.vocab, plan.k_max, kv, plan.adaptive if plan.speculative else None, end)
 
 
 def draft_round(target: Model, seq: list[int], n_prompt: int, kv: KVLengths, plan: Plan, acc: Acceptor, drafter: Drafter, policy=None) -> Drafted:
@@ -581,7 +584,7 @@ def decode(target: Model, draft: Model, prompt: Sequence[int], plan: Plan, acc: 
     if plan.argmax and not reads_reduced_rows(acc, target):  # a caller's acceptor may read whole rows (a LogprobRecorder does)
         plan = replace(plan, argmax=0)
     rec = prefill(target, seq, plan, acc, kv)
-    drafter = make_drafter(plan.drafter, draft, draft.vocab, plan.k_max, costs=plan.adaptive if plan.speculative else None, end=output_end(n_prompt, plan))
+    drafter = plan_drafter(plan, draft, n_prompt)
     policy = adaptive_policy(plan)
     while True:
         yield observe_tail(rec, drafter, seq, n_prompt, plan, acc)

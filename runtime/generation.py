@@ -50,12 +50,11 @@ from .decode import (
     end_round,
     observe_tail,
     one_round,
-    output_end,
+    plan_drafter,
     prefill,
     verification_call,
     verify,
 )
-from .drafters import make_drafter
 from .logprobs import LogprobRecorder, TokenLogprob
 from .prefix import KVPrefix, reuse_draft
 from .slots import release_prefill_logits
@@ -164,10 +163,8 @@ class Generation:
         :mod:`specrt.runtime.prefix` proves equal to a cold run's, so the output is the
         cold run's."""
         self.cached = cached
-        plan = self.plan
         kv = reuse_draft(cached, self.seq, self.draft.max_q)
-        costs = plan.adaptive if plan.speculative else None
-        self.drafter = make_drafter(plan.drafter, self.draft, self.draft.vocab, plan.k_max, kv, costs, output_end(self.n_prompt, plan))
+        self.drafter = plan_drafter(self.plan, self.draft, self.n_prompt, kv)
 
     def prefix(self) -> KVPrefix | None:
         """What the target's and the draft's KV buffers hold for a later request once this

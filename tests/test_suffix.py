@@ -83,6 +83,43 @@ def test_incremental_and_shared_indexes_equal_one_built_over_the_final_sequences
     assert plain(capped.index) == plain(only_b) and capped.tokens == 60
 
 
+class FakeDraft:
+    """A draft model's stand-in where a drafter only needs its widths (never called)."""
+
+    vocab, max_q = 8, 4
+
+
+BEHIND_COSTS = ([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.9)  # the model: well over target-only
+
+
+def behind_drafter(draft, costs=BEHIND_COSTS, **kw):
+    """A SuffixModelDrafter over ``draft`` with no suffix proposal, whose model makes one call
+    a step (8 steps a round, the first feeding the catch-up) and records in ``d.pulled`` the
+    sequence length of each round it ran."""
+    from specrt.runtime.drafters import SuffixModelDrafter
+
+    d = SuffixModelDrafter(draft, 8, 4, costs=costs, **kw)
+    d.scored_proposal = lambda seq, acc: ([], [])
+    d.pulled = []
+
+    def model_steps(seq, acc, steps, pre):
+        d.pulled.append(len(seq))
+        for _ in range(8):
+            d.model.model_calls += 1
+            yield 1, 0.9
+
+    d.model.steps = model_steps
+    return d
+
+
+def catch_up_need(d, n_prompt: int, feed_s: float) -> int:
+    """Tokens generated after which the catch-up of a prompt of ``n_prompt`` tokens pays at
+    ``feed_s`` seconds a fed token: saving * g > (n_prompt - 5 + g) * feed_s."""
+    k = d.costs
+    saving = k.target_s[0] - 1.0 / k.rate(k.best(4))
+    return int((n_prompt - 5) * feed_s / (saving - feed_s)) + 1
+
+
 @pytest.fixture(scope="module")
 def eng():
     return Engine(ENGINES)
@@ -169,9 +206,6 @@ def test_suffix_model_prices_the_model_rounds_by_their_own_acceptance():
     accepting everything its rate beats a weak suffix proposal, after rejections it does not."""
     from specrt.runtime.drafters import SuffixModelDrafter, suffix_pays
 
-    class FakeDraft:
-        vocab, max_q = 8, 4
-
     d = SuffixModelDrafter(FakeDraft(), 8, 4, costs=([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.5))
     d.model_round = False
     d.observe(4, 0)
@@ -222,9 +256,6 @@ def test_suffix_rounds_leave_the_models_probe_count_alone():
     assert [k.best(2) for _ in range(5)] == [0] * 5 and k.idle == 0
     assert [k.choose(2) for _ in range(6)] == [0, 0, 1, 0, 0, 1]
 
-    class FakeDraft:
-        vocab, max_q = 8, 4
-
     d = SuffixModelDrafter(FakeDraft(), 8, 4, costs=([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.0))
     d.scored_proposal = lambda seq, acc: ([3, 4], [0.99, 0.99])  # a strong suffix proposal
     d._one_hot = lambda toks, acc, steps: iter(())
@@ -253,35 +284,19 @@ def test_a_draft_model_far_behind_waits_until_its_catch_up_pays():
     kept per draft model."""
     from specrt.runtime import drafters as D
 
-    class FakeDraft:
-        vocab, max_q = 8, 4
-
     draft = FakeDraft()
-    costs = ([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.9)  # the model: well over target-only
     D._FEED_S[draft] = 0.01  # 10 ms a fed token
-    d = D.SuffixModelDrafter(draft, 8, 4, costs=costs)
-    d.scored_proposal = lambda seq, acc: ([], [])  # no suffix proposal
-    pulled = []
-
-    def model_steps(seq, acc, steps, pre):  # one model call a step, the first feeding the catch-up
-        pulled.append(len(seq))
-        for _ in range(8):
-            d.model.model_calls += 1
-            yield 1, 0.9
-
-    d.model.steps = model_steps
-    k = d.costs
-    saving = k.target_s[0] - 1.0 / k.rate(k.best(4))
+    d = behind_drafter(draft)
     prompt = [0] * 1000
     assert list(d.steps(prompt, None, [], None)) == [] and not d.model_round  # 995 behind: a target-only step
     # g generated tokens pay when saving * g > (995 + g) * 0.01 (the catch-up grows with g too)
-    need = int((len(prompt) - 5) * 0.01 / (saving - 0.01)) + 1
+    need = catch_up_need(d, len(prompt), 0.01)
     assert need > D.HORIZON_MIN
     assert list(d.steps(prompt + [1] * (need - 10), None, [], None)) == [] and not d.model_round
     out = list(d.steps(prompt + [1] * (need + 10), None, [], None))
-    assert d.model_round and len(out) >= 1 and pulled == [len(prompt) + need + 10]
+    assert d.model_round and len(out) >= 1 and d.pulled == [len(prompt) + need + 10]
     assert D._FEED_S[draft] < 0.01  # measured on that catch-up (the fake feeds at once)
-    d2 = D.SuffixModelDrafter(draft, 8, 4, kv=998, costs=costs)  # current: its KV holds the prompt
+    d2 = D.SuffixModelDrafter(draft, 8, 4, kv=998, costs=BEHIND_COSTS)  # current: its KV holds the prompt
     d2.scored_proposal = lambda seq, acc: ([], [])
     d2.model.steps = lambda seq, acc, steps, pre: iter([(1, 0.9)] * 8)
     assert list(d2.steps(prompt, None, [], None)) and d2.model_round
@@ -293,9 +308,6 @@ def test_a_model_at_length_0_far_behind_still_probes():
     seen), so its acceptance can recover; a forced first step (no model call) measures no
     feed cost."""
     from specrt.runtime import drafters as D
-
-    class FakeDraft:
-        vocab, max_q = 8, 4
 
     draft = FakeDraft()
     D._FEED_S[draft] = 0.01
@@ -315,37 +327,22 @@ def test_the_catch_up_horizon_ends_at_the_requests_last_token():
     knows its end."""
     from specrt.runtime import drafters as D
 
-    class FakeDraft:
-        vocab, max_q = 8, 4
-
     draft = FakeDraft()
-    costs = ([0.03, 0.031, 0.032, 0.033, 0.034], 0.006, 0.9)
     D._FEED_S[draft] = 0.01
-    free = D.SuffixModelDrafter(draft, 8, 4, costs=costs)
+    free = D.SuffixModelDrafter(draft, 8, 4, costs=BEHIND_COSTS)
     free.start = 100
     assert [free.horizon(n) for n in (100, 131, 133, 1000)] == [32, 32, 33, 900]
-    ends = D.SuffixModelDrafter(draft, 8, 4, costs=costs, end=1050)
+    ends = behind_drafter(draft, end=1050)
     ends.start = 100
     assert [ends.horizon(n) for n in (100, 1000, 1040, 1050, 1060)] == [32, 50, 10, 0, 0]
     # the scenario of the test above: enough generated to pay, but too few tokens left
     ends.start = None
-    ends.scored_proposal = lambda seq, acc: ([], [])
-    pulled = []
-
-    def model_steps(seq, acc, steps, pre):
-        pulled.append(len(seq))
-        ends.model.model_calls += 1
-        yield 1, 0.9
-
-    ends.model.steps = model_steps
-    k = ends.costs
-    saving = k.target_s[0] - 1.0 / k.rate(k.best(4))
     prompt = [0] * 1000
-    need = int((len(prompt) - 5) * 0.01 / (saving - 0.01)) + 1
+    need = catch_up_need(ends, len(prompt), 0.01)
     ends.end = len(prompt) + need + 20  # 10 tokens left at need + 10 generated
     assert list(ends.steps(prompt, None, [], None)) == []
-    assert list(ends.steps(prompt + [1] * (need + 10), None, [], None)) == [] and not ends.model_round and not pulled
-    assert D.make_drafter("suffix-model", draft, 8, 4, costs=costs, end=77).end == 77
+    assert list(ends.steps(prompt + [1] * (need + 10), None, [], None)) == [] and not ends.model_round and not ends.pulled
+    assert D.make_drafter("suffix-model", draft, 8, 4, costs=BEHIND_COSTS, end=77).end == 77
 
 
 def test_the_decode_loop_tells_the_drafter_where_the_request_ends(eng, fresh_shared, monkeypatch):
