@@ -228,7 +228,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompts", help='JSONL with {"prompt": ...} per line (default: built-in code prompts)')
     ap.add_argument("--out", help="write the summary JSON here")
     ap.add_argument("--save-texts", action="store_true", help="keep every response's text in the summary (by request number)")
+    ap.add_argument("--body", default="{}", help="JSON object merged into every request body, e.g. '{\"speculative\": false}' (target only)")
     args = ap.parse_args(argv)
+    try:
+        args.body = json.loads(args.body)
+    except ValueError as e:
+        ap.error(f"--body must be a JSON object: {e}")
+    if not isinstance(args.body, dict):
+        ap.error(f"--body must be a JSON object, got {type(args.body).__name__}")
     if not 1 <= args.requests <= MAX_REQUESTS:
         ap.error(f"--requests must be in 1..{MAX_REQUESTS}")
     if not 1 <= args.concurrency <= 256:
@@ -244,7 +251,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def request_maker(args: argparse.Namespace, prompts: list[str]):
     """``body_for(i)``: the JSON body of request number ``i`` (prompt ``i % len(prompts)``;
-    a seed ``i`` when sampling; streamed with usage when ``--stream``)."""
+    a seed ``i`` when sampling; streamed with usage when ``--stream``; then ``--body``'s fields)."""
 
     def body_for(i):
         p = prompts[i % len(prompts)]
@@ -255,6 +262,7 @@ def request_maker(args: argparse.Namespace, prompts: list[str]):
         if args.stream:
             b["stream"] = True
             b["stream_options"] = {"include_usage": True}
+        b.update(args.body)
         return b
 
     return body_for

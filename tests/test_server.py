@@ -401,3 +401,27 @@ def test_load_test_script(server, extra, capsys):
     proposed = after["specrt_draft_tokens_proposed_total"] - before["specrt_draft_tokens_proposed_total"]
     accepted = after["specrt_draft_tokens_accepted_total"] - before["specrt_draft_tokens_accepted_total"]
     assert proposed > 0 and s["acceptance_rate"] == round(accepted / proposed, 4)
+
+
+def test_load_test_body_fields_reach_every_request(server):
+    """``--body`` merges its fields into each request: ``speculative: false`` drafts nothing
+    (the single-request target-only baseline of bench.load_vs_llama_server)."""
+    from specrt.bench import load as load_test
+
+    before = read_metrics(server.port)
+    s = load_test.main(
+        ["--url", f"http://{HOST}:{server.port}", "--requests", "3", "--concurrency", "1", "--max-tokens", "8", "--body", '{"speculative": false}']
+    )
+    after = read_metrics(server.port)
+    assert s["ok"] == 3
+    assert after["specrt_draft_tokens_proposed_total"] == before["specrt_draft_tokens_proposed_total"]
+    assert s["completion_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("body", ["[1]", "{oops"])
+def test_load_test_refuses_a_body_that_is_not_a_json_object(body, capsys):
+    from specrt.bench import load as load_test
+
+    with pytest.raises(SystemExit):
+        load_test.parse_args(["--url", "http://127.0.0.1:1", "--body", body])
+    assert "--body must be a JSON object" in capsys.readouterr().err
