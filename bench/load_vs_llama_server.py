@@ -140,14 +140,11 @@ def schedule(systems: list[str], levels: list[int], repeats: int, baseline: str 
 def summarize(runs: list[dict], levels: list[int], specrt: str, llama: list[str], baseline: str | None) -> dict:
     """Median completion tok/s per (system, C), and specrt's ratios at each C: to the fastest
     llama-server mode at that C, and to the single-request target-only baseline's median."""
-    table: dict[str, dict[str, float]] = {}
-    for name in dict.fromkeys(x["system"] for x in runs):
-        table[name] = {
-            str(c): statistics.median(v)
-            for c in levels
-            if (v := [x["summary"]["completion_tokens_per_s"] for x in runs if x["system"] == name and x["concurrency"] == c])
-        }
-    base = next(iter(table.get(baseline, {}).values()), None) if baseline else None
+    got: dict[str, dict[str, list[float]]] = {}
+    for x in runs:  # every concurrency a system ran at (the baseline's 1 need not be in levels)
+        got.setdefault(x["system"], {}).setdefault(str(x["concurrency"]), []).append(x["summary"]["completion_tokens_per_s"])
+    table = {name: {c: statistics.median(v) for c, v in row.items()} for name, row in got.items()}
+    base = table.get(baseline, {}).get("1") if baseline else None
     ratios = {}
     for c in map(str, levels):
         best = max(llama, key=lambda n: table[n].get(c, 0.0))

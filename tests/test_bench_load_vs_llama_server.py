@@ -28,6 +28,9 @@ def test_summarize_takes_medians_and_ratios_to_the_fastest_mode_and_the_baseline
     assert out["specrt_ratios"]["1"] == dict(fastest_llama_server="L1", vs_fastest_llama_server=1.4, vs_single_request_target_only=1.68)
     assert out["specrt_ratios"]["4"] == dict(fastest_llama_server="L2", vs_fastest_llama_server=2.0, vs_single_request_target_only=4.4)
     assert summarize(runs[:-3], [1, 4], "S", ["L1"], None)["specrt_ratios"]["4"]["vs_single_request_target_only"] is None
+    only4 = summarize([r for r in runs if r["concurrency"] == 4 or r["system"] == "B"], [4], "S", ["L1", "L2"], "B")
+    assert only4["completion_tokens_per_s"]["B"] == {"1": 25}  # the baseline at one request, C = 1 not asked for
+    assert only4["specrt_ratios"]["4"]["vs_single_request_target_only"] == 4.4
 
 
 def test_llama_modes_give_their_flags_and_refuse_what_they_cannot_run():
