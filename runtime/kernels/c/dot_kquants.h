@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *w, int
                                                            int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
-    const vi m4 = VI32(0x0F0F0F0F), m3 = VI32(0x03030303), lo16 = VI32(0xFFFF);
+    const vi m4 = VI32(0x0F0F0F0F), m30 = VI32(0x30303030), lo16 = VI32(0xFFFF);
     for (int b = 0; b < nb; ++b) {
         const uint8_t *o = w + (size_t)b * SK_Q6K_PSB;
         if (pf) sk_prefetch(o + SK_PF_AHEAD * SK_Q6K_PSB, SK_Q6K_PSB);
@@ -87,6 +87,8 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *w, int
         for (int g = 0; g < 4; ++g) {
             vi hq[4], lq[4] = {VZERO(), VZERO(), VZERO(), VZERO()};
             for (int t = 0; t < 4; ++t) hq[t] = VLOADW(qh + (size_t)((g * 4 + t) * SK_P) * 4 + h * LANES * 4);
+            /* unrolled so that u's parity and shift are constants: no branch or variable shift a value */
+#pragma GCC unroll 4
             for (int u = 0; u < 4; ++u) {
                 const int sb = 4 * g + u;
                 vi a[RB];
@@ -94,7 +96,9 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *w, int
                 for (int t = 0; t < 4; ++t) {
                     if ((u & 1) == 0) lq[t] = VLOADW(o + (size_t)(((sb >> 1) * 4 + t) * SK_P) * 4 + h * LANES * 4);
                     const vi lo = (u & 1) ? VAND(VSRL16(lq[t], 4), m4) : VAND(lq[t], m4);
-                    const vi hb = VSLL16(VAND(u ? VSRL16(hq[t], 2 * u) : hq[t], m3), 4);
+                    /* bits 2u, 2u+1 of each qh byte moved to bits 4, 5 by one 16-bit shift (no bit
+                     * crosses into the masked places from the other byte), then masked */
+                    const vi hb = VAND(u < 3 ? VSLL16(hq[t], 4 - 2 * u) : VSRL16(hq[t], 2), m30);
                     const vi wq = VOR(lo, hb); /* 0..63 */
 #pragma GCC unroll 8
                     for (int r = 0; r < Q; ++r) a[r] = DOTU(a[r], wq, XSET(X[(size_t)r * ldx + b].q + 16 * sb + 4 * t));
@@ -136,7 +140,10 @@ static inline __attribute__((always_inline)) void q5k_rows(const uint8_t *w, int
         const vf d = H2F(dd + h * LANES), dmin = H2F(dd + SK_P + h * LANES);
         vf s[RB];
         for (int r = 0; r < Q; ++r) s[r] = FZERO();
+        /* unrolled so that each sub-block's bit place is a constant shift */
+#pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
+#pragma GCC unroll 2
             for (int half = 0; half < 2; ++half) {
                 vi a[RB];
                 for (int r = 0; r < Q; ++r) a[r] = VZERO();
@@ -144,7 +151,10 @@ static inline __attribute__((always_inline)) void q5k_rows(const uint8_t *w, int
                     const vi v = VLOADW(o + (size_t)((i * 8 + t) * SK_P) * 4 + h * LANES * 4);
                     const vi hv = VLOADW(qh + (size_t)(t * SK_P) * 4 + h * LANES * 4);
                     const vi lo = half ? VAND(VSRL16(v, 4), m4) : VAND(v, m4);
-                    const vi wq = VOR(lo, VAND(VSLL16(VSRL16(hv, 2 * i + half), 4), m10)); /* 0..31 */
+                    /* bit n = 2i + half of each qh byte moved to bit 4 by one 16-bit shift (no bit
+                     * crosses into bit 4 from the other byte), then masked */
+                    const int n = 2 * i + half;
+                    const vi wq = VOR(lo, VAND(n <= 4 ? VSLL16(hv, 4 - n) : VSRL16(hv, n - 4), m10)); /* 0..31 */
 #pragma GCC unroll 8
                     for (int r = 0; r < Q; ++r) a[r] = DOTU(a[r], wq, XSET(X[(size_t)r * ldx + b].q + 64 * i + 32 * half + 4 * t));
                 }
