@@ -234,7 +234,7 @@ static inline __attribute__((always_inline)) void iq4xs_rows(const uint8_t *w, i
                                                              int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
-    const vi m4 = VI32(0x0F0F0F0F), tab = VTAB16(sk_iq4nl_values);
+    const vi m4 = VI32(0x0F0F0F0F), tab = VTAB16S(sk_iq4nl_values);
     for (int b = 0; b < nb; ++b) {
         const uint8_t *o = w + (size_t)b * SK_IQ4XS_PSB;
         if (pf) sk_prefetch(o + SK_PF_AHEAD * SK_IQ4XS_PSB, SK_IQ4XS_PSB);
@@ -251,8 +251,8 @@ static inline __attribute__((always_inline)) void iq4xs_rows(const uint8_t *w, i
 #pragma GCC unroll 8
                 for (int r = 0; r < Q; ++r) {
                     const int8_t *xq = X[(size_t)r * ldx + b].q + 32 * j;
-                    a[r] = DOTS(a[r], wl, XSET(xq + 4 * t));
-                    a[r] = DOTS(a[r], wh, XSET(xq + 16 + 4 * t));
+                    a[r] = DOTS_TAB(a[r], wl, XSET(xq + 4 * t));
+                    a[r] = DOTS_TAB(a[r], wh, XSET(xq + 16 + 4 * t));
                 }
             }
             const vi scv = I8TO32(sc + j * SK_P + h * LANES);

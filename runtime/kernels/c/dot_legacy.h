@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void iq4nl_rows(const uint8_t *w, i
                                                              int pf) {
     vf yacc[RB];
     for (int r = 0; r < Q; ++r) yacc[r] = FZERO();
-    const vi m4 = VI32(0x0F0F0F0F), tab = VTAB16(sk_iq4nl_values);
+    const vi m4 = VI32(0x0F0F0F0F), tab = VTAB16S(sk_iq4nl_values);
     for (int b = 0; b < nb; ++b) {
         const uint8_t *o = w + (size_t)b * SK_IQ4NL_PSB;
         if (pf) sk_prefetch(o + 8 * SK_PF_AHEAD_LEG * SK_IQ4NL_PSB, SK_IQ4NL_PSB);
@@ -102,8 +102,8 @@ static inline __attribute__((always_inline)) void iq4nl_rows(const uint8_t *w, i
 #pragma GCC unroll 4
             for (int r = 0; r < Q; ++r) {
                 const int8_t *xq = X[(size_t)r * ldx + b].q;
-                a[r] = DOTS(a[r], wl, XSET(xq + 4 * t));
-                a[r] = DOTS(a[r], wh, XSET(xq + 16 + 4 * t));
+                a[r] = DOTS_TAB(a[r], wl, XSET(xq + 4 * t));
+                a[r] = DOTS_TAB(a[r], wh, XSET(xq + 16 + 4 * t));
             }
         }
 #pragma GCC unroll 4

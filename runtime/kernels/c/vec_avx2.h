@@ -12,6 +12,8 @@
  *   XSET(p)          the 4 activation bytes at p broadcast to every lane (kernels.h)
  *   VTAB16(p)        the 16 bytes at p as a lookup table for VLUT (each 128-bit lane holds them)
  *   VLUT(t, i)       per byte: t's byte number i (every byte of i is 0..15)
+ *   VTAB16S, DOTS_TAB  a table and dot for looked-up signed bytes: DOTS_TAB(acc, VLUT(VTAB16S(p), i), x)
+ *                    == DOTS(acc, VLUT(VTAB16(p), i), x)
  *   H2F, BF2F(p)     LANES f16 / bf16 values at p as floats (exact)
  *   RB, RB_Q4K       rows per register-blocked pass (Q4_K keeps more registers a row)
  *   HI_X16           1: Q4_K's high nibble is used in place (x16), its scale / 16
@@ -55,6 +57,7 @@ typedef __m256 vf;
 #define VMUL32(a, b) _mm256_mullo_epi32(a, b)
 #define VTAB16(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
 #define VLUT(t, i) _mm256_shuffle_epi8(t, i)
+#define VTAB16S(p) VTAB16(p) /* no flip on this path (I8_BIAS 0) */
 /* maddubs: u8 (<= 63) x s8 -> int16 pairs without saturation (63 * 127 * 2 < 32767); madd -> int32 */
 static inline vi dotu(vi acc, vi w, vi x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))); }
 /* s8 x s8: |w| x sign(x, w) (|w| <= 128, |x| <= 127: 128 * 127 * 2 < 32767) */
@@ -63,6 +66,7 @@ static inline vi dots(vi acc, vi w, vi x) {
 }
 #define DOTU(acc, w, x) dotu(acc, w, x)
 #define DOTS(acc, w, x) dots(acc, w, x)
+#define DOTS_TAB(acc, w, x) DOTS(acc, w, x)
 #define I8_BIAS 0
 static inline vi dot16(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 #define DOT16(acc, a, b) dot16(acc, a, b)

@@ -12,6 +12,8 @@
  *   XSET(p)          the 4 activation bytes at p broadcast to every lane (kernels.h)
  *   VTAB16(p)        the 16 bytes at p as a lookup table for VLUT (each 128-bit lane holds them)
  *   VLUT(t, i)       per byte: t's byte number i (every byte of i is 0..15)
+ *   VTAB16S, DOTS_TAB  a table and dot for looked-up signed bytes: DOTS_TAB(acc, VLUT(VTAB16S(p), i), x)
+ *                    == DOTS(acc, VLUT(VTAB16(p), i), x)
  *   H2F, BF2F(p)     LANES f16 / bf16 values at p as floats (exact)
  *   RB, RB_Q4K       rows per register-blocked pass (Q4_K keeps more registers a row)
  *   HI_X16           1: Q4_K's high nibble is used in place (x16), its scale / 16
@@ -55,9 +57,14 @@ typedef __m512 vf;
 #define VMUL32(a, b) _mm512_mullo_epi32(a, b)
 #define VTAB16(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
 #define VLUT(t, i) _mm512_shuffle_epi8(t, i)
+/* a table whose looked-up bytes go to DOTS_TAB: here stored with the sign bit flipped, so the
+ * flip DOTS makes per dot is made once per table (a lookup moves bytes, it commutes with the flip) */
+#define VTAB16S(p) _mm512_xor_si512(VTAB16(p), _mm512_set1_epi32((int)0x80808080))
 #define DOTU(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
 /* s8 x s8 through the u8 x s8 instruction: (w + 128) * x, the 128 * sum(x) taken off per block */
 #define DOTS(acc, w, x) _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi32((int)0x80808080)), x)
+/* DOTS of bytes looked up in a VTAB16S table: the flip is already in them */
+#define DOTS_TAB(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
 #define I8_BIAS 128
 #define DOT16(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #define HI_X16 1 /* Q4_K high nibble used in place (x16); 1/16 folded into its (exact) scale */

@@ -12,6 +12,8 @@
  *   XSET(p)          the 4 activation bytes at p broadcast to every lane (kernels.h)
  *   VTAB16(p)        the 16 bytes at p as a lookup table for VLUT (each 128-bit lane holds them)
  *   VLUT(t, i)       per byte: t's byte number i (every byte of i is 0..15)
+ *   VTAB16S, DOTS_TAB  a table and dot for looked-up signed bytes: DOTS_TAB(acc, VLUT(VTAB16S(p), i), x)
+ *                    == DOTS(acc, VLUT(VTAB16(p), i), x)
  *   H2F, BF2F(p)     LANES f16 / bf16 values at p as floats (exact)
  *   RB, RB_Q4K       rows per register-blocked pass (Q4_K keeps more registers a row)
  *   HI_X16           1: Q4_K's high nibble is used in place (x16), its scale / 16
@@ -217,8 +219,10 @@ static inline vi vlut(vi t, vi i) {
 }
 #define VTAB16(p) vtab16(p)
 #define VLUT(t, i) vlut(t, i)
+#define VTAB16S(p) VTAB16(p) /* no flip on this path (I8_BIAS 0) */
 #define DOTU(acc, w, x) vdotu(acc, w, x)
 #define DOTS(acc, w, x) vdots(acc, w, x)
+#define DOTS_TAB(acc, w, x) DOTS(acc, w, x)
 #define DOT16(acc, a, b) vdot16(acc, a, b)
 #define I8_BIAS 0
 #define HI_X16 0
