@@ -236,6 +236,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--body must be a JSON object: {e}")
     if not isinstance(args.body, dict):
         ap.error(f"--body must be a JSON object, got {type(args.body).__name__}")
+    if {"stream", "stream_options"} & set(args.body):
+        ap.error("--body cannot set stream or stream_options (the client reads the answer by --stream)")
     if not 1 <= args.requests <= MAX_REQUESTS:
         ap.error(f"--requests must be in 1..{MAX_REQUESTS}")
     if not 1 <= args.concurrency <= 256:
@@ -343,6 +345,7 @@ def summarize(args: argparse.Namespace, run: dict) -> dict:
         "temperature": args.temperature,
         "stream": args.stream,
         "endpoint": "/v1/chat/completions" if args.chat else "/v1/completions",
+        "body": args.body,
         "requests": args.requests,
         "max_seconds": args.max_seconds,
         "workers": args.workers if args.engines else None,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from specrt.bench.common import source_commit, write_json
 from specrt.bench.kernel_step import llama_version
-from specrt.bench.servers import DRAFT_SIMPLE, free_port
+from specrt.bench.servers import DRAFT_SIMPLE, free_port, stop_all
 
 # llama-server's modes, by name: the flags after the model (the draft model's are added by
 # llama_mode_args, since it needs the draft's path)
@@ -83,6 +83,7 @@ def start_llama_server(binary: str, gguf: str, slots: int, ctx: int, threads: in
         except OSError:
             time.sleep(0.5)
     proc.kill()
+    proc.wait()
     raise SystemExit("llama-server did not become healthy in 300 s")
 
 
@@ -118,6 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.levels = [int(x) for x in a.concurrency.split(",")]
     a.modes = [m.strip() for m in a.llama_modes.split(",") if m.strip()]
+    if not a.modes:
+        ap.error(f"--llama-modes names no mode; give one or more of {', '.join(LLAMA_MODES)}")
     for m in a.modes:
         llama_mode_args(m, a.draft_gguf, a.threads)  # refuses a bad mode before any server starts
     return a
@@ -125,15 +128,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def schedule(systems: list[str], levels: list[int], repeats: int, baseline: str | None) -> list[tuple[int, int, str]]:
     """The interleaved order of (repeat, concurrency, system) runs: at each (repeat, C) every
-    system once, rotated by one place per step so none always goes first; ``baseline`` (when
-    given) joins each repeat's first step, always at C = 1 (one request at a time)."""
-    order, step = [], 0
+    system once, rotated by one place per concurrency and per repeat, so that at one C the
+    first system changes from one repeat to the next; ``baseline`` (when given) joins each
+    repeat's first step, always at C = 1 (one request at a time)."""
+    order = []
     for r in range(repeats):
         for i, c in enumerate(levels):
             runs = [(c, n) for n in systems] + ([(1, baseline)] if baseline and i == 0 else [])
-            k = step % len(runs)
+            k = (r + i) % len(runs)
             order += [(r, cc, n) for cc, n in runs[k:] + runs[:k]]
-            step += 1
     return order
 
 
@@ -184,9 +187,7 @@ def main(argv=None) -> int:
             runs.append(dict(system=name, concurrency=c, repeat=r, summary=s))
             print(f"{name:40s} C={c}: {s.get('completion_tokens_per_s')} tok/s, errors {s.get('errors')}", flush=True)
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(timeout=30)
+        stop_all(procs)
     from specrt.runtime.machine import this_machine
 
     result = dict(

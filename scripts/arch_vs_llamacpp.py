@@ -83,7 +83,7 @@ def _score(g: Path, d: Path, seqs: list[list[int]], llama_python: str) -> dict:
         "positions": int(ka.size),
         "top1_agreement": round(float((ka == ll["argmax"]).mean()), 4),
         # where llama.cpp's own top-1 leads its second by > 0.1: not a near tie either engine could break
-        "top1_agreement_margin_gt_0.1": round(float((ka == ll["argmax"])[ll["margin"] > 0.1].mean()), 4),
+        "top1_agreement_margin_gt_0.1": round(float((ka == ll["argmax"])[wide].mean()), 4) if (wide := ll["margin"] > 0.1).any() else None,
         "logprob_abs_diff_median": float(np.median(dl)),
         "logprob_abs_diff_max": float(dl.max()),
         "llamacpp_margin_median": float(np.median(ll["margin"])),
@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--len", type=int, default=96)
     ap.add_argument("--gguf", type=Path, default=None, help="a real GGUF file to score instead of the random ones")
-    ap.add_argument("--prompts", type=Path, default=REPO.parent / "shared" / "data" / "humaneval_dev.jsonl", help="with --gguf: JSONL of texts")
+    ap.add_argument("--prompts", type=Path, default=REPO / "data" / "humaneval_dev.jsonl", help="with --gguf: JSONL of texts")
     a = ap.parse_args()
     sys.path.insert(0, str(REPO / "tests"))
     from kernel_ref import byte_vocab, write_gguf

@@ -13,8 +13,13 @@ def test_schedule_runs_each_system_once_per_step_rotating_and_the_baseline_at_on
         for c in (2, 4):
             assert sorted(n for rr, cc, n in order if rr == r and cc == c) == ["L", "S"]
         assert [cc for rr, cc, n in order if rr == r and n == "B"] == [1]
-    firsts = [order[0][2], order[3][2], order[5][2], order[8][2]]
-    assert len(set(firsts)) > 1  # who goes first rotates
+    for c in (2, 4):  # at one C, who goes first changes from one repeat to the next
+        firsts = [next(n for rr, cc, n in order if rr == r and cc == c) for r in range(2)]
+        assert firsts[0] != firsts[1], (c, firsts)
+    for levels in ([1, 2, 4, 8], [4, 8]):  # also when the systems' count divides the levels'
+        order = schedule(["S", "L"], levels, 2, None)
+        for c in levels:
+            assert len({next(n for rr, cc, n in order if rr == r and cc == c) for r in range(2)}) == 2, (levels, c)
     assert all(n != "B" for *_, n in schedule(["S"], [1], 1, None))
 
 
@@ -31,6 +36,14 @@ def test_summarize_takes_medians_and_ratios_to_the_fastest_mode_and_the_baseline
     only4 = summarize([r for r in runs if r["concurrency"] == 4 or r["system"] == "B"], [4], "S", ["L1", "L2"], "B")
     assert only4["completion_tokens_per_s"]["B"] == {"1": 25}  # the baseline at one request, C = 1 not asked for
     assert only4["specrt_ratios"]["4"]["vs_single_request_target_only"] == 4.4
+
+
+def test_an_empty_mode_list_is_refused_before_any_server_starts(capsys):
+    from specrt.bench.load_vs_llama_server import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--gguf", "t.gguf", "--llama-server", "ls", "--out", "o.json", "--llama-modes", ","])
+    assert "--llama-modes names no mode" in capsys.readouterr().err
 
 
 def test_llama_modes_give_their_flags_and_refuse_what_they_cannot_run():

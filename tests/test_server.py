@@ -416,12 +416,15 @@ def test_load_test_body_fields_reach_every_request(server):
     assert s["ok"] == 3
     assert after["specrt_draft_tokens_proposed_total"] == before["specrt_draft_tokens_proposed_total"]
     assert s["completion_tokens_per_s"] > 0
+    assert s["body"] == {"speculative": False}
 
 
-@pytest.mark.parametrize("body", ["[1]", "{oops"])
-def test_load_test_refuses_a_body_that_is_not_a_json_object(body, capsys):
+@pytest.mark.parametrize(
+    "body, why", [("[1]", "--body must be a JSON object"), ("{oops", "--body must be a JSON object"), ('{"stream": true}', "--body cannot set stream")]
+)
+def test_load_test_refuses_a_body_it_cannot_send(body, why, capsys):
     from specrt.bench import load as load_test
 
     with pytest.raises(SystemExit):
         load_test.parse_args(["--url", "http://127.0.0.1:1", "--body", body])
-    assert "--body must be a JSON object" in capsys.readouterr().err
+    assert why in capsys.readouterr().err
