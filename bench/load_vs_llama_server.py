@@ -36,31 +36,9 @@ from pathlib import Path
 
 from specrt.bench.common import source_commit, write_json
 from specrt.bench.kernel_step import llama_version
-from specrt.bench.servers import DRAFT_SIMPLE, free_port, stop_all
+from specrt.bench.servers import LLAMA_MODES, free_port, llama_mode_flags, stop_all
 
-# llama-server's modes, by name: the flags after the model (the draft model's are added by
-# llama_mode_args, since it needs the draft's path)
-LLAMA_MODES = ("target-only", "ngram-simple", "draft-simple")
 BASELINE = "specrt target-only, one request"
-
-
-def llama_mode_args(mode: str, draft_gguf: str | None, threads: int) -> list[str]:
-    """llama-server's flags for ``mode`` (one of LLAMA_MODES): none for target-only,
-    ``--spec-type ngram-simple``, or draft-simple with the draft GGUF (n-max 16, p-min 0.5:
-    its best draft setting in make bench-real).
-
-    Raises:
-        SystemExit: an unknown mode, or draft-simple without ``draft_gguf``.
-    """
-    if mode == "target-only":
-        return []
-    if mode == "ngram-simple":
-        return ["--spec-type", "ngram-simple"]
-    if mode == "draft-simple":
-        if not draft_gguf:
-            raise SystemExit("--llama-modes draft-simple needs --draft-gguf (the draft's GGUF)")
-        return [*DRAFT_SIMPLE, "--spec-draft-model", draft_gguf, "--spec-draft-n-max", "16", "--spec-draft-p-min", "0.5", "--spec-draft-threads", str(threads)]
-    raise SystemExit(f"unknown llama-server mode {mode!r}; allowed: {', '.join(LLAMA_MODES)}")
 
 
 def start_llama_server(binary: str, gguf: str, slots: int, ctx: int, threads: int, extra=()) -> tuple[subprocess.Popen, int]:
@@ -122,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not a.modes:
         ap.error(f"--llama-modes names no mode; give one or more of {', '.join(LLAMA_MODES)}")
     for m in a.modes:
-        llama_mode_args(m, a.draft_gguf, a.threads)  # refuses a bad mode before any server starts
+        llama_mode_flags(m, a.draft_gguf, a.threads)  # refuses a bad mode before any server starts
     return a
 
 
@@ -177,7 +155,7 @@ def main(argv=None) -> int:
     llama = []
     try:
         for m in a.modes:
-            proc, port = start_llama_server(a.llama_server, a.gguf, a.slots, a.ctx, a.threads, llama_mode_args(m, a.draft_gguf, a.threads))
+            proc, port = start_llama_server(a.llama_server, a.gguf, a.slots, a.ctx, a.threads, llama_mode_flags(m, a.draft_gguf, a.threads))
             procs.append(proc)
             llama.append(f"llama-server -np {a.slots} {m}")
             systems[llama[-1]] = ["--url", f"http://127.0.0.1:{port}"]
@@ -188,13 +166,13 @@ def main(argv=None) -> int:
             print(f"{name:40s} C={c}: {s.get('completion_tokens_per_s')} tok/s, errors {s.get('errors')}", flush=True)
     finally:
         stop_all(procs)
-    from specrt.runtime.machine import this_machine
+    from specrt.runtime.machine import machine_record
 
     result = dict(
         command=" ".join(["python -m specrt.bench.load_vs_llama_server", *sys.argv[1:]]),
         specrt_commit=source_commit(),
         llama_cpp=llama_version(a.llama_server),
-        machine=this_machine().to_json(),
+        machine=machine_record(),
         load_average_after=os.getloadavg(),
         **summarize(runs, a.levels, specrt, llama, baseline),
         runs=runs,

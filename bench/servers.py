@@ -66,6 +66,39 @@ def stop_all(procs) -> None:
             p.kill()
 
 
+# llama-server's modes by name (llama_mode_flags)
+LLAMA_MODES = ("target-only", "ngram-simple", "draft-simple")
+
+
+def llama_mode_flags(mode: str, draft_gguf: str | None, threads: int) -> list[str]:
+    """llama-server's flags for ``mode`` (one of LLAMA_MODES): none for target-only,
+    ``--spec-type ngram-simple``, or draft-simple with the draft GGUF (n-max 16, p-min 0.5:
+    its best draft setting in make bench-real).
+
+    Raises:
+        SystemExit: an unknown mode, or draft-simple without ``draft_gguf``.
+    """
+    if mode == "target-only":
+        return []
+    if mode == "ngram-simple":
+        return ["--spec-type", "ngram-simple"]
+    if mode == "draft-simple":
+        if not draft_gguf:
+            raise SystemExit("llama-server's draft-simple mode needs --draft-gguf (the draft's GGUF)")
+        return [
+            *DRAFT_SIMPLE,
+            "--spec-draft-model",
+            str(draft_gguf),
+            "--spec-draft-n-max",
+            "16",
+            "--spec-draft-p-min",
+            "0.5",
+            "--spec-draft-threads",
+            str(threads),
+        ]
+    raise SystemExit(f"unknown llama-server mode {mode!r}; allowed: {', '.join(LLAMA_MODES)}")
+
+
 def start_llama_servers(
     binary: str, target_gguf: str, draft_gguf: str, threads: int, ctx: int, out: Path, env: dict, procs: dict, ports: dict, extra=()
 ) -> None:
@@ -76,14 +109,8 @@ def start_llama_servers(
     those started before a failure); logs ``out/NAME.log``; ``extra`` flags follow ``-m``.
     Raises what :func:`start` raises."""
     common = [binary, "-m", target_gguf, *extra, "-t", threads, "-tb", threads, "-c", ctx, "-np", 1, "--host", HOST]
-    for name, args in (
-        ("llama", []),
-        (
-            "llama-draft",
-            [*DRAFT_SIMPLE, "--spec-draft-model", draft_gguf, "--spec-draft-n-max", 16, "--spec-draft-p-min", 0.5, "--spec-draft-threads", threads],
-        ),
-        ("llama-ngram", ["--spec-type", "ngram-simple"]),
-    ):
+    for name, mode in (("llama", "target-only"), ("llama-draft", "draft-simple"), ("llama-ngram", "ngram-simple")):
+        args = llama_mode_flags(mode, draft_gguf, threads)
         ports[name] = free_port()
         procs[name] = start(common + ["--port", ports[name], *args], ports[name], "/health", out / f"{name}.log", env)
 

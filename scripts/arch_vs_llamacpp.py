@@ -119,6 +119,8 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "tests"))
     from kernel_ref import byte_vocab, write_gguf
 
+    from specrt.export.fetch import sha256_file
+
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         if a.gguf is not None:
@@ -147,7 +149,7 @@ def main() -> None:
     else:
         what = f"specrt kernels vs llama.cpp on the real file {a.gguf.name} (scripts/arch_vs_llamacpp.py --gguf)"
         seq_doc = f"the first {a.seqs} texts of {a.prompts.name}, llama.cpp's tokenization (BOS first), cut to {a.len} ids, every position scored"
-        files = f"{a.gguf.name}, SHA-256 {_sha256(a.gguf)}"
+        files = f"{a.gguf.name}, SHA-256 {sha256_file(a.gguf)}"
     out = {
         "what": what,
         "cpu": _cpu(),
@@ -161,17 +163,6 @@ def main() -> None:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(out, indent=1) + "\n")
-
-
-def _sha256(path: Path) -> str:
-    """The file's SHA-256 (hex)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(1 << 20):
-            h.update(b)
-    return h.hexdigest()
 
 
 if __name__ == "__main__":

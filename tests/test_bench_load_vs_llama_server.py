@@ -3,7 +3,8 @@
 
 import pytest
 
-from specrt.bench.load_vs_llama_server import llama_mode_args, schedule, summarize
+from specrt.bench.load_vs_llama_server import schedule, summarize
+from specrt.bench.servers import llama_mode_flags
 
 
 def test_schedule_runs_each_system_once_per_step_rotating_and_the_baseline_at_one_request():
@@ -47,11 +48,11 @@ def test_an_empty_mode_list_is_refused_before_any_server_starts(capsys):
 
 
 def test_llama_modes_give_their_flags_and_refuse_what_they_cannot_run():
-    assert llama_mode_args("target-only", None, 2) == []
-    assert llama_mode_args("ngram-simple", None, 2) == ["--spec-type", "ngram-simple"]
-    draft = llama_mode_args("draft-simple", "d.gguf", 2)
+    assert llama_mode_flags("target-only", None, 2) == []
+    assert llama_mode_flags("ngram-simple", None, 2) == ["--spec-type", "ngram-simple"]
+    draft = llama_mode_flags("draft-simple", "d.gguf", 2)
     assert draft[:2] == ["--spec-type", "draft-simple"] and draft[draft.index("--spec-draft-model") + 1] == "d.gguf"
     with pytest.raises(SystemExit, match="needs --draft-gguf"):
-        llama_mode_args("draft-simple", None, 2)
+        llama_mode_flags("draft-simple", None, 2)
     with pytest.raises(SystemExit, match="allowed: target-only, ngram-simple, draft-simple"):
-        llama_mode_args("ngram", None, 2)
+        llama_mode_flags("ngram", None, 2)
